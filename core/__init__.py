@@ -1,0 +1,24 @@
+"""bubblefree's core: the pipelined-decoding state machine, free of torch.
+
+Everything that decides what runs, when, and what is committed lives here.
+"""
+
+from core.backend import Backend, Capacity
+from core.decode_state import DecodeState
+from core.engine import Engine, Handle
+from core.pages import DoubleRelease, IdPool, pages_needed
+from core.scheduler import InvariantViolation, Scheduler
+from core.sequence import IllegalTransition, Phase, Sequence
+from core.slots import DecodeSlot, SlotPool, SlotState, Step
+from core.values import (
+    GREEDY, InvalidRequest, Request, Result, SamplePlan, SamplingParams, Status, StepFailed,
+    StepKind, StepOutput, StepPlan, StepRow,
+)
+
+__all__ = [
+    "Backend", "Capacity", "DecodeSlot", "DecodeState", "DoubleRelease", "Engine", "GREEDY",
+    "Handle", "IdPool", "IllegalTransition", "InvalidRequest", "InvariantViolation", "Phase",
+    "Request", "Result", "SamplePlan", "SamplingParams", "Scheduler", "Sequence", "SlotPool",
+    "SlotState", "Status", "Step", "StepFailed", "StepKind", "StepOutput", "StepPlan", "StepRow",
+    "pages_needed",
+]

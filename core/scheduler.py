@@ -1,0 +1,312 @@
+"""The pipeline state machine: what runs, when, and what is committed.
+
+Sans-I/O (h11's rule): the scheduler never calls a backend. The Engine asks
+it for a plan, hands the plan to the backend, and reports back. Everything
+that decides state lives here and in ``sequence.py`` / ``slots.py``.
+
+The bubble, and why the tick is split (the seed)::
+
+    blocking   GPU  [fwd t][smp t]......................[fwd t+1][smp t+1]....
+               CPU                 [wait][commit t][plan]
+    pipelined  GPU  [fwd t][smp t][fwd t+1]......[smp t+1][fwd t+2]...
+               CPU        [launch t+1][wait][commit t][finalize t+1][launch t+2]
+
+Invariants kept here (DESIGN.md): I2 commits go oldest first; I3
+``0 <= inflight_refs <= 2`` and equals the launched, uncommitted steps that
+include the sequence; I4 a slot is reused only after its commit finished;
+I5 nothing is appended to a finalized sequence; I6 resources are released
+exactly once, at ``finalized and inflight_refs == 0``; I7 each accepted
+request ends exactly once; I9 masks are built after the previous commit.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Iterable
+
+import attrs
+
+from core.backend import Capacity
+from core.pages import IdPool, pages_needed
+from core.sequence import Phase, Sequence
+from core.slots import DecodeSlot, SlotPool, SlotState, Step
+from core.values import SamplePlan, Status, StepKind, StepOutput, StepPlan, StepRow
+
+
+class InvariantViolation(AssertionError):
+    """A DESIGN.md invariant (named by its id in the message) does not hold."""
+
+
+def _no_probe(situation: str) -> None:
+    return None
+
+
+@attrs.define(eq=False)
+class Scheduler:
+    capacity: Capacity
+    # Called with the name of a rare situation when it happens; the proof
+    # suite feeds these to hypothesis.event() to show they were reached.
+    probe: Callable[[str], None] = _no_probe
+    # Called once per sequence at its end, when its result is final (I7).
+    on_finish: Callable[[Sequence], None] = lambda seq: None
+    seqs: dict[int, Sequence] = attrs.Factory(dict)
+    queue: collections.deque[int] = attrs.Factory(collections.deque)
+    inflight: collections.deque[Step] = attrs.Factory(collections.deque)
+    pool: SlotPool = attrs.Factory(SlotPool)
+    pages: IdPool = attrs.field(init=False)
+    rows: IdPool = attrs.field(init=False)
+    adapters: IdPool = attrs.field(init=False)
+    _next_step: int = 0
+    _last_kind: StepKind | None = None
+    _waited: set[int] = attrs.Factory(set)  # sequences refused admission at least once
+
+    def __attrs_post_init__(self) -> None:
+        cap = self.capacity
+        self.pages = IdPool("kv pages", cap.num_pages)
+        self.rows = IdPool("row slots", cap.max_seqs)
+        self.adapters = IdPool("adapter slots", cap.num_adapter_slots)
+
+    # ------------------------------------------------------------------ intake
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        self.queue.append(seq.seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or bool(self.inflight) or any(
+            s.phase in (Phase.ADMITTED, Phase.RUNNING) for s in self.seqs.values())
+
+    def _admit(self) -> None:
+        """FIFO admission: the head waits until its pages, a row slot and an
+        adapter slot are all free; nothing behind it overtakes (no starvation)."""
+        while self.queue:
+            seq = self.seqs[self.queue[0]]
+            req = seq.request
+            need = pages_needed(len(req.prompt), req.max_tokens, self.capacity.page_size)
+            want_adapter = req.adapter is not None
+            if not (self.pages.can_allocate(need) and self.rows.can_allocate()
+                    and (not want_adapter or self.adapters.can_allocate())):
+                if seq.seq_id not in self._waited:
+                    self._waited.add(seq.seq_id)
+                    self.probe("queued_for_resources")
+                return
+            self.queue.popleft()
+            seq.pages = self.pages.allocate(need)
+            (seq.row_slot,) = self.rows.allocate()
+            if want_adapter:
+                (seq.adapter_slot,) = self.adapters.allocate()
+            seq.state = req.decode_state() if req.decode_state is not None else None
+            seq.move("admit")
+            if seq.seq_id in self._waited:
+                self.probe("admitted_after_waiting")
+
+    # ------------------------------------------------------------------ launch
+    def plan_launch(self) -> tuple[DecodeSlot, StepPlan] | None:
+        """Choose the next step for a free slot, or None. Marks nothing yet:
+        ``launched`` applies the plan once the backend has accepted it."""
+        slot = self.pool.free_slot()
+        if slot is None:
+            return None
+        self._admit()
+        cap = self.capacity
+        prefill = [s for s in self.seqs.values() if s.phase is Phase.ADMITTED]
+        decode = [s for s in self.seqs.values()
+                  if s.phase is Phase.RUNNING and s.launched < s.request.max_tokens]
+        # Alternate when both kinds wait, so a stream of arrivals cannot
+        # starve running sequences and vice versa.
+        if prefill and (not decode or self._last_kind is not StepKind.PREFILL):
+            kind, chosen, budget = StepKind.PREFILL, [], cap.max_prefill_tokens
+            for s in sorted(prefill, key=lambda s: s.seq_id):
+                n = len(s.request.prompt)
+                if len(chosen) == cap.max_rows or (chosen and n > budget):
+                    break
+                chosen.append(s)
+                budget -= n
+        elif decode:
+            kind = StepKind.DECODE
+            chosen = sorted(decode, key=lambda s: (s.last_step, s.seq_id))[:cap.max_rows]
+            chosen.sort(key=lambda s: s.seq_id)
+        else:
+            return None
+        step_id = self._next_step
+        rows = tuple(self._row(s, kind) for s in chosen)
+        return slot, StepPlan(step_id=step_id, kind=kind, rows=rows)
+
+    def _row(self, s: Sequence, kind: StepKind) -> StepRow:
+        req = s.request
+        if kind is StepKind.PREFILL:
+            tokens, position = req.prompt, 0
+        else:
+            tokens, position = (), s.kv_len
+        return StepRow(seq_id=s.seq_id, row_slot=s.row_slot, tokens=tokens, position=position,
+                       pages=s.pages, sampling=req.sampling, adapter_slot=s.adapter_slot)
+
+    def launched(self, slot: DecodeSlot, plan: StepPlan) -> Step:
+        """The backend accepted ``plan``: every row's sequence gains a ref (I3)."""
+        committing = [st for st in self.inflight if st.kind is StepKind.DECODE]
+        slot.move("launch")
+        step = Step(step_id=plan.step_id, kind=plan.kind, slot=slot.index,
+                    seq_ids=tuple(r.seq_id for r in plan.rows))
+        slot.step = step
+        self._next_step += 1
+        self._last_kind = plan.kind
+        for sid in step.seq_ids:
+            s = self.seqs[sid]
+            if plan.kind is StepKind.PREFILL:
+                s.move("prefill")
+            s.inflight_refs += 1
+            s.launched += 1
+            s.last_step = plan.step_id
+            if s.inflight_refs > 2:
+                raise InvariantViolation(f"I3: sequence {sid} in {s.inflight_refs} steps")
+            if s.inflight_refs == 2:
+                self.probe("two_steps_in_flight_for_one_sequence")
+        self.inflight.append(step)
+        if self.pool.busy() == len(self.pool.slots):
+            self.probe("both_slots_busy")
+        if plan.kind is StepKind.PREFILL and committing:
+            self.probe("prefill_launched_while_decode_in_flight")
+        return step
+
+    def launch_failed(self, plan: StepPlan, reason: str) -> None:
+        """The backend refused the forward: the step never existed, its rows fail."""
+        for row in plan.rows:
+            s = self.seqs[row.seq_id]
+            if not s.finalized:
+                self._end(s, Status.FAILED, reason)
+            self._maybe_teardown(s)
+
+    # ---------------------------------------------------------------- finalize
+    def plan_finalize(self) -> tuple[Step, SamplePlan] | None:
+        """Masks for the newest launched step, from skill states as they are
+        *now* — after the previous step's commit (I9)."""
+        if not self.inflight or self.pool.slots[self.inflight[-1].slot].state is not SlotState.LAUNCHED:
+            return None
+        step = self.inflight[-1]
+        masks = []
+        for sid in step.seq_ids:
+            s = self.seqs[sid]
+            masks.append(s.state.mask_id() if s.state is not None and not s.finalized else None)
+        step.mask_ids = tuple(masks)
+        return step, SamplePlan(step_id=step.step_id, mask_ids=step.mask_ids)
+
+    def finalized(self, step: Step, failed: str | None = None) -> None:
+        self.pool.slots[step.slot].move("finalize")
+        step.failed = failed
+
+    # ------------------------------------------------------------------ commit
+    def next_commit(self) -> Step | None:
+        """The oldest in-flight step, if its sampling was issued (I2)."""
+        if not self.inflight:
+            return None
+        step = self.inflight[0]
+        if self.pool.slots[step.slot].state is not SlotState.FINALIZED:
+            return None
+        return step
+
+    def commit(self, step: Step, output: StepOutput | None, failed: str | None,
+               allowed: Callable[[int], frozenset[int]],
+               emit: Callable[[Sequence, int], None]) -> None:
+        """Apply a step's host copy row by row; ``output`` is None when the step
+        failed. ``emit`` streams a committed token to its caller."""
+        if self.inflight[0] is not step:
+            raise InvariantViolation(f"I2: step {step.step_id} committed out of order")
+        self.inflight.popleft()
+        failed = failed or step.failed
+        if output is not None and len(output.tokens) != len(step.seq_ids):
+            failed = failed or f"backend returned {len(output.tokens)} tokens for {len(step.seq_ids)} rows"
+        others = {sid for st in self.inflight for sid in st.seq_ids}
+        for row, sid in enumerate(step.seq_ids):
+            s = self.seqs[sid]
+            s.inflight_refs -= 1
+            if s.inflight_refs < 0:
+                raise InvariantViolation(f"I3: sequence {sid} inflight_refs < 0")
+            if s.finalized:
+                self.probe("zombie_commit_skipped")  # the seed: no token, no state change
+                if s.inflight_refs == 0 and s.phase is Phase.FINALIZED:
+                    self.probe("zombie_last_commit_frees_pages")
+            elif failed is not None:
+                self._end(s, Status.FAILED, failed)
+            else:
+                value = output.values[row] if output.values is not None else None
+                self._append(s, output.tokens[row], value, step.mask_ids[row], allowed, emit)
+                if s.finalized and sid in others:
+                    self.probe("finished_with_successor_launched")
+            self._maybe_teardown(s)
+        self.pool.slots[step.slot].step = None
+        self.pool.slots[step.slot].move("release")  # I4: only now, after reading
+
+    def _append(self, s: Sequence, token: int, value: float | None, mask_id: int | None,
+                allowed: Callable[[int], frozenset[int]], emit: Callable[[Sequence, int], None]) -> None:
+        req = s.request
+        if len(s.tokens) >= req.max_tokens:
+            raise InvariantViolation(f"I5: sequence {s.seq_id} past max_tokens")
+        if mask_id is not None and token not in allowed(mask_id):
+            raise InvariantViolation(
+                f"I9: sequence {s.seq_id} sampled {token}, not allowed by mask {mask_id}")
+        s.tokens.append(token)
+        emit(s, token)
+        done = s.state.advance(token, value) if s.state is not None else False
+        if token in req.stop_ids:
+            self._end(s, Status.COMPLETED, "stop")
+        elif done:
+            self._end(s, Status.COMPLETED, "done")
+        elif len(s.tokens) >= req.max_tokens:
+            self._end(s, Status.COMPLETED, "length")
+
+    # ----------------------------------------------------------- ends, cancels
+    def cancel(self, seq_id: int) -> bool:
+        """Cancel at any moment. In flight, it becomes a zombie (I7): ended now,
+        torn down when its last step commits."""
+        s = self.seqs.get(seq_id)
+        if s is None or s.finalized:
+            return False
+        if s.phase is Phase.QUEUED:
+            self.queue.remove(seq_id)
+        if s.inflight_refs > 0:
+            self.probe("cancel_in_flight")
+        self._end(s, Status.CANCELLED, "cancelled")
+        self._maybe_teardown(s)
+        return True
+
+    def _end(self, s: Sequence, status: Status, reason: str) -> None:
+        s.finish(status, reason)
+        self.on_finish(s)
+
+    def _maybe_teardown(self, s: Sequence) -> None:
+        """I6: release exactly once, only at finalized and inflight_refs == 0."""
+        if s.phase is not Phase.FINALIZED or s.inflight_refs != 0:
+            return
+        if s.pages:
+            self.pages.release(s.pages)
+        if s.row_slot is not None:
+            self.rows.release((s.row_slot,))
+        if s.adapter_slot is not None:
+            self.adapters.release((s.adapter_slot,))
+        s.move("teardown")
+        del self.seqs[s.seq_id]
+
+    # ------------------------------------------------------------------- checks
+    def check_integrity(self) -> None:
+        self.pages.check_integrity()
+        self.rows.check_integrity()
+        self.adapters.check_integrity()
+        owned = sum(len(s.pages) for s in self.seqs.values())
+        if owned != self.pages.num_owned:
+            raise InvariantViolation(f"I6: sequences own {owned} pages, allocator says {self.pages.num_owned}")
+        for s in self.seqs.values():
+            refs = sum(s.seq_id in st.seq_ids for st in self.inflight)
+            if s.inflight_refs != refs or not 0 <= refs <= 2:
+                raise InvariantViolation(
+                    f"I3: sequence {s.seq_id} inflight_refs={s.inflight_refs}, in {refs} steps")
+            if len(s.tokens) > s.request.max_tokens:
+                raise InvariantViolation(f"I5: sequence {s.seq_id} has {len(s.tokens)} tokens")
+        ids = [st.step_id for st in self.inflight]
+        if ids != sorted(ids) or len(ids) > len(self.pool.slots):
+            raise InvariantViolation(f"I2/I4: in-flight steps {ids}")
+        held = sorted(st.slot for st in self.inflight)
+        busy = sorted(s.index for s in self.pool.slots if s.state is not SlotState.FREE)
+        if held != busy:
+            raise InvariantViolation(f"I4: steps hold slots {held}, busy slots {busy}")
+
+    def live(self) -> Iterable[Sequence]:
+        return self.seqs.values()

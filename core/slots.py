@@ -1,0 +1,77 @@
+"""The two DecodeSlots and the steps that occupy them.
+
+A DecodeSlot is the backend's bundle of preallocated buffers for one step:
+staging, logits, sampled ids, and a pinned host landing buffer. The core
+tracks only whose turn it is::
+
+    FREE ──launch──► LAUNCHED ──finalize──► FINALIZED ──release──► FREE
+
+``release`` happens when the commit that reads the slot has *finished*, not
+when the GPU is done with it: the host buffer is the landing site of a copy
+that may still be in flight (I4). With exactly two slots at most two steps
+are in flight, which is what bounds ``inflight_refs`` by 2 (I3).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from core.sequence import IllegalTransition
+from core.values import StepKind
+
+NUM_SLOTS = 2
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    LAUNCHED = "launched"  # forward enqueued, sampling not yet
+    FINALIZED = "finalized"  # sampling and host copy enqueued; awaiting commit
+
+
+SLOT_TRANSITIONS: dict[tuple[SlotState, str], SlotState] = {
+    (SlotState.FREE, "launch"): SlotState.LAUNCHED,
+    (SlotState.LAUNCHED, "finalize"): SlotState.FINALIZED,
+    (SlotState.FINALIZED, "release"): SlotState.FREE,
+}
+
+
+@attrs.define(eq=False)
+class Step:
+    """One launched step: which sequences it includes, in row order."""
+
+    step_id: int
+    kind: StepKind
+    slot: int
+    seq_ids: tuple[int, ...]
+    mask_ids: tuple[int | None, ...] = ()  # set at finalize, checked at commit (I9)
+    failed: str | None = None  # a backend fault seen at finalize
+
+
+@attrs.define(eq=False)
+class DecodeSlot:
+    index: int
+    state: SlotState = SlotState.FREE
+    step: Step | None = None
+
+    def move(self, event: str) -> None:
+        nxt = SLOT_TRANSITIONS.get((self.state, event))
+        if nxt is None:
+            raise IllegalTransition(f"DecodeSlot {self.index}: {event!r} not allowed in {self.state.name}")
+        self.state = nxt
+
+
+@attrs.define
+class SlotPool:
+    slots: tuple[DecodeSlot, ...] = attrs.Factory(
+        lambda: tuple(DecodeSlot(i) for i in range(NUM_SLOTS)))
+
+    def free_slot(self) -> DecodeSlot | None:
+        for slot in self.slots:
+            if slot.state is SlotState.FREE:
+                return slot
+        return None
+
+    def busy(self) -> int:
+        return sum(s.state is not SlotState.FREE for s in self.slots)

@@ -1,0 +1,104 @@
+"""Unit tests of the core's pieces: tables, allocators, slots, validation.
+
+The state machine as a whole is proven in test_pipeline_machine.py and
+test_exhaustive.py; here each piece is pinned on its own, including that an
+illegal move raises and leaves state unchanged (h11's rule).
+"""
+
+import pytest
+
+from core import (
+    Capacity, DecodeSlot, DoubleRelease, IdPool, IllegalTransition, InvalidRequest, Phase,
+    Request, SamplingParams, Sequence, SlotState, pages_needed,
+)
+from core.sequence import TRANSITIONS
+from core.slots import SLOT_TRANSITIONS
+
+
+def test_sequence_illegal_move_raises_and_leaves_phase():
+    seq = Sequence(0, Request(prompt=(1,), max_tokens=2))
+    for event in ("prefill", "teardown"):
+        with pytest.raises(IllegalTransition):
+            seq.move(event)
+        assert seq.phase is Phase.QUEUED
+    seq.move("admit")
+    assert seq.phase is Phase.ADMITTED
+
+
+def test_every_phase_event_pair_is_in_the_table_or_illegal():
+    events = {e for (_, e) in TRANSITIONS}
+    for phase in Phase:
+        for event in events:
+            seq = Sequence(0, Request(prompt=(1,), max_tokens=2), phase=phase)
+            if (phase, event) in TRANSITIONS:
+                seq.move(event)
+                assert seq.phase is TRANSITIONS[(phase, event)]
+            else:
+                with pytest.raises(IllegalTransition):
+                    seq.move(event)
+                assert seq.phase is phase
+
+
+def test_teardown_refused_while_a_step_references_the_zombie():
+    # I6: a zombie's pages may still be written by a launched step.
+    seq = Sequence(0, Request(prompt=(1,), max_tokens=2), phase=Phase.FINALIZED, inflight_refs=1)
+    with pytest.raises(IllegalTransition):
+        seq.move("teardown")
+    assert seq.phase is Phase.FINALIZED
+    seq.inflight_refs = 0
+    seq.move("teardown")
+    assert seq.phase is Phase.RELEASED
+
+
+def test_slot_table():
+    for state in SlotState:
+        for event in ("launch", "finalize", "release"):
+            slot = DecodeSlot(0, state=state)
+            if (state, event) in SLOT_TRANSITIONS:
+                slot.move(event)
+                assert slot.state is SLOT_TRANSITIONS[(state, event)]
+            else:
+                with pytest.raises(IllegalTransition):
+                    slot.move(event)
+                assert slot.state is state
+
+
+def test_id_pool_release_exactly_once():
+    pool = IdPool("pages", 4)
+    got = pool.allocate(3)
+    assert got == (0, 1, 2)
+    assert not pool.can_allocate(2) and pool.can_allocate(1)
+    pool.release(got[:2])
+    with pytest.raises(DoubleRelease):
+        pool.release(got[:1])  # I6: second release of page 0
+    pool.check_integrity()
+    assert pool.num_free == 3 and pool.num_owned == 1
+    with pytest.raises(DoubleRelease):
+        pool.release((2, 2))
+    pool.check_integrity()
+
+
+def test_id_pool_integrity_catches_corruption():
+    pool = IdPool("pages", 3)
+    pool.allocate(1)
+    pool._free.append(0)  # an owned page also on the free list
+    with pytest.raises(AssertionError, match="I6"):
+        pool.check_integrity()
+
+
+@pytest.mark.parametrize("prompt,max_tokens,page,expected", [
+    (1, 1, 4, 1), (4, 1, 4, 1), (4, 2, 4, 2), (3, 2, 4, 1), (5, 4, 2, 4)])
+def test_pages_needed_counts_positions_fed_back(prompt, max_tokens, page, expected):
+    assert pages_needed(prompt, max_tokens, page) == expected
+
+
+def test_capacity_rejects_zero():
+    with pytest.raises(ValueError, match="num_pages"):
+        Capacity(num_pages=0, page_size=4, max_rows=1, max_seqs=1, max_prefill_tokens=1, max_context=8)
+
+
+@pytest.mark.parametrize("kw,field", [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                                      ({"top_p": 1.5}, "top_p")])
+def test_sampling_params_validation(kw, field):
+    with pytest.raises(InvalidRequest, match=field):
+        SamplingParams(**kw)
