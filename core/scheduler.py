@@ -83,11 +83,14 @@ class Scheduler:
             req = seq.request
             need = pages_needed(len(req.prompt), req.max_tokens, self.capacity.page_size)
             want_adapter = req.adapter is not None
-            if not (self.pages.can_allocate(need) and self.rows.can_allocate()
-                    and (not want_adapter or self.adapters.can_allocate())):
+            short = [name for name, ok in (
+                ("pages", self.pages.can_allocate(need)), ("rows", self.rows.can_allocate()),
+                ("adapters", not want_adapter or self.adapters.can_allocate())) if not ok]
+            if short:
                 if seq.seq_id not in self._waited:
                     self._waited.add(seq.seq_id)
-                    self.probe("queued_for_resources")
+                    for name in short:
+                        self.probe(f"queued_for_{name}")
                 return
             self.queue.popleft()
             seq.pages = self.pages.allocate(need)
@@ -97,6 +100,7 @@ class Scheduler:
             seq.state = req.decode_state() if req.decode_state is not None else None
             seq.move("admit")
             if seq.seq_id in self._waited:
+                self._waited.discard(seq.seq_id)
                 self.probe("admitted_after_waiting")
 
     # ------------------------------------------------------------------ launch
@@ -168,7 +172,9 @@ class Scheduler:
         return step
 
     def launch_failed(self, plan: StepPlan, reason: str) -> None:
-        """The backend refused the forward: the step never existed, its rows fail."""
+        """The backend refused the forward: nothing was enqueued, so no ref was
+        taken; its rows fail. The step id is spent so ids stay unique."""
+        self._next_step += 1
         for row in plan.rows:
             s = self.seqs[row.seq_id]
             if not s.finalized:
@@ -230,7 +236,8 @@ class Scheduler:
                 value = output.values[row] if output.values is not None else None
                 self._append(s, output.tokens[row], value, step.mask_ids[row], allowed, emit)
                 if s.finalized and sid in others:
-                    self.probe("finished_with_successor_launched")
+                    # The seed's zombie: it ended here, but a later step already includes it.
+                    self.probe(f"{s.finish_reason}_with_successor_launched")
             self._maybe_teardown(s)
         self.pool.slots[step.slot].step = None
         self.pool.slots[step.slot].move("release")  # I4: only now, after reading

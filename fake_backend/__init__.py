@@ -1,0 +1,18 @@
+"""A deterministic simulated GPU that satisfies ``core.backend.Backend``.
+
+Pure Python, virtual time, no randomness of its own: what it computes is
+fixed by ``FakeModel``, how long it takes and where it fails by ``Timing``
+and ``Fault``. Misuse that real hardware would silently corrupt raises
+``HardwareMisuse`` (or ``KVCorruption``); device faults raise ``StepFailed``.
+"""
+
+from fake_backend.backend import FakeBackend
+from fake_backend.errors import HardwareMisuse, KVCorruption
+from fake_backend.model import FakeModel, stable_hash
+from fake_backend.stats import Stats
+from fake_backend.timing import Fault, Timing, Work, by_step
+
+__all__ = [
+    "FakeBackend", "FakeModel", "Fault", "HardwareMisuse", "KVCorruption", "Stats", "Timing",
+    "Work", "by_step", "stable_hash",
+]
