@@ -135,6 +135,11 @@ class Engine:
             if max_ticks is not None and ticks >= max_ticks:
                 raise RuntimeError(f"engine still busy after {max_ticks} ticks")
 
+    def abort(self, reason: str) -> None:
+        """Fail every live request with ``reason``; for a lost device."""
+        self.scheduler.abort(reason)
+        self.trace.append(("abort", reason))
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 

@@ -292,6 +292,21 @@ class Scheduler:
         s.move("teardown")
         del self.seqs[s.seq_id]
 
+    def abort(self, reason: str) -> None:
+        """The device is lost (an error outside the protocol's ``StepFailed``):
+        no launched step will ever commit. Every live request fails with
+        ``reason`` (I7) and every resource comes back (I6)."""
+        self.inflight.clear()
+        for slot in self.pool.slots:
+            slot.state, slot.step = SlotState.FREE, None
+        for s in list(self.seqs.values()):
+            s.inflight_refs = 0
+            if s.phase is Phase.QUEUED:
+                self.queue.remove(s.seq_id)
+            if not s.finalized:
+                self._end(s, Status.FAILED, reason)
+            self._maybe_teardown(s)
+
     # ------------------------------------------------------------------- checks
     def check_integrity(self) -> None:
         self.pages.check_integrity()

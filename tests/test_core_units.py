@@ -102,3 +102,19 @@ def test_capacity_rejects_zero():
 def test_sampling_params_validation(kw, field):
     with pytest.raises(InvalidRequest, match=field):
         SamplingParams(**kw)
+
+
+def test_abort_fails_every_live_request_and_returns_everything():
+    # A lost device: nothing in flight will commit. I7 and I6 still hold.
+    from core import Engine, Status
+    from fake_backend import FakeBackend
+    engine = Engine(FakeBackend(num_pages=8, page_size=4))
+    handles = [engine.submit(Request(prompt=(0, 1, 2), max_tokens=9)) for _ in range(4)]
+    for _ in range(3):
+        engine.tick()
+    assert engine.scheduler.inflight and engine.scheduler.queue
+    engine.abort("device lost")
+    assert all(h.result.status is Status.FAILED and h.result.finish_reason == "device lost"
+               for h in handles)
+    engine.check_integrity()
+    assert engine.scheduler.pages.num_free == 8 and not engine.has_work()
