@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> str:
     args = ap.parse_args(argv)
     med = statistics.median
 
-    rows, base = [], None
+    configs = []
     for vocab in VOCABS:
         tok, masks = tokenizer(vocab), MaskRecorder()
         t = time.perf_counter()
@@ -134,10 +134,19 @@ def main(argv: list[str] | None = None) -> str:
         compile_ms = (time.perf_counter() - t) * 1e3
         streams = scripts(skills, masks, 32, random.Random(0))
         time_steps(streams, args.steps)  # warm-up, discarded
-        timed = [time_steps(streams, args.steps) for _ in range(args.repeats)]
-        mask_us, adv_us = med(r[0] for r in timed), med(r[1] for r in timed)
-        dense_us = med(time_dense(streams, masks, len(tok), max(50, args.steps // 20))
-                       for _ in range(args.repeats))
+        configs.append((tok, masks, compile_ms, streams))
+    # Repeats interleave the vocabularies, so a burst of load on the machine
+    # lands on every row alike rather than on one.
+    timed: list[list[tuple[float, float]]] = [[] for _ in configs]
+    dense: list[list[float]] = [[] for _ in configs]
+    for _ in range(args.repeats):
+        for i, (tok, masks, _, streams) in enumerate(configs):
+            timed[i].append(time_steps(streams, args.steps))
+            dense[i].append(time_dense(streams, masks, len(tok), max(50, args.steps // 20)))
+    rows, base = [], None
+    for (tok, masks, compile_ms, _), t_runs, d_runs in zip(configs, timed, dense):
+        mask_us, adv_us = med(r[0] for r in t_runs), med(r[1] for r in t_runs)
+        dense_us = med(d_runs)
         base = base or (mask_us, adv_us, dense_us)
         rows.append(f"| {len(tok):,} | {compile_ms:.0f} | {len(masks.masks)} | {mask_us:.1f} "
                     f"({mask_us / base[0]:.2f}×) | {adv_us:.1f} ({adv_us / base[1]:.2f}×) | "

@@ -1,0 +1,59 @@
+"""Skill names to skills. Adding a skill: one new file, one line below.
+
+A ``Registry`` is an immutable value (no module-level mutation): a
+deployment with its own skills builds ``BUILTIN.with_skill(MySkill())`` and
+hands it to its ``SkillSet``.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+import attrs
+
+from core.values import InvalidRequest
+from skills.base import Skill
+from skills.detect import Detect
+from skills.point import Point
+from skills.segment import Segment
+from skills.text import Caption, Query
+from skills.yesno import YesNo
+
+
+@attrs.frozen
+class Registry:
+    skills: Mapping[str, Skill] = attrs.field(converter=lambda m: MappingProxyType(dict(m)))
+
+    @classmethod
+    def of(cls, *skills: Skill) -> Registry:
+        return cls({}).with_skill(*skills)
+
+    def with_skill(self, *skills: Skill) -> Registry:
+        merged = dict(self.skills)
+        for skill in skills:
+            if skill.name in merged:
+                raise ValueError(f"a skill named {skill.name!r} is already registered")
+            merged[skill.name] = skill
+        return Registry(merged)
+
+    def get(self, name: str) -> Skill:
+        skill = self.skills.get(name) if isinstance(name, str) else None
+        if skill is None:
+            raise InvalidRequest(f"skill: unknown skill {name!r}; known: "
+                                 f"{', '.join(sorted(self.skills))}")
+        return skill
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.skills)
+
+
+BUILTIN = Registry.of(
+    Query(),
+    Caption(),
+    Point(),
+    Detect(),
+    Segment(),
+    YesNo(),
+)

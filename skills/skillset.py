@@ -1,0 +1,140 @@
+"""Skills compiled for one tokenizer and one engine, and requests built on them.
+
+``SkillSet(tokenizer, engine.register_mask)`` is the compile-once point:
+each skill's tables are built the first time it is used (or all at once by
+``compile_all``, to keep the first request's submit fast) and cached; each
+distinct allowed set is registered with the engine exactly once, however
+many skills or states share it. After that a request's decode state only
+looks up mask ids: the hot path never walks the vocabulary.
+
+``request(name, **args)`` validates arguments (``InvalidRequest`` naming the
+field), encodes the prompt, and returns a ``core.values.Request`` whose
+``decode_state`` factory starts the skill's machine and whose ``finisher``
+assembles its result.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import attrs
+
+from core.values import GREEDY, Request, SamplingParams
+from skills.base import Skill, SkillError, SkillState, StateFactory, invalid
+from skills.codec import CodecError, LocationCodec, SpatialCodec
+from skills.registry import BUILTIN, Registry
+from skills.tokenizer import Tokenizer
+
+
+@attrs.define
+class SkillSet:
+    tokenizer: Tokenizer
+    register_mask: Callable[[frozenset[int]], int]
+    codec: SpatialCodec = attrs.field(default=None)
+    registry: Registry = BUILTIN
+    _mask_ids: dict[frozenset[int], int] = attrs.field(init=False, factory=dict)
+    _allowed: dict[int, frozenset[int]] = attrs.field(init=False, factory=dict)
+    _tables: dict[str, Any] = attrs.field(init=False, factory=dict)
+    _text_ids: frozenset[int] | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if self.codec is None:
+            self.codec = LocationCodec.for_tokenizer(self.tokenizer)
+
+    # -- the CompileContext skills see ---------------------------------------
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    def mask(self, allowed: frozenset[int]) -> int:
+        allowed = frozenset(allowed)
+        if not allowed:
+            # An empty mask would leave sampling nothing to pick.
+            raise SkillError("a skill state allows no token at all")
+        mask_id = self._mask_ids.get(allowed)
+        if mask_id is None:
+            mask_id = self.register_mask(allowed)
+            self._mask_ids[allowed] = mask_id
+            self._allowed[mask_id] = allowed
+        return mask_id
+
+    def text_ids(self) -> frozenset[int]:
+        if self._text_ids is None:
+            self._text_ids = frozenset(range(len(self.tokenizer))) - self.codec.spatial_ids()
+        return self._text_ids
+
+    # -- compile once --------------------------------------------------------
+
+    def tables(self, name: str) -> Any:
+        tables = self._tables.get(name)
+        if tables is None:
+            tables = self.registry.get(name).compile(self)
+            self._tables[name] = tables
+        return tables
+
+    def compile_all(self) -> SkillSet:
+        for name in self.registry.names:
+            self.tables(name)
+        return self
+
+    def allowed(self, mask_id: int) -> frozenset[int]:
+        """The set registered under ``mask_id`` (for tests and tools)."""
+        return self._allowed[mask_id]
+
+    @property
+    def num_masks(self) -> int:
+        return len(self._mask_ids)
+
+    # -- requests --------------------------------------------------------------
+
+    def request(self, name: str, *, max_tokens: int | None = None,
+                sampling: SamplingParams = GREEDY, max_context: int | None = None,
+                adapter: str | None = None, tag: Any = None, **args: Any) -> Request:
+        skill = self.registry.get(name)
+        parsed = skill.parse_args(args)
+        if max_tokens is None:
+            max_tokens = skill.default_max_tokens(parsed)
+        elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise invalid(name, "max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
+        prompt = tuple(skill.prompt(self.tokenizer, parsed))
+        if max_context is not None:
+            if len(prompt) >= max_context:
+                raise invalid(name, "prompt", f"is {len(prompt)} tokens; the model's "
+                              f"max_context is {max_context}")
+            if len(prompt) + max_tokens > max_context:
+                raise invalid(name, "max_tokens", f"{max_tokens} after a {len(prompt)}-token "
+                              f"prompt exceeds max_context {max_context}")
+        factory = functools.partial(skill.start, self.tables(name), parsed, max_tokens)
+        return Request(prompt=prompt, max_tokens=max_tokens, stop_ids=skill.stop_ids(self),
+                       sampling=sampling, decode_state=factory,
+                       finisher=functools.partial(finish_request, skill, factory),
+                       adapter=adapter, tag=tag)
+
+
+def build_request(skills: SkillSet, name: str, **kwargs: Any) -> Request:
+    """``skills.request(name, **kwargs)``: see ``SkillSet.request``."""
+    return skills.request(name, **kwargs)
+
+
+def finish_request(skill: Skill, factory: StateFactory, tokens: tuple[int, ...],
+                   state: SkillState | None) -> Any:
+    """The ``Request.finisher``: the skill's result from its state.
+
+    The state may lag the tokens: an engine may end a request on a stop id
+    or a cap without advancing the state on that last token, or end it
+    before the state was built. The missing tokens are replayed (without
+    spatial values, which only a region head supplies); replay stops at the
+    first token the machine refuses, so the result keeps whole objects only.
+    """
+    if state is None:
+        state = factory()
+    for token in tokens[state.consumed:]:
+        if state.done:
+            break
+        try:
+            state.advance(token, None)
+        except (SkillError, CodecError):
+            break
+    return skill.finish(state)

@@ -1,0 +1,88 @@
+"""Tokenizers as skills see them: text in, ids out, and the text of each id.
+
+A skill sees a tokenizer only through the ``Tokenizer`` protocol, so one skill
+compiles against a transformers tokenizer (``HFTokenizer``) or the small
+word-level one the tests use (``skills.word_tokenizer.WordTokenizer``).
+
+``vocab[i]`` is the text token ``i`` contributes when decoded on its own. The
+path grammar runs these strings through its automaton and the spatial codec
+finds its tokens by them, so special tokens must appear under their literal
+names (``<loc_17>``), never as the empty string.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import attrs
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def vocab(self) -> Sequence[str]:
+        """The text of each token id, decoded alone; ``len(vocab) == len(self)``."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@attrs.define
+class HFTokenizer:
+    """A transformers tokenizer seen through the ``Tokenizer`` protocol.
+
+    ``wrap`` adds the tokens a spatial codec needs (``codec.location_tokens``)
+    to the wrapped tokenizer itself: the model's embedding must then be
+    resized to ``len(tokenizer)``, which is the backend's job. ``added``
+    lists the tokens this adapter added, in id order.
+    """
+
+    hf: Any
+    added: tuple[str, ...]
+    add_special_tokens: bool
+    _vocab: tuple[str, ...]
+    _eos_id: int
+
+    @classmethod
+    def wrap(cls, hf: Any, *, add_tokens: Sequence[str] = (),
+             add_special_tokens: bool = False) -> HFTokenizer:
+        known = hf.get_vocab()
+        missing = [t for t in add_tokens if t not in known]
+        if missing:
+            # Special, so the model's own pre-tokenizer never splits them and
+            # decode(skip_special_tokens=True) hides them from free text.
+            hf.add_tokens(missing, special_tokens=True)
+        if hf.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; skills need one to end outputs")
+        # Decoded one by one (in one batched call): ``vocab[i]`` must be the
+        # text the token adds, e.g. " M" for GPT-2's "ĠM", not its raw piece.
+        vocab = tuple(hf.batch_decode([[i] for i in range(len(hf))],
+                                      skip_special_tokens=False,
+                                      clean_up_tokenization_spaces=False))
+        return cls(hf=hf, added=tuple(missing), add_special_tokens=add_special_tokens,
+                   vocab=vocab, eos_id=int(hf.eos_token_id))
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @property
+    def vocab(self) -> Sequence[str]:
+        return self._vocab
+
+    def __len__(self) -> int:
+        return len(self._vocab)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=self.add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True,
+                              clean_up_tokenization_spaces=False)
