@@ -28,7 +28,7 @@ class Detect(Skill):
         return parse_object_args(self.name, args)
 
     def prompt(self, tokenizer: Tokenizer, args: ObjectArgs) -> list[int]:
-        return tokenizer.encode(f"\n\nDetect: {args.object}\n\n")
+        return tokenizer.prompt(f"\n\nDetect: {args.object}\n\n", f"Detect: {args.object}")
 
     def default_max_tokens(self, args: ObjectArgs) -> int:
         return len(BOX_SLOTS) * args.max_objects + 1

@@ -32,7 +32,7 @@ class Point(Skill):
         return parse_object_args(self.name, args)
 
     def prompt(self, tokenizer: Tokenizer, args: ObjectArgs) -> list[int]:
-        return tokenizer.encode(f"\n\nPoint: {args.object}\n\n")
+        return tokenizer.prompt(f"\n\nPoint: {args.object}\n\n", f"Point at: {args.object}")
 
     def default_max_tokens(self, args: ObjectArgs) -> int:
         return 2 * args.max_objects + 1  # two tokens a point, then EOS

@@ -124,7 +124,7 @@ class Segment(Skill):
         return SegmentArgs(object=text_arg(self.name, args, "object"))
 
     def prompt(self, tokenizer: Tokenizer, args: SegmentArgs) -> list[int]:
-        return tokenizer.encode(f"\n\nSegment: {args.object}\n\n")
+        return tokenizer.prompt(f"\n\nSegment: {args.object}\n\n", f"Segment: {args.object}")
 
     def default_max_tokens(self, args: SegmentArgs) -> int:
         return self.max_tokens

@@ -69,7 +69,7 @@ class Query(Skill):
         return QueryArgs(question=text_arg(self.name, args, "question"))
 
     def prompt(self, tokenizer: Tokenizer, args: QueryArgs) -> list[int]:
-        return tokenizer.encode(f"\n\nQuestion: {args.question}\n\nAnswer:")
+        return tokenizer.prompt(f"\n\nQuestion: {args.question}\n\nAnswer:", args.question)
 
     def default_max_tokens(self, args: QueryArgs) -> int:
         return self.max_tokens
@@ -106,7 +106,7 @@ class Caption(Skill):
         ask = {"short": "Describe this image in one sentence.",
                "normal": "Describe this image.",
                "long": "Describe this image in detail."}[args.length]
-        return tokenizer.encode(f"\n\n{ask}\n\n")
+        return tokenizer.prompt(f"\n\n{ask}\n\n", ask)
 
     def default_max_tokens(self, args: CaptionArgs) -> int:
         return {"short": 64, "normal": 256, "long": 768}[args.length]

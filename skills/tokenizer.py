@@ -33,6 +33,14 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def prompt(self, frame: str, user: str) -> list[int]:
+        """A skill's prompt. ``frame`` is the raw Moondream-style text
+        (``"\n\nQuestion: ...\n\nAnswer:"``); ``user`` is what a person would
+        type. A tokenizer with a chat template frames ``user`` as a chat turn
+        (an instruct model answers and stops only inside its own template);
+        one without encodes ``frame``."""
+        ...
+
 
 @attrs.define
 class HFTokenizer:
@@ -82,6 +90,15 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=self.add_special_tokens))
+
+    def prompt(self, frame: str, user: str) -> list[int]:
+        if getattr(self.hf, "chat_template", None):
+            ids = self.hf.apply_chat_template([{"role": "user", "content": user}],
+                                              add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in newer releases
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        return self.encode(frame)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True,

@@ -61,6 +61,9 @@ class WordTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self._index.get(w, self.unk_id) for w in text.split()]
 
+    def prompt(self, frame: str, user: str) -> list[int]:
+        return self.encode(frame)
+
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(self.words[i] for i in ids if i != self.eos_id)
 

@@ -55,7 +55,8 @@ class YesNo(Skill):
         return YesNoArgs(question=text_arg(self.name, args, "question"))
 
     def prompt(self, tokenizer: Tokenizer, args: YesNoArgs) -> list[int]:
-        return tokenizer.encode(f"\n\nQuestion: {args.question} Answer yes or no.\n\nAnswer:")
+        return tokenizer.prompt(f"\n\nQuestion: {args.question} Answer yes or no.\n\nAnswer:",
+                                f"{args.question} Answer yes or no.")
 
     def default_max_tokens(self, args: YesNoArgs) -> int:
         return 1
