@@ -25,7 +25,7 @@ from core.backend import Backend
 from core.pages import pages_needed
 from core.scheduler import Scheduler
 from core.sequence import Sequence
-from core.values import InvalidRequest, Request, Result, StepFailed
+from core.values import InvalidRequest, Request, Result, Status, StepFailed
 
 
 @attrs.define(eq=False)
@@ -201,9 +201,14 @@ class Engine:
         if handle.result is not None:
             raise AssertionError(f"I7: request {seq.seq_id} answered twice")
         req = seq.request
-        output = req.finisher(tuple(seq.tokens), seq.state) if req.finisher is not None else None
-        handle.result = Result(request_id=seq.seq_id, status=seq.status, tokens=tuple(seq.tokens),
-                               finish_reason=seq.finish_reason, output=output, tag=req.tag)
+        status, reason, output = seq.status, seq.finish_reason, None
+        if req.finisher is not None:
+            try:
+                output = req.finisher(tuple(seq.tokens), seq.state)
+            except Exception as err:  # noqa: BLE001 - a skill's bug fails its request only
+                status, reason = Status.FAILED, f"finisher raised {type(err).__name__}: {err}"
+        handle.result = Result(request_id=seq.seq_id, status=status, tokens=tuple(seq.tokens),
+                               finish_reason=reason, output=output, tag=req.tag)
         self.trace.append(("end", seq.seq_id, seq.status.value, seq.finish_reason))
         for listener in handle.listeners:
             listener(handle, None)

@@ -97,8 +97,14 @@ class Scheduler:
             (seq.row_slot,) = self.rows.allocate()
             if want_adapter:
                 (seq.adapter_slot,) = self.adapters.allocate()
-            seq.state = req.decode_state() if req.decode_state is not None else None
             seq.move("admit")
+            if req.decode_state is not None:
+                try:
+                    seq.state = req.decode_state()
+                except Exception as err:  # noqa: BLE001 - a skill's bug fails its request only
+                    self._end(seq, Status.FAILED, f"decode_state raised {type(err).__name__}: {err}")
+                    self._maybe_teardown(seq)
+                    continue
             if seq.seq_id in self._waited:
                 self._waited.discard(seq.seq_id)
                 self.probe("admitted_after_waiting")

@@ -118,3 +118,25 @@ def test_abort_fails_every_live_request_and_returns_everything():
                for h in handles)
     engine.check_integrity()
     assert engine.scheduler.pages.num_free == 8 and not engine.has_work()
+
+
+def test_a_broken_skill_fails_only_its_own_request():
+    from core import Engine, Status
+    from fake_backend import FakeBackend
+
+    def bad_state():
+        raise RuntimeError("boom")
+
+    def bad_finisher(tokens, state):
+        raise KeyError("nope")
+
+    engine = Engine(FakeBackend())
+    broken = engine.submit(Request(prompt=(2, 1), max_tokens=3, decode_state=bad_state))
+    unfinished = engine.submit(Request(prompt=(2, 1), max_tokens=3, finisher=bad_finisher))
+    fine = engine.submit(Request(prompt=(2, 1), max_tokens=3, stop_ids={0}))
+    engine.run_until_idle(max_ticks=50)
+    assert broken.result.status is Status.FAILED and "decode_state raised RuntimeError" in broken.result.finish_reason
+    assert unfinished.result.status is Status.FAILED and "finisher raised KeyError" in unfinished.result.finish_reason
+    assert fine.result.status is Status.COMPLETED and fine.result.tokens == (fine.result.tokens[0], 0)
+    engine.check_integrity()
+    assert engine.scheduler.pages.num_free == engine.scheduler.pages.size
