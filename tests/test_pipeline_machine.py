@@ -94,6 +94,12 @@ def new_engine(pipelined: bool, timing: Timing | None, faults: dict, probe=lambd
     return Engine(backend, pipelined=pipelined, probe=probe)
 
 
+def bound_of(specs: dict[int, Spec]) -> int:
+    """Ticks by which every request must have ended (termination): even one
+    at a time, a request needs a prefill, its decodes and a last commit."""
+    return 10 + sum(spec.max_tokens + 3 for spec in specs.values())
+
+
 class PipelineMachine(RuleBasedStateMachine):
     handles = Bundle("handles")
 
@@ -230,7 +236,9 @@ class PipelineMachine(RuleBasedStateMachine):
 
     # --------------------------------------------------------------- teardown
     def teardown(self):
-        self.engine.run_until_idle(max_ticks=500)
+        # Termination: even fully serialized (one request at a time), each
+        # request needs at most a prefill, its decodes and one trailing commit.
+        self.engine.run_until_idle(max_ticks=bound_of(self.specs))
         self.engine.check_integrity()
         sched = self.engine.scheduler
         assert not sched.seqs and not sched.queue and not sched.inflight
@@ -250,7 +258,7 @@ class PipelineMachine(RuleBasedStateMachine):
         assert ids == self.mask_ids
         replay = {h.request_id: blocking.submit(build_request(self.specs[h.request_id], ids, []))
                   for h in self.all}
-        blocking.run_until_idle(max_ticks=1000)
+        blocking.run_until_idle(max_ticks=bound_of(self.specs))
         for h in self.all:
             ref = replay[h.request_id].result
             assert ref.status is Status.COMPLETED

@@ -1,0 +1,242 @@
+"""Speed benchmark: the engine pipelined and blocking, and plain transformers,
+in one process on one GPU, on the moondream2 text decoder's shape.
+
+    python -m bench.speed [--tiny] [--quick] [--streams 1,8,32,64]
+                          [--workloads text,detect,point,mix]
+                          [--out docs/benchmarks.md] [--plot docs/benchmarks.png]
+
+One backend is built (its CUDA graphs captured once); every cell runs a
+closed loop of requests on a fresh Engine over it, alternating pipelined and
+blocking runs. Per cell: tokens/s, requests/s, ms per step, GPU idle per
+step (CUDA events on the compute stream, read after the run), the step as a
+multiple of the bandwidth floor, latency p50/p99. Then the peers on the text
+workload, the seed's speedup model for the detect workload, and the main
+table last. Each cell prints a JSON line as it completes (also appended to
+$OUT/bench.jsonl when OUT is set, with copies of the docs file and the
+plot at the end); a failing cell prints its error and the run goes on; a
+cell or a peer that runs past its time limit is stopped, no engine cell
+starts after ``--budget`` seconds and nothing runs past ``--deadline``.
+``--tiny`` runs a tiny random Phi on the CPU, so the whole command can be
+tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import platform
+import sys
+import threading
+import time
+
+import torch
+import transformers
+
+from bench import speed_report as report
+from bench.peers import NAMES as PEER_NAMES, Peers
+from bench.speed_cells import (FULL_TOKENS, PROMPT, QUICK_TOKENS, WORKLOADS, TimedBackend,
+                               bin_masks, make_requests, request_count, run_closed_loop)
+from bench.speed_setup import Clock, TimeLimit, build_model, copy_bandwidth, time_limit
+from core import Engine
+
+CONTEXT = 256  # prompt + the longest output (152) fits; one page bucket of graphs
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="a tiny random Phi on the CPU")
+    ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and runs")
+    ap.add_argument("--streams", default=None, help="concurrency levels (default 1,8,32,64; "
+                    "1,8 with --quick)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--peer-streams", default="1,32", help="peers run the text workload at these")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per mode and cell, the last with the timing hook (default 3; 2 quick)")
+    ap.add_argument("--budget", type=float, default=300.0,
+                    help="seconds after which no new engine cell starts")
+    ap.add_argument("--deadline", type=float, default=500.0,
+                    help="seconds by which everything (peers included) is stopped")
+    ap.add_argument("--cell-timeout", type=float, default=120.0)
+    ap.add_argument("--peer-timeout", type=float, default=120.0)
+    ap.add_argument("--out", default="docs/benchmarks.md", help="append the tables here ('' = no)")
+    ap.add_argument("--plot", default="docs/benchmarks.png", help="PNG plot ('' = no)")
+    args = ap.parse_args(argv)
+    args.clock = Clock()
+    args.streams = [int(s) for s in (args.streams or ("1,8" if args.quick else "1,8,32,64")).split(",")]
+    args.peer_streams = [int(s) for s in args.peer_streams.split(",") if s]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(args.workloads) - set(WORKLOADS)
+    if unknown:
+        ap.error(f"unknown workloads {sorted(unknown)}; choose from {','.join(WORKLOADS)}")
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    args.tokens = QUICK_TOKENS if args.quick else FULL_TOKENS
+    return args
+
+
+def measure_cell(backend, kind: str, streams: int, args, mask_ids) -> list[dict]:
+    """Alternate pipelined and blocking runs; the last run of each mode has
+    the timing hook on. Returns one row per mode."""
+    reqs = make_requests(kind, request_count(kind, streams, args.quick), args.tokens, mask_ids,
+                         backend.vocab_size, seed=streams)
+    runs = {m: [] for m in report.MODES}
+    for i in range(args.repeats):
+        hooked = i == args.repeats - 1
+        for mode in (report.MODES if i % 2 == 0 else report.MODES[::-1]):
+            r = run_closed_loop(backend, reqs, streams, mode == "pipelined", hooked)
+            r["hooked"] = hooked
+            runs[mode].append(r)
+            args.clock.say(f"{kind} x{streams} {mode} run {i + 1}/{args.repeats}"
+                f"{' (timing hook)' if hooked else ''}: {r['tok_s']:,.0f} tok/s, "
+                f"{r['ms_step']:.2f} ms/step")
+    rows = []
+    for mode, rs in runs.items():
+        plain = sorted((r for r in rs if not r["hooked"]), key=lambda r: r["tok_s"]) or rs
+        best, hooked = plain[len(plain) // 2], rs[-1]
+        row = dict(workload=kind, streams=streams, mode=mode, runs=len(rs), **best)
+        for k in ("idle_ms", "busy_ms", "bookkeeping_ms"):
+            row[k] = hooked.get(k)
+        row["tok_s_hooked"] = hooked["tok_s"]
+        rows.append(row)
+    return rows
+
+
+def engine_cells(backend, args, mask_ids) -> list[dict]:
+    rows = []
+    for kind in args.workloads:
+        for streams in args.streams:
+            if args.clock.elapsed() > args.budget:
+                err = "skipped: time budget"
+                new = [dict(workload=kind, streams=streams, mode=m, error=err) for m in report.MODES]
+            else:
+                try:
+                    limit = min(args.cell_timeout, args.deadline - args.clock.elapsed())
+                    with time_limit(limit):
+                        new = measure_cell(backend, kind, streams, args, mask_ids)
+                except (Exception, TimeLimit) as ex:  # noqa: BLE001 - a cell's failure is a row
+                    args.clock.say(f"{kind} x{streams} FAILED: {ex!r}")
+                    with contextlib.suppress(Exception):
+                        backend.repair()
+                    new = [dict(workload=kind, streams=streams, mode=m, error=f"error: {ex!r}"[:200])
+                           for m in report.MODES]
+            for r in new:
+                report.emit(r)
+            rows += new
+    return rows
+
+
+def peer_cells(args, device) -> list[dict]:
+    if "text" not in args.workloads:
+        return []
+    new_tokens = args.tokens["text"]
+    peers = Peers(lambda: build_model(args.tiny, seed=1)[0], device) if device.type == "cuda" else None
+    rows = []
+    for streams in args.peer_streams:
+        for key, name in PEER_NAMES.items():
+            row = dict(workload="text", streams=streams, mode=name)
+            limit = min(args.peer_timeout, args.deadline - args.clock.elapsed())
+            if peers is None:
+                row["error"] = "n/a: needs CUDA"
+            elif limit < 15:
+                row["error"] = "skipped: time budget"
+            else:
+                args.clock.say(f"peer {name} x{streams} ...")
+                try:
+                    with time_limit(limit):
+                        row.update(getattr(peers, key)(streams, PROMPT, new_tokens))
+                    args.clock.say(f"peer {name} x{streams}: {row['tok_s']:,.0f} tok/s")
+                except BaseException as ex:  # noqa: BLE001 - a peer's failure is a table row
+                    if isinstance(ex, KeyboardInterrupt):
+                        raise
+                    args.clock.say(f"peer {name} x{streams} FAILED: {ex!r}")
+                    row["error"] = f"error: {ex!r}"[:200]
+            report.emit(row)
+            rows.append(row)
+    if peers is not None:
+        peers.close()
+    return rows
+
+
+def warm_up(backend, args, mask_ids) -> None:
+    """Every workload once per mode, at one stream and at the most, hook on."""
+    for kind, streams in ((k, n) for k in args.workloads for n in sorted({1, max(args.streams)})):
+        reqs = make_requests(kind, streams, QUICK_TOKENS, mask_ids, backend.vocab_size, seed=-1)
+        for pipelined in (True, False):
+            try:
+                with time_limit(args.cell_timeout):
+                    run_closed_loop(backend, reqs, streams, pipelined, record=True)
+            except (Exception, TimeLimit) as ex:  # noqa: BLE001
+                args.clock.say(f"warm-up {kind} FAILED: {ex!r}")
+                with contextlib.suppress(Exception):
+                    backend.repair()
+    args.clock.say("warm-up done")
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse(argv)
+    threads = torch.get_num_threads()
+    if args.tiny:
+        torch.set_num_threads(1)  # a tiny model's ops only lose to thread hand-offs
+    try:
+        return run(args, "python -m bench.speed " + " ".join(sys.argv[1:] if argv is None else argv))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args, command: str) -> str:
+    model, label = build_model(args.tiny)
+    device = next(model.parameters()).device
+    env = dict(device=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                       else f"CPU ({platform.processor() or platform.machine()})"),
+               torch=torch.__version__, transformers=transformers.__version__, model=label)
+    args.clock.say(f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}")
+    bw = copy_bandwidth(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    floor = dict(bw_tbps=bw / 1e12, weight_gb=weight_bytes / 1e9, floor_ms=weight_bytes / (bw / 2) * 1e3)
+    report.emit(dict(measure="floor", **floor))
+    top = max(args.streams)
+    t = time.perf_counter()
+    try:
+        backend = TimedBackend(model, page_size=16, num_pages=2 * top * math.ceil(CONTEXT / 16) + 16,
+                               max_rows=top, max_seqs=max(256, 2 * top),
+                               max_prefill_tokens=max(2048, PROMPT * top), max_context=CONTEXT,
+                               use_graphs=device.type == "cuda")
+        args.clock.say(f"backend built in {time.perf_counter() - t:.1f} s (graphs captured)")
+        mask_ids = tuple(Engine(backend).register_mask(m) for m in bin_masks(backend.vocab_size))
+        warm_up(backend, args, mask_ids)
+        rows = engine_cells(backend, args, mask_ids)
+    except Exception as ex:  # noqa: BLE001 - the peers still run and the table is still written
+        args.clock.say(f"backend FAILED: {ex!r}")
+        rows = [dict(workload=k, streams=n, mode=m, error=f"error: backend: {ex!r}"[:200])
+                for k in args.workloads for n in args.streams for m in report.MODES]
+        for r in rows:
+            report.emit(r)
+    rows += peer_cells(args, device)
+
+    seed_table, seed_rows = report.seed_model(rows)
+    if not seed_rows:
+        seed_table = "(no detect results in this run)"
+    for r in seed_rows:
+        report.emit(dict(measure="seed_model", **r))
+    table = report.main_table(rows, floor["floor_ms"])
+    if args.out:
+        notes = report.notes(args.tokens, args.repeats)
+        report.append_docs(args.out, report.header(env, command, floor, notes),
+                           table + "\n\nThe seed's model on the detect workload:\n\n" + seed_table)
+    if args.plot:
+        problem = report.plot(rows, args.plot, f"{env['device']}: tokens/s by streams")
+        args.clock.say(problem or f"plot written to {args.plot}")
+    report.copy_out(args.out, args.plot)
+    print("\nThe seed's model on the detect workload (ms per step; blocking run's F and B):\n")
+    print(seed_table)
+    print("\n" + table, flush=True)
+    return table
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+           if t is not threading.main_thread()):
+        os._exit(0)  # a peer's worker thread that outlived its time limit must not hold the exit

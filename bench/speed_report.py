@@ -1,0 +1,175 @@
+"""The speed benchmark's output: JSON lines, markdown tables, the docs entry, a plot."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+from pathlib import Path
+
+MODES = ("pipelined", "blocking")
+INTRO = ("# Speed benchmarks\n\nThe engine, pipelined and blocking, on the same backend object, "
+         "and plain transformers on the same workload, all measured in one run "
+         "(`python -m bench.speed`).\n")
+
+
+def notes(tokens: dict[str, int], repeats: int) -> str:
+    t, d, p = tokens["text"], tokens["detect"], tokens["point"]
+    timing = (f"Each mode runs {repeats} times per cell, alternating with the other; throughput "
+              f"is the (upper) median of the {repeats - 1} run{'s' * (repeats > 2)} without the "
+              "timing hook, and GPU "
+              "idle, F and B come from the last run, which has it" if repeats > 1 else
+              "Each mode runs once per cell, with the timing hook")
+    return (
+        "Closed loop: each cell keeps *streams* requests in flight until its requests are done. "
+        f"Prompts are 32 random token ids, greedy. *text*: {t} new tokens, no stop token. "
+        f"*detect*: {d} tokens constrained to a cycle of three disjoint token-id ranges (x, y, "
+        f"size bins); the end is known only at commit (cap {d + 2}). *point*: {p} constrained "
+        f"tokens, cap {p + 1}. *mix*: the three interleaved. {timing}: CUDA events around each "
+        "forward and each sampling on the compute stream, the gaps between them summed "
+        "(*GPU idle/step*), host clocks around launch and wait. *ms/step* is wall time per "
+        "launched step (prefills included); *÷ floor* divides it by weight bytes ÷ (copy "
+        "bandwidth / 2). Peers submit all their requests at once (text only).")
+
+
+def emit(row: dict) -> None:
+    """Print one cell as a JSON line; append it to $OUT/bench.jsonl when set."""
+    line = json.dumps(row, default=str)
+    print(line, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with open(Path(out) / "bench.jsonl", "a") as f:
+            f.write(line + "\n")
+
+
+def copy_out(*paths: str) -> None:
+    """Copies of the written files into $OUT, when set (a remote run's way home)."""
+    out = os.environ.get("OUT")
+    for p in paths:
+        if out and p and Path(p).is_file():
+            dest = Path(out) / Path(p).name
+            if not dest.exists() or not dest.samefile(p):
+                shutil.copy(p, dest)
+
+
+def _f(x, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def main_table(rows: list[dict], floor_ms: float | None) -> str:
+    base = {(r["workload"], r["streams"]): r.get("tok_s") for r in rows if r["mode"] == "blocking"}
+    lines = ["| workload | streams | mode | requests | tok/s | req/s | ms/step | "
+             "GPU idle/step (ms) | ÷ floor | latency p50 / p99 (ms) | ÷ blocking | note |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        head = f"| {r['workload']} | {r['streams']} | {r['mode']} |"
+        if r.get("error"):
+            lines.append(head + " — |" * 8 + f" {r['error']} |")
+            continue
+        b = base.get((r["workload"], r["streams"]))
+        ratio = r["tok_s"] / b if b else None
+        floor = r["ms_step"] / floor_ms if floor_ms else None
+        lat = (f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}" if r.get("p50_ms") is not None else "—")
+        lines.append(
+            head + f" {r['requests']} | {r['tok_s']:,.0f} | {r['req_s']:,.1f} | "
+            f"{r['ms_step']:.2f} | {_f(r.get('idle_ms'), '.3f')} | {_f(floor, '.2f')} | {lat} | "
+            f"{_f(ratio, '.2f')} | {r.get('note', '')} |")
+    return "\n".join(lines)
+
+
+def seed_model(rows: list[dict], workload: str = "detect") -> tuple[str, list[dict]]:
+    """The seed's model, T_block / T_pipe × (1 − z), against the measurement.
+
+    From the blocking run: F, GPU time per step (forward + sampling), and B,
+    host time per step outside ``wait`` (bookkeeping). A blocking loop runs
+    them in series, T_block = F + B; a pipelined one overlaps them,
+    T_pipe = max(F, B). z is the pipelined run's share of steps whose every
+    row was a zombie (a wasted forward)."""
+    by = {(r["streams"], r["mode"]): r for r in rows
+          if r["workload"] == workload and not r.get("error")}
+    lines = ["| streams | F: GPU ms/step | B: host ms/step, blocking (pipelined) | z | "
+             "T_block = F + B (measured) | T_pipe = max(F, B) (measured) | "
+             "predicted speedup | measured speedup |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = []  # F is forward + sampling
+    for streams in sorted({s for s, _ in by}):
+        p, b = by.get((streams, "pipelined")), by.get((streams, "blocking"))
+        if not p or not b:
+            continue
+        f_ms, b_ms, z = b.get("busy_ms"), b.get("bookkeeping_ms"), p["z"]
+        measured = p["tok_s"] / b["tok_s"]
+        if f_ms is not None and b_ms is not None:
+            t_block, t_pipe = f_ms + b_ms, max(f_ms, b_ms)
+            predicted = t_block / t_pipe * (1 - z)
+        else:
+            t_block = t_pipe = predicted = None
+        out.append(dict(workload=workload, streams=streams, F_ms=f_ms, B_ms=b_ms,
+                        B_pipelined_ms=p.get("bookkeeping_ms"), z=z, T_block_ms=t_block,
+                        T_pipe_ms=t_pipe, predicted=predicted, measured=measured))
+        lines.append(
+            f"| {streams} | {_f(f_ms, '.3f')} | {_f(b_ms, '.3f')} "
+            f"({_f(p.get('bookkeeping_ms'), '.3f')}) | {z:.4f} | "
+            f"{_f(t_block, '.3f')} ({b['ms_step']:.3f}) | {_f(t_pipe, '.3f')} "
+            f"({p['ms_step']:.3f}) | {_f(predicted, '.3f')} | {measured:.3f} |")
+    return "\n".join(lines), out
+
+
+def append_docs(path: str, header: str, body: str) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    old = p.read_text() if p.exists() else INTRO
+    p.write_text(old.rstrip() + "\n\n" + header + "\n\n" + body + "\n")
+
+
+def header(env: dict, command: str, floor: dict, notes_text: str) -> str:
+    return (f"## Speed, {datetime.date.today().isoformat()}\n\n"
+            f"Device: {env['device']}; torch {env['torch']}, transformers "
+            f"{env['transformers']}. Command: `{command}`.\n\n"
+            f"Model: {env['model']}; weights {floor['weight_gb']:.3f} GB; copy bandwidth "
+            f"{floor['bw_tbps']:.3f} TB/s (read + written); floor "
+            f"{floor['floor_ms']:.3f} ms/step (weights ÷ (bandwidth / 2); the input embedding, "
+            "only gathered, is counted too).\n\n" + notes_text)
+
+
+def plot(rows: list[dict], path: str, title: str) -> str | None:
+    """tokens/s against streams, a panel per workload, a line per mode or peer."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except Exception as ex:  # noqa: BLE001 - the plot is optional
+        return f"no plot: {ex!r}"
+    good = [r for r in rows if not r.get("error")]
+    workloads = list(dict.fromkeys(r["workload"] for r in good))
+    if not workloads:
+        return "no plot: no results"
+    cols = min(2, len(workloads))
+    nrows = -(-len(workloads) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(workloads):]:
+        ax.set_visible(False)
+    for ax, w in zip(axes.flat, workloads):
+        streams = sorted({r["streams"] for r in good if r["workload"] == w})
+        for mode in dict.fromkeys(r["mode"] for r in good if r["workload"] == w):
+            pts = sorted((r["streams"], r["tok_s"]) for r in good
+                         if r["workload"] == w and r["mode"] == mode)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(streams, [str(x) for x in streams])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_title(w)
+        ax.set_xlabel("streams")
+        ax.set_ylabel("tokens/s")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

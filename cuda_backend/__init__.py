@@ -1,0 +1,29 @@
+"""The CUDA backend: real transformers decoders behind the Backend protocol.
+
+Usage::
+
+    from cuda_backend import CudaBackend, load_model
+    loaded = load_model()                      # the embedded SmolLM2 (GGUF), or a
+                                               # directory / .gguf path
+    ids = loaded.add_tokens(["<loc_0>"])       # optional, before the backend
+    backend = CudaBackend(loaded, max_rows=32)
+    engine = core.engine.Engine(backend)
+    prompt = loaded.tokenizer(text).input_ids
+    engine.submit(Request(prompt=prompt, max_tokens=64, stop_ids=loaded.stop_ids))
+
+Modules, one idea each: ``loader`` (models, tokenizers, stop ids, GGUF via
+``gguf_cache``), ``attention`` (paged attention through transformers'
+AttentionInterface), ``kv_cache`` (the pages), ``sizing`` (model shape,
+page count), ``runner`` (plan checks, metadata packing, the forward),
+``sampling`` (masks, greedy / temperature / top-p, seeded per position),
+``slots`` (the two DecodeSlots), ``graphs`` (CUDA graphs per bucket),
+``backend`` (the protocol), ``tiny`` and ``drive`` (small models and a
+hand-driven loop for tests and benchmarks).
+"""
+
+from cuda_backend.backend import CudaBackend
+from cuda_backend.errors import CacheTooSmall, ModelLoadError, PlanRejected, UnsupportedModel
+from cuda_backend.loader import LoadedModel, default_model_path, load_model
+
+__all__ = ["CudaBackend", "LoadedModel", "load_model", "default_model_path", "ModelLoadError",
+           "UnsupportedModel", "CacheTooSmall", "PlanRejected"]

@@ -1,0 +1,252 @@
+"""CudaBackend: the Backend protocol (core/backend.py) on a transformers model.
+
+Per step, in one of two DecodeSlots:
+
+    launch    metadata host->device (pinned, non-blocking), forward (a graph
+              replay for decode, eager for prefill), logits into the slot
+    finalize  sampling inputs host->device, sampling (a graph replay): each
+              row's token into the slot and into ``last_token[row_slot]``;
+              event; device->host copy on the copy stream waiting on it
+    wait      block on that copy's event only, read the landing buffer
+    release   the slot may be launched into again (I4)
+
+Forwards and samplings of both slots are enqueued on one compute stream, in
+call order (I1), so a later step's forward reads the token an earlier step
+sampled straight from device memory. A steady-state decode step's launch
+and finalize make no host synchronization and no device allocation (I10):
+every buffer is preallocated, copies come from pinned memory, and the work
+is graph replays. Without CUDA the same code runs eagerly on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from core.backend import Capacity
+from core.values import SamplePlan, StepFailed, StepKind, StepOutput, StepPlan
+from cuda_backend.errors import CacheTooSmall, PlanRejected
+from cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
+from cuda_backend.kv_cache import PagedKVCache
+from cuda_backend.loader import LoadedModel, use_paged_attention
+from cuda_backend.runner import ModelRunner, check_plan, staging_size
+from cuda_backend.sampling import MaskTable, pack_sampling, sample_inputs, vocab_hash
+from cuda_backend.sizing import ModelDims, context_length, num_pages_for
+from cuda_backend.slots import DecodeSlot, SlotState, make_slot
+
+class CudaBackend:
+    def __init__(self, model: LoadedModel | torch.nn.Module, *, page_size: int = 16,
+                 num_pages: int | None = None, kv_memory_fraction: float = 0.9,
+                 max_rows: int = 64, max_seqs: int = 256, max_prefill_tokens: int = 2048,
+                 max_context: int | None = None, use_graphs: bool = True,
+                 min_graph_context: int = 256, mask_capacity: int = 16):
+        self.loaded = model if isinstance(model, LoadedModel) else None
+        self.model = module = self.loaded.model if self.loaded else model
+        use_paged_attention(module)
+        param = next(module.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        cuda = self.device.type == "cuda"
+        dims = ModelDims.of(module)
+        self._vocab = dims.vocab
+        context = context_length(dims, max_context)
+        if num_pages is not None and num_pages < 1:
+            raise CacheTooSmall(f"KV cache: num_pages must be >= 1, got {num_pages}")
+        if num_pages is None:
+            num_pages = num_pages_for(dims, device=self.device, dtype=self.dtype,
+                                      page_size=page_size, fraction=kv_memory_fraction,
+                                      max_rows=max_rows, max_seqs=max_seqs,
+                                      max_prefill_tokens=max_prefill_tokens,
+                                      max_context=context)
+        self._cap = Capacity(num_pages=num_pages, page_size=page_size, max_rows=max_rows,
+                             max_seqs=max_seqs, max_prefill_tokens=max_prefill_tokens,
+                             max_context=context)
+        self.cache = PagedKVCache(layers=dims.layers, kv_heads=dims.kv_heads,
+                                  head_dim=dims.head_dim, num_pages=num_pages,
+                                  page_size=page_size, dtype=self.dtype, device=self.device)
+        self._runner = ModelRunner(module, self.cache, self._cap, self.device)
+        self._masks = MaskTable(self._vocab, self.device, mask_capacity)
+        self._salt = vocab_hash(self._vocab, self.device)  # [V]
+        self._slots = [make_slot(i, staging_size=staging_size(self._cap), max_rows=max_rows,
+                                 vocab_size=self._vocab, device=self.device) for i in (0, 1)]
+        self._compute = torch.cuda.Stream(self.device) if cuda else None  # I1: the one stream
+        self._copy = torch.cuda.Stream(self.device) if cuda else None
+        self._rows = batch_buckets(max_rows)
+        ps = page_size
+        self._pages = page_buckets(self._runner.max_pages, -(-min_graph_context // ps))
+        self._decode_graphs = GraphSet(self.device, use_graphs)
+        self._sample_graphs = GraphSet(self.device, use_graphs)
+        if self._decode_graphs.enabled:
+            self._capture_decode()
+            self._capture_sampling()
+        self._sync()  # set-up work on the default stream is done before the compute stream runs
+        if self.loaded is not None:
+            self.loaded.in_use = True
+
+    # -- Backend protocol ---------------------------------------------------------
+
+    @property
+    def capacity(self) -> Capacity:
+        return self._cap
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def register_mask(self, allowed: frozenset[int]) -> int:
+        """Off the hot path: waits for the device so no step in flight reads
+        the table while it changes (or is reallocated)."""
+        self._sync()
+        mask_id, grew = self._masks.register(allowed)
+        self._sync()
+        if grew and self._sample_graphs.enabled:
+            self._sample_graphs.clear()
+            self._capture_sampling()
+        return mask_id
+
+    def launch(self, slot: int, plan: StepPlan) -> None:
+        s = self._slot(slot)
+        s.check("launch")
+        check_plan(plan, self._cap, self._vocab)
+        try:
+            with self._on(self._compute):
+                n = len(plan.rows)
+                if plan.kind is StepKind.DECODE:
+                    b = bucket(n, self._rows)
+                    p = bucket(self._runner.pages_needed(plan), self._pages)
+                    k = self._runner.pack_decode(plan, s.staging_np, b, p)
+                    self._runner.decode_meta[:k].copy_(s.staging[:k], non_blocking=True)
+                    logits = self._decode_graphs.run(
+                        (b, p), lambda: self._runner.decode_forward(b, p))  # [b, V]
+                else:
+                    b = bucket(n, self._rows)
+                    k, shape = self._runner.pack_prefill(plan, s.staging_np)
+                    meta = s.staging[:k].to(self.device, non_blocking=True)
+                    logits = self._runner.prefill_forward(meta, shape)  # [n, V]
+                s.logits[:logits.shape[0]].copy_(logits)
+                if s.launched_event is not None:
+                    s.launched_event.record(self._compute)
+        except Exception as ex:  # noqa: BLE001 - any forward failure fails the step's rows
+            self._quiesce()
+            raise StepFailed(f"step {plan.step_id}: forward failed: {ex!r}") from ex
+        s.advance("launch")
+        s.plan, s.bucket, s.waited = plan, b, False
+
+    def finalize(self, slot: int, sample: SamplePlan) -> None:
+        s = self._slot(slot)
+        s.check("finalize")
+        plan, b = s.plan, s.bucket
+        if sample.step_id != plan.step_id or len(sample.mask_ids) != len(plan.rows):
+            raise ValueError(f"finalize slot {slot}: SamplePlan for step {sample.step_id} with "
+                             f"{len(sample.mask_ids)} masks, slot holds step {plan.step_id} "
+                             f"with {len(plan.rows)} rows")
+        for m in sample.mask_ids:
+            if m is not None and not 1 <= m < self._masks.count:
+                raise PlanRejected(f"step {plan.step_id}: mask id {m} was never registered")
+        greedy = pack_sampling(s.sample_np, plan.rows, sample.mask_ids, b,
+                                self._runner.scratch_row)
+        n = len(plan.rows)
+        try:
+            with self._on(self._compute):
+                s.sample_inputs[:7 * b].copy_(s.sample_staging[:7 * b], non_blocking=True)
+                self._sample_graphs.run((slot, b, greedy), lambda: self._sample(s, b, greedy))
+                if self._copy is not None:
+                    s.sampled_event.record(self._compute)
+                    self._copy.wait_event(s.sampled_event)  # this step's outputs, nothing later
+                    with torch.cuda.stream(self._copy):
+                        s.landing[:n].copy_(s.sampled[:n], non_blocking=True)
+                        s.copied_event.record(self._copy)
+                else:
+                    s.landing[:n].copy_(s.sampled[:n])
+        except Exception as ex:  # noqa: BLE001
+            self._quiesce()
+            s.state = SlotState.FAILED
+            raise StepFailed(f"step {plan.step_id}: sampling failed: {ex!r}") from ex
+        s.advance("finalize")
+
+    def wait(self, slot: int) -> StepOutput:
+        s = self._slot(slot)
+        s.check("wait")
+        try:
+            if s.copied_event is not None:
+                s.copied_event.synchronize()  # this copy only, not the device
+        except Exception as ex:  # noqa: BLE001 - an asynchronous device error surfaces here
+            s.state = SlotState.FAILED
+            raise StepFailed(f"step {s.plan.step_id}: device error: {ex!r}") from ex
+        s.waited = True
+        tokens = tuple(s.landing[:len(s.plan.rows)].tolist())
+        return StepOutput(step_id=s.plan.step_id, tokens=tokens)
+
+    def release(self, slot: int) -> None:
+        s = self._slot(slot)
+        s.check("release")
+        if not s.waited:  # I4: never hand out a slot whose buffers a transfer may still use
+            if s.state is SlotState.LAUNCHED and s.launched_event is not None:
+                s.launched_event.synchronize()
+            elif s.state is SlotState.FINALIZED and s.copied_event is not None:
+                s.copied_event.synchronize()
+            elif s.state is SlotState.FAILED:
+                self._quiesce()
+        s.advance("release")
+        s.plan, s.waited = None, False
+
+    # -- internals ------------------------------------------------------------------
+
+    def _slot(self, slot: int) -> DecodeSlot:
+        if slot not in (0, 1):
+            raise ValueError(f"slot must be 0 or 1, got {slot!r}")
+        return self._slots[slot]
+
+    def _on(self, stream):
+        """no_grad, on ``stream`` when there is one."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        if stream is not None:
+            stack.enter_context(torch.cuda.stream(stream))
+        return stack
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _quiesce(self) -> None:
+        """Failure path: let queued work drain so no buffer is reused under it."""
+        with contextlib.suppress(Exception):
+            self._sync()
+
+    def _sample(self, s: DecodeSlot, b: int, greedy: bool) -> torch.Tensor:
+        """Sampling of slot ``s`` at bucket ``b`` (what the sampling graphs record)."""
+        row_slots, tokens = sample_inputs(s.sample_inputs, s.logits, self._masks.table,
+                                          self._salt, b, greedy)  # [b], [b]
+        s.sampled[:b].copy_(tokens)
+        self._runner.last_token.index_copy_(0, row_slots, tokens)  # padded rows: scratch row
+        return s.sampled
+
+    def _capture_decode(self) -> None:
+        r, meta = self._runner, self._runner.decode_meta
+
+        def items():
+            for b in reversed(self._rows):
+                for p in reversed(self._pages):
+                    def prepare(b=b):  # padded rows only: scratch row, position 0, scratch page
+                        meta.fill_(self.cache.scratch_page)
+                        meta[:b].fill_(r.scratch_row)
+                        meta[b:2 * b].zero_()
+                    yield (b, p), prepare, (lambda b=b, p=p: r.decode_forward(b, p))
+        with self._on(self._compute):
+            self._decode_graphs.capture_all(items())
+        self._sync()
+
+    def _capture_sampling(self) -> None:
+        def items():
+            for s in self._slots:
+                for b in reversed(self._rows):
+                    for greedy in (True, False):
+                        def prepare(s=s, b=b):
+                            s.sample_inputs.zero_()
+                            s.sample_inputs[:b].fill_(self._runner.scratch_row)
+                        yield (s.index, b, greedy), prepare, (
+                            lambda s=s, b=b, g=greedy: self._sample(s, b, g))
+        with self._on(self._compute):
+            self._sample_graphs.capture_all(items())
+        self._sync()

@@ -1,0 +1,28 @@
+"""Errors the CUDA backend raises, each naming the problem in its message.
+
+Loading and sizing problems are ``ValueError``s raised before anything runs.
+A plan the backend cannot execute is both ``StepFailed`` (so the engine fails
+that step's rows and keeps serving) and ``InvalidRequest`` (so a caller that
+drives the backend directly can catch it as a bad input).
+"""
+
+from __future__ import annotations
+
+from core.values import InvalidRequest, StepFailed
+
+
+class ModelLoadError(ValueError):
+    """A model directory or GGUF file is missing, unreadable or corrupt."""
+
+
+class UnsupportedModel(ModelLoadError):
+    """The model is not a decoder-only causal LM whose attention we can own."""
+
+
+class CacheTooSmall(ValueError):
+    """Not enough memory (or too few configured pages) for the KV cache."""
+
+
+class PlanRejected(StepFailed, InvalidRequest):
+    """A StepPlan that breaks the backend's capacity (too many rows or tokens,
+    a sequence past the context, a page or row slot out of range)."""

@@ -1,0 +1,167 @@
+"""The forward side of a step: plan checks, metadata packing, and the model
+call for decode (graph-capturable) and prefill (eager).
+
+Host metadata is packed into a DecodeSlot's staging buffer (pinned on CUDA)
+and copied to the device with one non-blocking copy per step, so a launch
+never waits for the device. Decode metadata lands in one static buffer that
+every captured decode graph reads; a graph for bucket (B, P) reads it as
+``[row_slots B | positions B | page_table B*P]``. Sharing that buffer between
+the two slots is safe because both slots' copies and replays run in launch
+order on the one compute stream (I1): step t+1's copy executes only after step
+t's forward has read the buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from core.backend import Capacity
+from core.values import StepKind, StepPlan
+from cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_context, prefill_context
+from cuda_backend.errors import PlanRejected
+from cuda_backend.kv_cache import PagedKVCache
+from cuda_backend.sizing import prefill_key_budget
+
+
+def check_plan(plan: StepPlan, cap: Capacity, vocab_size: int) -> None:
+    """Raise ``PlanRejected`` naming the first row that breaks capacity."""
+    rows = plan.rows
+    if not 1 <= len(rows) <= cap.max_rows:
+        raise PlanRejected(f"step {plan.step_id}: {len(rows)} rows, the backend takes "
+                           f"1..{cap.max_rows}")
+    if len({r.row_slot for r in rows}) != len(rows):
+        raise PlanRejected(f"step {plan.step_id}: two rows share a row_slot")
+    prefill = plan.kind is StepKind.PREFILL
+    total = sum(len(r.tokens) for r in rows)
+    if prefill and total > cap.max_prefill_tokens:
+        raise PlanRejected(f"step {plan.step_id}: {total} prompt tokens, more than "
+                           f"max_prefill_tokens={cap.max_prefill_tokens}")
+    for r in rows:
+        where = f"step {plan.step_id}, seq {r.seq_id}"
+        if prefill != bool(r.tokens):
+            raise PlanRejected(f"{where}: a {plan.kind.value} row must "
+                               f"{'carry its prompt' if prefill else 'carry no tokens'}")
+        if not 0 <= r.row_slot < cap.max_seqs:
+            raise PlanRejected(f"{where}: row_slot {r.row_slot} outside 0..{cap.max_seqs - 1}")
+        end = r.position + r.num_tokens
+        if r.position < 0 or end > cap.max_context:
+            raise PlanRejected(f"{where}: {r.num_tokens} tokens at position {r.position} exceed "
+                               f"the model context of {cap.max_context} tokens")
+        if len(r.pages) * cap.page_size < end:
+            raise PlanRejected(f"{where}: {len(r.pages)} pages of {cap.page_size} cannot hold "
+                               f"{end} positions")
+        if r.pages and (min(r.pages) < 0 or max(r.pages) >= cap.num_pages):
+            raise PlanRejected(f"{where}: a page id is outside 0..{cap.num_pages - 1}")
+        if prefill and (min(r.tokens) < 0 or max(r.tokens) >= vocab_size):
+            raise PlanRejected(f"{where}: a prompt token is outside the vocabulary "
+                               f"0..{vocab_size - 1}")
+
+
+def staging_size(cap: Capacity) -> int:
+    """int64 elements a slot's host staging needs for either kind of step."""
+    max_pages = -(-cap.max_context // cap.page_size)
+    return max(2 * cap.max_rows + cap.max_rows * max_pages,
+               4 * cap.max_prefill_tokens + 4 * cap.max_rows + cap.max_rows * max_pages)
+
+
+class ModelRunner:
+    """Runs the model over the paged cache. Owns the device array
+    ``last_token[max_seqs + 1]``: sampling writes each row's token at its
+    row slot; a decode row's input is gathered from it on the device (the
+    token never round-trips through the host). Index ``max_seqs`` is the
+    scratch row that padded rows read and write."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cap: Capacity,
+                 device: torch.device):
+        self.model, self.cache, self.cap, self.device = model, cache, cap, device
+        self.scratch_row = cap.max_seqs
+        self.last_token = torch.zeros(cap.max_seqs + 1, dtype=torch.long, device=device)  # [S+1]
+        self.max_pages = -(-cap.max_context // cap.page_size)
+        self.key_budget = prefill_key_budget(cap.max_prefill_tokens, cap.max_context)
+        # [2 * max_rows + max_rows * max_pages]: the decode graphs' static input
+        self.decode_meta = torch.zeros(2 * cap.max_rows + cap.max_rows * self.max_pages,
+                                       dtype=torch.long, device=device)
+
+    # -- decode ---------------------------------------------------------------
+
+    def pages_needed(self, plan: StepPlan) -> int:
+        return max(r.position // self.cap.page_size + 1 for r in plan.rows)
+
+    def pack_decode(self, plan: StepPlan, staging: np.ndarray, b: int, p: int) -> int:
+        """Write ``[row_slots b | positions b | pages b*p]`` into ``staging``;
+        padded rows point at the scratch row and scratch page. Returns the
+        element count to copy."""
+        n = 2 * b + b * p
+        staging[:b] = self.scratch_row
+        staging[b:2 * b] = 0
+        staging[2 * b:n] = self.cache.scratch_page
+        for i, r in enumerate(plan.rows):
+            staging[i] = r.row_slot
+            staging[b + i] = r.position
+            pages = r.pages[:p]
+            staging[2 * b + i * p:2 * b + i * p + len(pages)] = pages
+        return n
+
+    def decode_inputs(self, b: int, p: int) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
+        """Input ids ``[1, B]``, position ids ``[1, B]`` and the attention
+        context of ``decode_meta`` read as bucket (b, p)."""
+        meta = self.decode_meta
+        row_slots, positions = meta[:b], meta[b:2 * b]  # [B], [B]
+        page_table = meta[2 * b:2 * b + b * p].view(b, p)  # [B, P]
+        input_ids = self.last_token.index_select(0, row_slots).view(1, b)  # [1, B]
+        return input_ids, positions.view(1, b), decode_context(self.cache, positions, page_table)
+
+    def decode_forward(self, b: int, p: int) -> torch.Tensor:
+        """The decode step; returns logits ``[b, V]``. Allocation-free to
+        enqueue once captured as a graph."""
+        input_ids, positions, ctx = self.decode_inputs(b, p)
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                         **{CONTEXT_KWARG: ctx})
+        return out.logits[0]  # [B, V]
+
+    # -- prefill --------------------------------------------------------------
+
+    def pack_prefill(self, plan: StepPlan, staging: np.ndarray) -> tuple[int, tuple[int, ...]]:
+        """Pack ``[tokens T | positions T | slot T | out_gather T | q_start R |
+        q_len R | pos0 R | last R | pages R*P]``; returns (count, (T, R, S, P))."""
+        ps, rows = self.cap.page_size, plan.rows
+        lens = np.array([len(r.tokens) for r in rows], dtype=np.int64)  # [R]
+        pos0 = np.array([r.position for r in rows], dtype=np.int64)  # [R]
+        t, nr, s = int(lens.sum()), len(rows), int(lens.max())
+        p = int(((pos0 + lens + ps - 1) // ps).max())
+        q_start = np.concatenate(([0], np.cumsum(lens)[:-1]))  # [R]
+        positions = np.concatenate([np.arange(a, a + n) for a, n in zip(pos0, lens)])  # [T]
+        table = np.full((nr, p), self.cache.scratch_page, dtype=np.int64)  # [R, P]
+        for i, r in enumerate(rows):
+            pages = r.pages[:p]
+            table[i, :len(pages)] = pages
+        row_of = np.repeat(np.arange(nr), lens)  # [T]
+        slot = table[row_of, positions // ps] * ps + positions % ps  # [T]
+        out_gather = row_of * s + (np.arange(t) - q_start[row_of])  # [T]
+        parts = [np.fromiter((x for r in rows for x in r.tokens), np.int64, t), positions, slot,
+                 out_gather, q_start, lens, pos0, q_start + lens - 1, table.reshape(-1)]
+        n = 0
+        for part in parts:
+            staging[n:n + part.size] = part
+            n += part.size
+        return n, (t, nr, s, p)
+
+    def prefill_inputs(self, meta: torch.Tensor, shape: tuple[int, ...]):
+        """From packed metadata on the device: input ids ``[1, T]``, position
+        ids ``[1, T]``, each row's last token index ``[R]``, and the context."""
+        t, nr, s, p = shape
+        tokens, positions, slot, out_gather = (meta[i * t:(i + 1) * t] for i in range(4))
+        q_start, q_len, pos0, last = (meta[4 * t + i * nr:4 * t + (i + 1) * nr] for i in range(4))
+        table = meta[4 * t + 4 * nr:4 * t + 4 * nr + nr * p].view(nr, p)  # [R, P]
+        ctx = prefill_context(self.cache, slot, table, q_start, q_len, pos0, out_gather, s,
+                              self.key_budget)
+        return tokens.view(1, t), positions.view(1, t), last, ctx
+
+    def prefill_forward(self, meta: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """``meta`` is the packed prefill metadata already on the device;
+        returns the logits of each row's last token ``[R, V]``."""
+        input_ids, positions, last, ctx = self.prefill_inputs(meta, shape)
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                         logits_to_keep=last, **{CONTEXT_KWARG: ctx})
+        return out.logits[0]  # [R, V]

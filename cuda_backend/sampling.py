@@ -1,0 +1,146 @@
+"""Sampling on the device: skill masks, greedy, temperature, top-p.
+
+Randomness is a pure function of (request seed, position, token id): a
+counter-based hash turns it into a uniform, and Gumbel-max picks the token.
+There is no generator state shared across rows or steps, so a row's token
+depends only on its own logits, seed and position, never on which other
+rows share its batch or on how many steps ran before (I8 with sampling on:
+pipelined and blocking runs draw the same tokens).
+
+Masks live in a device-resident table ``[num_masks, V]`` (bool); row 0
+allows every token and stands for "unconstrained". A step gathers one row
+per sequence by id, so building a mask costs no host work per step (the
+seed's lesson: one stray host copy here erases the whole pipelining gain).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from core.values import StepRow
+
+M32 = 0xFFFFFFFF
+UNCONSTRAINED = 0  # mask id of the all-true row
+ONE_BITS = np.array([1.0]).view(np.int64)[0]  # float64 1.0 as int64 bits
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for ``x`` in ``[0, 2**32)`` held in int64, split
+    in 16-bit halves so no intermediate overflows int64."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (the "lowbias32" mixer)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Per-token salt ``[V]``, computed once."""
+    return mix32(torch.arange(vocab_size, dtype=torch.long, device=device) ^ 0x9E3779B9)
+
+
+def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,
+             token_salt: torch.Tensor) -> torch.Tensor:
+    """``[B, V]`` uniforms in (0, 1), a function of (seed, position, token) only."""
+    key = mix32(seed_lo ^ mix32(seed_hi ^ mix32(position & M32)))  # [B]
+    h = mix32(key.unsqueeze(1) ^ token_salt)  # [B, V]
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: a float32 mantissa
+
+
+def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Tensor,
+                  temperature: torch.Tensor, top_p: torch.Tensor, seed_lo: torch.Tensor,
+                  seed_hi: torch.Tensor, position: torch.Tensor, token_salt: torch.Tensor,
+                  greedy_only: bool) -> torch.Tensor:
+    """One token per row ``[B]`` from ``logits`` ``[B, V]`` (float32). A row
+    with ``temperature == 0`` takes the argmax; others draw from the top-p
+    nucleus of ``softmax(logits / temperature)``; disallowed tokens never win."""
+    logits = logits.masked_fill(~table.index_select(0, mask_ids), float("-inf"))  # [B, V]
+    greedy = logits.argmax(dim=-1)  # [B]
+    if greedy_only:
+        return greedy
+    scaled = logits / temperature.clamp_min(1e-5).unsqueeze(1)  # [B, V]
+    ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(ordered, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+    p = top_p.unsqueeze(1)
+    drop_sorted = (before >= p) & (p < 1.0)  # top_p == 1 keeps all (no rounding losses)
+    drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocab order [B, V]
+    noise = -torch.log(-torch.log(uniforms(seed_lo, seed_hi, position, token_salt)))
+    drawn = (scaled.masked_fill(drop, float("-inf")) + noise).argmax(dim=-1)  # [B]
+    return torch.where(temperature > 0, drawn, greedy)
+
+
+def pack_sampling(a: np.ndarray, rows: tuple[StepRow, ...], mask_ids: tuple[int | None, ...],
+                  b: int, scratch_row: int) -> bool:
+    """Write a step's sampling inputs for bucket ``b`` into host staging ``a``:
+    ``[row_slot | mask_id | seed_lo | seed_hi | position | temperature | top_p]``,
+    ``b`` each, floats as float64 bits. Padded rows sample into the scratch
+    row, unconstrained and greedy. Returns whether every row is greedy."""
+    a[:7 * b] = 0
+    a[:b] = scratch_row
+    a[6 * b:7 * b] = ONE_BITS
+    for i, (r, m) in enumerate(zip(rows, mask_ids)):
+        seed = r.sampling.seed % (1 << 64)
+        a[i], a[b + i] = r.row_slot, UNCONSTRAINED if m is None else m
+        a[2 * b + i], a[3 * b + i] = seed & M32, seed >> 32
+        a[4 * b + i] = r.position + r.num_tokens  # the sampled token's position
+    n = len(rows)
+    a[5 * b:5 * b + n] = np.array([r.sampling.temperature for r in rows]).view(np.int64)
+    a[6 * b:6 * b + n] = np.array([r.sampling.top_p for r in rows]).view(np.int64)
+    return all(r.sampling.temperature == 0 for r in rows)
+
+
+def sample_inputs(inputs: torch.Tensor, logits: torch.Tensor, table: torch.Tensor,
+                  token_salt: torch.Tensor, b: int, greedy: bool):
+    """Unpack ``pack_sampling``'s layout on the device and sample: returns the
+    rows' row slots ``[b]`` and tokens ``[b]``."""
+    row_slots, mask_ids, seed_lo, seed_hi, position = (inputs[i * b:(i + 1) * b] for i in range(5))
+    temperature = inputs[5 * b:6 * b].view(torch.float64).float()  # [b]
+    top_p = inputs[6 * b:7 * b].view(torch.float64).float()  # [b]
+    tokens = sample_tokens(logits[:b], table, mask_ids, temperature, top_p, seed_lo, seed_hi,
+                           position, token_salt, greedy)
+    return row_slots, tokens
+
+
+class MaskTable:
+    """Allowed-token sets by id, ``table`` ``[capacity, V]`` bool on the device.
+    Registration is off the hot path; when the table is full it is
+    reallocated at twice the size, and the caller re-captures anything that
+    read the old one (``register`` says so)."""
+
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 16):
+        self.vocab_size, self.device = vocab_size, device
+        self.table = torch.ones(max(capacity, 2), vocab_size, dtype=torch.bool, device=device)
+        self.count = 1  # row 0: UNCONSTRAINED
+        self._ids: dict[frozenset[int], int] = {}
+
+    def register(self, allowed: frozenset[int]) -> tuple[int, bool]:
+        """Returns (mask id, whether ``table`` was reallocated)."""
+        allowed = frozenset(allowed)
+        if allowed in self._ids:
+            return self._ids[allowed], False
+        if not allowed:
+            raise ValueError("register_mask: an empty allowed-token set can never be sampled")
+        bad = [t for t in allowed if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"register_mask: tokens {sorted(bad)[:5]} are outside the "
+                             f"vocabulary 0..{self.vocab_size - 1}")
+        grew = self.count == self.table.shape[0]
+        if grew:
+            bigger = torch.ones(2 * self.count, self.vocab_size, dtype=torch.bool,
+                                device=self.device)
+            bigger[:self.count].copy_(self.table)
+            self.table = bigger
+        row = torch.zeros(self.vocab_size, dtype=torch.bool)
+        row[torch.tensor(sorted(allowed), dtype=torch.long)] = True
+        self.table[self.count].copy_(row)
+        self._ids[allowed] = mask_id = self.count
+        self.count += 1
+        return mask_id, grew

@@ -1,0 +1,103 @@
+"""DecodeSlots: the preallocated working set of one in-flight step.
+
+Two slots let the host commit one step while the device runs the other
+(seed). Each slot holds its own host staging (pinned on CUDA, so copies to
+the device never wait), its own logits, sampled ids and sampling inputs on
+the device, a pinned host landing buffer, and two events:
+
+- ``sampled`` is recorded on the compute stream right after the step's
+  sampling wrote ``sampled``; the slot's device-to-host copy runs on the copy
+  stream after waiting on exactly this event, not on the stream, so it never
+  waits for work queued behind its step.
+- ``copied`` is recorded on the copy stream after that copy; ``wait`` blocks
+  on it alone.
+
+I4: the slot's staging and landing buffers are reused only after
+``release``, which the engine calls when its commit finished reading the
+landing buffer; ``release`` of a slot whose copy was never waited for
+blocks on the slot's last event first, so a transfer still in flight is
+never overwritten. Calls out of order raise and leave the slot unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import numpy as np
+import torch
+
+from core.values import StepPlan
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    LAUNCHED = "launched"  # forward enqueued
+    FINALIZED = "finalized"  # sampling and host copy enqueued
+    FAILED = "failed"  # a call raised StepFailed; only release is legal
+
+
+# (state, call) -> next state. A pair not in the table is a misuse.
+TRANSITIONS: dict[tuple[SlotState, str], SlotState] = {
+    (SlotState.FREE, "launch"): SlotState.LAUNCHED,
+    (SlotState.LAUNCHED, "finalize"): SlotState.FINALIZED,
+    (SlotState.FINALIZED, "wait"): SlotState.FINALIZED,
+    (SlotState.LAUNCHED, "release"): SlotState.FREE,
+    (SlotState.FINALIZED, "release"): SlotState.FREE,
+    (SlotState.FAILED, "release"): SlotState.FREE,
+}
+
+
+@attrs.define(eq=False)
+class DecodeSlot:
+    index: int
+    staging: torch.Tensor  # [staging_size] int64 host (pinned on CUDA): launch metadata
+    staging_np: np.ndarray  # numpy view of ``staging``: packing without torch per-element calls
+    sample_staging: torch.Tensor  # [7 * max_rows] int64 host (pinned): sampling inputs
+    sample_np: np.ndarray
+    sample_inputs: torch.Tensor  # [7 * max_rows] int64 device: the sampling graphs' input
+    logits: torch.Tensor  # [max_rows, V] float32 device
+    sampled: torch.Tensor  # [max_rows] int64 device
+    landing: torch.Tensor  # [max_rows] int64 host (pinned): where the copy lands
+    launched_event: torch.cuda.Event | None  # after the forward: release of an unfinalized slot
+    sampled_event: torch.cuda.Event | None
+    copied_event: torch.cuda.Event | None
+    state: SlotState = SlotState.FREE
+    plan: StepPlan | None = None
+    bucket: int = 0  # padded row count the step runs at
+    waited: bool = False
+
+    def advance(self, call: str) -> None:
+        nxt = TRANSITIONS.get((self.state, call))
+        if nxt is None:
+            raise RuntimeError(f"DecodeSlot {self.index}: '{call}' is not allowed while "
+                               f"{self.state.value}")
+        self.state = nxt
+
+    def check(self, call: str) -> None:
+        """Raise if ``call`` is illegal now, without changing anything."""
+        if (self.state, call) not in TRANSITIONS:
+            raise RuntimeError(f"DecodeSlot {self.index}: '{call}' is not allowed while "
+                               f"{self.state.value}")
+
+
+def make_slot(index: int, *, staging_size: int, max_rows: int, vocab_size: int,
+              device: torch.device) -> DecodeSlot:
+    cuda = device.type == "cuda"
+
+    def host(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.long, pin_memory=cuda)
+
+    staging, sample_staging = host(staging_size), host(7 * max_rows)
+    return DecodeSlot(
+        index=index,
+        staging=staging, staging_np=staging.numpy(),
+        sample_staging=sample_staging, sample_np=sample_staging.numpy(),
+        sample_inputs=torch.zeros(7 * max_rows, dtype=torch.long, device=device),
+        logits=torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device),
+        sampled=torch.zeros(max_rows, dtype=torch.long, device=device),
+        landing=host(max_rows),
+        launched_event=torch.cuda.Event() if cuda else None,
+        sampled_event=torch.cuda.Event() if cuda else None,
+        copied_event=torch.cuda.Event() if cuda else None,
+    )

@@ -1,0 +1,69 @@
+"""The embedded SmolLM2 (a GGUF file inside a package) loads through
+transformers, is cached as safetensors, and greedy-decodes through the
+backend exactly as transformers' ``generate`` does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_backend.backend import CudaBackend
+from cuda_backend.drive import generate
+from cuda_backend.loader import default_model_path, load_model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(device="cpu")
+
+
+def test_default_model_is_found_without_importing_its_package():
+    path = default_model_path()
+    assert path.suffix == ".gguf" and path.is_file()
+
+
+def test_loaded_model_exposes_tokenizer_stop_ids_and_sizes(smollm2):
+    assert smollm2.model.config.model_type == "llama"
+    assert smollm2.hidden_size == 576
+    assert smollm2.vocab_size == 49152
+    eos = smollm2.tokenizer.eos_token_id
+    assert eos in smollm2.stop_ids
+    assert smollm2.tokenizer.decode(smollm2.tokenizer("hello world").input_ids) == "hello world"
+
+
+def test_gguf_conversion_is_cached(smollm2):
+    again = load_model(device="cpu")  # the second load reads the cache
+    assert again.source == smollm2.source and "gguf" in again.source
+
+
+def test_greedy_matches_transformers_generate(smollm2):
+    tok, model = smollm2.tokenizer, smollm2.model
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    want = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
+                                 eos_token_id=None, pad_token_id=tok.eos_token_id)
+            want.append(out[0, len(ids):].tolist())
+    be = CudaBackend(smollm2, page_size=16, num_pages=16, max_rows=4, max_seqs=4,
+                     max_prefill_tokens=64, max_context=128)
+    got = generate(be, prompts, NEW, row_slots=[3, 1])
+    assert got == want
+    assert "Paris" in tok.decode(got[0])
+    assert be.vocab_size == smollm2.vocab_size
+
+
+def test_add_tokens_grows_the_vocabulary_before_the_backend():
+    loaded = load_model(device="cpu")
+    ids = loaded.add_tokens(["<loc_0>", "<loc_1>"])
+    assert ids == [49152, 49153]
+    assert loaded.tokenizer.convert_ids_to_tokens(ids) == ["<loc_0>", "<loc_1>"]
+    be = CudaBackend(loaded, page_size=16, num_pages=4, max_rows=2, max_seqs=2,
+                     max_prefill_tokens=32, max_context=64)
+    assert be.vocab_size == 49154
+    assert be.register_mask(frozenset(ids)) >= 1
+    with pytest.raises(RuntimeError, match="before building the backend"):
+        loaded.add_tokens(["<loc_2>"])
