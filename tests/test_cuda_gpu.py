@@ -152,6 +152,11 @@ def test_phi15_shape_bf16_agrees_with_transformers():
             chosen = logits.gather(1, torch.tensor(toks, device="cuda")[:, None])[:, 0]
             margin = logits.max(dim=1).values - chosen
             scale = logits.std(dim=1)
+            exact = (logits.argmax(dim=1) == torch.tensor(toks, device="cuda")).float().mean()
+            # Printed for the GPU validation record (run with -s).
+            print(f"bf16 parity, prompt of {len(p)}: {len(toks)} tokens, argmax agreement "
+                  f"{exact.item():.3f}, worst margin {margin.max().item():.4f} "
+                  f"(logit std {scale.mean().item():.3f})")
             assert (margin <= 0.1 * scale + 0.0625).all(), (margin, scale)
     del be, model
     gc.collect()

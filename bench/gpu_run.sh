@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One call on a lent GPU: the GPU-only tests, the bf16 parity record, then the
+# speed benchmark. Everything it prints is also written under $OUT.
+set -u
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+out="${OUT:-/tmp/bubblefree-gpu}"
+mkdir -p "$out"
+{
+  date -u +"%Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| transformers', transformers.__version__)"
+} 2>&1 | tee "$out/env.txt"
+# The GGUF loader tests need the embedded model's package, which this machine
+# lacks; they run in CI on the CPU.
+timeout 200 python3 -m pytest -p no:cacheprovider -rs -q -s \
+  tests/test_cuda_gpu.py tests/test_cuda_parity.py tests/test_cuda_attention.py \
+  tests/test_cuda_sampling.py tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.txt"
+timeout "${BENCH_SECONDS:-420}" python3 -m bench.speed "$@" 2>&1 | tee "$out/bench.txt"
+cp docs/benchmarks.md docs/benchmarks.png "$out/" 2>/dev/null
+exit 0
