@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from cuda_backend import paged_decode
 from cuda_backend.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "bubblefree_paged"
@@ -39,6 +40,7 @@ class PagedContext:
         ps = cache.page_size
         rows, pages = page_table.shape
         self.cache = cache
+        self.page_table = page_table  # [R, P]
         self.slot_mapping = slot_mapping  # [T] flat KV index each new token is written to
         offsets = torch.arange(ps, device=page_table.device)  # [ps]
         # [R, L]: flat KV index of key position j of row r (L = pages * ps)
@@ -118,7 +120,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     values.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(values.dtype))
     q = query[0].transpose(0, 1)  # [T, H, D]
     window = kwargs.get("sliding_window")
-    if ctx.is_decode:
+    if ctx.is_decode and paged_decode.available(q):
+        out = paged_decode.paged_decode_attention(q, keys, values, ctx.page_table, ctx.q_pos[:, 0],
+                                                  ctx.cache.page_size, scaling, window)
+    elif ctx.is_decode:
         k, v = _gather(keys, values, ctx.kv_index, q.dtype)
         out = _decode_attention(q, k, v, ctx.mask(window)[:, 0], scaling)
     else:

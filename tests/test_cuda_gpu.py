@@ -175,3 +175,31 @@ def test_engine_on_gpu_pipelined_equals_blocking_equals_generate():
         handles = [engine.submit(Request(prompt=p, max_tokens=12)) for p in PROMPTS]
         engine.run_until_idle(max_ticks=10_000)
         assert [list(h.result.tokens) for h in handles] == want
+
+
+@pytest.mark.parametrize("kv_heads,window,dtype", [
+    (4, None, torch.float32), (1, None, torch.float32), (2, 5, torch.float32),
+    (4, None, torch.bfloat16)])
+def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype):
+    """The Triton kernel reads pages in place; the portable path gathers them.
+    Same function on scattered pages, mixed lengths, grouped heads, windows."""
+    from cuda_backend.attention import _decode_attention, _gather
+    from cuda_backend.paged_decode import available, paged_decode_attention
+    assert available(torch.zeros(1, device="cuda")), "Triton must be present on a CUDA machine"
+    torch.manual_seed(kv_heads)
+    rows, heads, dim, ps, pages, total = 6, 4, 64, 16, 8, 64
+    keys = torch.randn(total * ps, kv_heads, dim, device="cuda", dtype=dtype)
+    values = torch.randn(total * ps, kv_heads, dim, device="cuda", dtype=dtype)
+    table = torch.stack([torch.randperm(total, device="cuda")[:pages] for _ in range(rows)])
+    positions = torch.tensor([0, 3, 15, 16, 40, pages * ps - 1], device="cuda")
+    q = torch.randn(rows, heads, dim, device="cuda", dtype=dtype)
+    kv_index = (table.unsqueeze(-1) * ps + torch.arange(ps, device="cuda")).view(rows, -1)
+    key_pos = torch.arange(pages * ps, device="cuda")
+    mask = key_pos <= positions[:, None]
+    if window is not None:
+        mask &= key_pos > positions[:, None] - window
+    k, v = _gather(keys, values, kv_index, dtype)
+    want = _decode_attention(q, k, v, mask, None).float()
+    got = paged_decode_attention(q, keys, values, table, positions, ps, None, window).float()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err

@@ -1,0 +1,96 @@
+"""Decode attention that reads each row's KV pages in place (Triton, CUDA).
+
+The portable path (``attention._decode_attention``) gathers every row's keys
+and values into a dense ``[B, L, KVH, D]`` copy of its page bucket, then
+permutes them for two batched matmuls: at 32 rows that is several full
+passes over L = the bucket's length, most of it past the row's real
+context (measured: over half of an H200 decode step; docs/benchmarks.md).
+This kernel instead walks the row's page table and reads only positions
+``start .. pos`` once, with an online softmax in float32: one program per
+(row, query head), BLOCK_N keys per iteration.
+
+Used on CUDA when Triton imports; everywhere else the portable path runs.
+Shapes: q ``[B, H, D]``, keys/values ``[N * page_size, KVH, D]``, page table
+``[B, P]``, positions ``[B]`` (the query's position; keys ``<= pos``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+
+
+NO_WINDOW = 1 << 30  # a window no context reaches: every key up to pos
+
+
+def available(q: torch.Tensor) -> bool:
+    return triton is not None and q.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _kernel(q_ptr, k_ptr, v_ptr, pt_ptr, pos_ptr, out_ptr,
+                sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, spt_b, so_b, so_h,
+                scale, window,
+                GROUP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = h // GROUP
+        pos = tl.load(pos_ptr + b)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + d, mask=dmask, other=0.0).to(tl.float32)
+        # Keys ``start .. pos``; without a sliding window ``window`` is huge.
+        start = tl.maximum(pos - window + 1, 0)
+        first = (start // BLOCK_N) * BLOCK_N
+        m_i = tl.full([], -float("inf"), tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        for base in range(first, pos + 1, BLOCK_N):
+            kpos = base + offs  # [BLOCK_N] key positions
+            valid = (kpos <= pos) & (kpos >= start)
+            page = tl.load(pt_ptr + b * spt_b + kpos // PS, mask=valid, other=0)
+            tok = page * PS + kpos % PS  # [BLOCK_N] flat KV index
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + tok[:, None] * sk_t + kvh * sk_h + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            s = tl.sum(k * q[None, :], 1) * scale  # [BLOCK_N]
+            s = tl.where(valid, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            v = tl.load(v_ptr + tok[:, None] * sv_t + kvh * sv_h + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            m_i = m_new
+        out = acc / l_i
+        tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
+                           scaling: float | None, window: int | None) -> torch.Tensor:
+    """One query per row over its own pages; returns ``[B, H, Dv]`` in q's dtype."""
+    b, h, d = q.shape
+    kvh = keys.shape[1]
+    if keys.stride(2) != 1 or values.stride(2) != 1 or q.stride(2) != 1:
+        raise ValueError("paged_decode_attention: the head dimension must be contiguous")
+    out = torch.empty((b, h, values.shape[2]), dtype=q.dtype, device=q.device)
+    scale = scaling if scaling is not None else d ** -0.5
+    _kernel[(b, h)](
+        q, keys, values, page_table, positions, out,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
+        values.stride(0), values.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
+        float(scale), int(window) if window is not None else NO_WINDOW,
+        GROUP=h // kvh, PS=page_size, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=32,
+        num_warps=4)
+    return out
