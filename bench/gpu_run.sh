@@ -15,7 +15,7 @@ mkdir -p "$out"
 timeout 200 python3 -m pytest -p no:cacheprovider -rs -q -s \
   tests/test_cuda_gpu.py tests/test_cuda_parity.py tests/test_cuda_attention.py \
   tests/test_cuda_sampling.py tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.txt"
-timeout 150 python3 -m bench.profile_step --rows 1,32 --compile 2>&1 | grep -v -i warn \
+timeout 150 python3 -m bench.profile_step --rows 1,32 2>&1 | grep -v -i warn \
   | tee "$out/profile.txt"
 timeout "${BENCH_SECONDS:-420}" python3 -m bench.speed "$@" 2>&1 | tee "$out/bench.txt"
 cp docs/benchmarks.md docs/benchmarks.png "$out/" 2>/dev/null

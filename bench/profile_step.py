@@ -55,7 +55,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--kernels-at", type=int, default=32)
-    ap.add_argument("--compile", action="store_true", help="also time the torch.compile'd step")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -68,18 +67,6 @@ def main(argv: list[str] | None = None) -> None:
         ms = time_graph(be, b, p, args.context)
         print(f"decode graph b={b:3d}: {ms:.3f} ms/step (GPU)", flush=True)
     print(top_kernels(be, args.kernels_at, p))
-    if args.compile:
-        del be
-        torch.cuda.empty_cache()
-        try:
-            be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=64, max_seqs=64,
-                             max_prefill_tokens=2048, max_context=256, compile_decode=True)
-            for b in (int(x) for x in args.rows.split(",")):
-                ms = time_graph(be, b, p, args.context)
-                print(f"compiled decode graph b={b:3d}: {ms:.3f} ms/step (GPU)", flush=True)
-            print(top_kernels(be, args.kernels_at, p, n=8))
-        except Exception as ex:  # noqa: BLE001 - report and carry on
-            print(f"compiled decode failed: {ex!r}"[:2000])
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ class CudaBackend:
                  num_pages: int | None = None, kv_memory_fraction: float = 0.9,
                  max_rows: int = 64, max_seqs: int = 256, max_prefill_tokens: int = 2048,
                  max_context: int | None = None, use_graphs: bool = True,
-                 compile_decode: bool = False,
                  min_graph_context: int = 256, mask_capacity: int = 16):
         self.loaded = model if isinstance(model, LoadedModel) else None
         self.model = module = self.loaded.model if self.loaded else model
@@ -65,8 +64,7 @@ class CudaBackend:
         self.cache = PagedKVCache(layers=dims.layers, kv_heads=dims.kv_heads,
                                   head_dim=dims.head_dim, num_pages=num_pages,
                                   page_size=page_size, dtype=self.dtype, device=self.device)
-        self._runner = ModelRunner(module, self.cache, self._cap, self.device,
-                                   compile_decode=compile_decode)
+        self._runner = ModelRunner(module, self.cache, self._cap, self.device)
         self._masks = MaskTable(self._vocab, self.device, mask_capacity)
         self._salt = vocab_hash(self._vocab, self.device)  # [V]
         self._slots = [make_slot(i, staging_size=staging_size(self._cap), max_rows=max_rows,
