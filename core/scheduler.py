@@ -197,7 +197,14 @@ class Scheduler:
         masks = []
         for sid in step.seq_ids:
             s = self.seqs[sid]
-            masks.append(s.state.mask_id() if s.state is not None and not s.finalized else None)
+            mask = None
+            if s.state is not None and not s.finalized:
+                try:
+                    mask = s.state.mask_id()
+                except Exception as err:  # noqa: BLE001 - a skill's bug fails its request only
+                    # Ended here, it is a zombie of this step: skipped at commit.
+                    self._end(s, Status.FAILED, f"decode_state.mask_id raised {type(err).__name__}: {err}")
+            masks.append(mask)
         step.mask_ids = tuple(masks)
         return step, SamplePlan(step_id=step.step_id, mask_ids=step.mask_ids)
 
@@ -258,7 +265,11 @@ class Scheduler:
                 f"I9: sequence {s.seq_id} sampled {token}, not allowed by mask {mask_id}")
         s.tokens.append(token)
         emit(s, token)
-        done = s.state.advance(token, value) if s.state is not None else False
+        try:
+            done = s.state.advance(token, value) if s.state is not None else False
+        except Exception as err:  # noqa: BLE001 - a skill's bug fails its request only
+            self._end(s, Status.FAILED, f"decode_state.advance raised {type(err).__name__}: {err}")
+            return
         if token in req.stop_ids:
             self._end(s, Status.COMPLETED, "stop")
         elif done:
