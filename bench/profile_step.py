@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--kernels-at", type=int, default=32)
+    ap.add_argument("--compile", action="store_true", help="also time the compiled decode step")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -67,6 +68,15 @@ def main(argv: list[str] | None = None) -> None:
         ms = time_graph(be, b, p, args.context)
         print(f"decode graph b={b:3d}: {ms:.3f} ms/step (GPU)", flush=True)
     print(top_kernels(be, args.kernels_at, p))
+    if args.compile:
+        del be
+        torch.cuda.empty_cache()
+        be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=64, max_seqs=64,
+                         max_prefill_tokens=2048, max_context=256, compile_decode=True)
+        label = "compiled" if be._runner.decode_model is not model else "compile FAILED, eager"
+        for b in (int(x) for x in args.rows.split(",")):
+            ms = time_graph(be, b, p, args.context)
+            print(f"{label} decode graph b={b:3d}: {ms:.3f} ms/step (GPU)", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ is graph replays. Without CUDA the same code runs eagerly on the CPU.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -40,6 +41,7 @@ class CudaBackend:
                  num_pages: int | None = None, kv_memory_fraction: float = 0.9,
                  max_rows: int = 64, max_seqs: int = 256, max_prefill_tokens: int = 2048,
                  max_context: int | None = None, use_graphs: bool = True,
+                 compile_decode: bool = False,
                  min_graph_context: int = 256, mask_capacity: int = 16):
         self.loaded = model if isinstance(model, LoadedModel) else None
         self.model = module = self.loaded.model if self.loaded else model
@@ -64,7 +66,8 @@ class CudaBackend:
         self.cache = PagedKVCache(layers=dims.layers, kv_heads=dims.kv_heads,
                                   head_dim=dims.head_dim, num_pages=num_pages,
                                   page_size=page_size, dtype=self.dtype, device=self.device)
-        self._runner = ModelRunner(module, self.cache, self._cap, self.device)
+        self._runner = ModelRunner(module, self.cache, self._cap, self.device,
+                                   compile_decode=compile_decode)
         self._masks = MaskTable(self._vocab, self.device, mask_capacity)
         self._salt = vocab_hash(self._vocab, self.device)  # [V]
         self._slots = [make_slot(i, staging_size=staging_size(self._cap), max_rows=max_rows,
@@ -78,6 +81,13 @@ class CudaBackend:
         self._sample_graphs = GraphSet(self.device, use_graphs)
         if self._decode_graphs.enabled:
             self._capture_decode()
+            if compile_decode and not self._decode_graphs.enabled:
+                # The compiled step could not be captured: keep graphs, drop compile.
+                warnings.warn("compiled decode step failed to capture; using the eager model",
+                              RuntimeWarning, stacklevel=2)
+                self._runner.decode_model = module
+                self._decode_graphs = GraphSet(self.device, use_graphs)
+                self._capture_decode()
             self._capture_sampling()
         self._sync()  # set-up work on the default stream is done before the compute stream runs
         if self.loaded is not None:

@@ -80,17 +80,31 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                            page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                            scaling: float | None, window: int | None) -> torch.Tensor:
     """One query per row over its own pages; returns ``[B, H, Dv]`` in q's dtype."""
-    b, h, d = q.shape
-    kvh = keys.shape[1]
     if keys.stride(2) != 1 or values.stride(2) != 1 or q.stride(2) != 1:
         raise ValueError("paged_decode_attention: the head dimension must be contiguous")
+    scale = scaling if scaling is not None else q.shape[2] ** -0.5
+    return _paged_decode(q, keys, values, page_table, positions, page_size, float(scale),
+                         int(window) if window is not None else NO_WINDOW)
+
+
+# A custom op, so torch.compile treats the kernel as one opaque call (its fake
+# gives the output's shape) instead of recompiling the Triton source itself.
+@torch.library.custom_op("bubblefree::paged_decode", mutates_args=())
+def _paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
+                  scale: float, window: int) -> torch.Tensor:
+    b, h, d = q.shape
     out = torch.empty((b, h, values.shape[2]), dtype=q.dtype, device=q.device)
-    scale = scaling if scaling is not None else d ** -0.5
     _kernel[(b, h)](
         q, keys, values, page_table, positions, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
         values.stride(0), values.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
-        float(scale), int(window) if window is not None else NO_WINDOW,
-        GROUP=h // kvh, PS=page_size, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=32,
-        num_warps=4)
+        scale, window,
+        GROUP=h // keys.shape[1], PS=page_size, D=d, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_N=32, num_warps=4)
     return out
+
+
+@_paged_decode.register_fake
+def _(q, keys, values, page_table, positions, page_size, scale, window):
+    return q.new_empty((q.shape[0], q.shape[1], values.shape[2]))

@@ -73,8 +73,13 @@ class ModelRunner:
     scratch row that padded rows read and write."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cap: Capacity,
-                 device: torch.device):
+                 device: torch.device, compile_decode: bool = False):
         self.model, self.cache, self.cap, self.device = model, cache, cap, device
+        # torch.compile fuses the decode step's small elementwise kernels
+        # (norms, rotary, activations, residuals); the graphs then capture the
+        # compiled code. The batch dimension is dynamic: one compile serves
+        # every bucket. Prefill stays eager (its shapes vary).
+        self.decode_model = torch.compile(model, dynamic=True) if compile_decode else model
         self.scratch_row = cap.max_seqs
         self.last_token = torch.zeros(cap.max_seqs + 1, dtype=torch.long, device=device)  # [S+1]
         self.max_pages = -(-cap.max_context // cap.page_size)
@@ -116,8 +121,8 @@ class ModelRunner:
         """The decode step; returns logits ``[b, V]``. Allocation-free to
         enqueue once captured as a graph."""
         input_ids, positions, ctx = self.decode_inputs(b, p)
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                         **{CONTEXT_KWARG: ctx})
+        out = self.decode_model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                **{CONTEXT_KWARG: ctx})
         return out.logits[0]  # [B, V]
 
     # -- prefill --------------------------------------------------------------
