@@ -265,6 +265,8 @@ class Scheduler:
                 f"I9: sequence {s.seq_id} sampled {token}, not allowed by mask {mask_id}")
         s.tokens.append(token)
         emit(s, token)
+        if s.finalized:  # a listener cancelled it while this token streamed
+            return
         try:
             done = s.state.advance(token, value) if s.state is not None else False
         except Exception as err:  # noqa: BLE001 - a skill's bug fails its request only

@@ -140,3 +140,27 @@ def test_a_broken_skill_fails_only_its_own_request():
     assert fine.result.status is Status.COMPLETED and fine.result.tokens == (fine.result.tokens[0], 0)
     engine.check_integrity()
     assert engine.scheduler.pages.num_free == engine.scheduler.pages.size
+
+
+def test_a_listener_may_cancel_its_request_mid_commit():
+    # Re-entrancy: a token listener runs inside the commit; cancelling there
+    # must end the request once, as cancelled, with I3/I6 intact.
+    from core import Engine, Status
+    from fake_backend import FakeBackend
+    engine = Engine(FakeBackend())
+    handle = engine.submit(Request(prompt=(0, 1), max_tokens=2, stop_ids={0}))  # cancelled on its last token
+    other = engine.submit(Request(prompt=(0, 2), max_tokens=8, stop_ids={0}))
+    ends = []
+
+    def listener(h, token):
+        if token is None:
+            ends.append(h.result.status)
+        elif len(h.tokens) == 2:
+            assert engine.cancel(h.request_id)
+
+    handle.listeners.append(listener)
+    engine.run_until_idle(max_ticks=50)
+    engine.check_integrity()
+    assert ends == [Status.CANCELLED] and handle.result.tokens == tuple(handle.tokens)
+    assert len(handle.tokens) == 2 and other.result.status is Status.COMPLETED
+    assert engine.scheduler.pages.num_free == engine.scheduler.pages.size
