@@ -296,6 +296,7 @@ class Scheduler:
 
     def _end(self, s: Sequence, status: Status, reason: str) -> None:
         s.finish(status, reason)
+        self._waited.discard(s.seq_id)
         self.on_finish(s)
 
     def _maybe_teardown(self, s: Sequence) -> None:
