@@ -156,7 +156,6 @@ class Scheduler:
         slot.move("launch")
         step = Step(step_id=plan.step_id, kind=plan.kind, slot=slot.index,
                     seq_ids=tuple(r.seq_id for r in plan.rows))
-        slot.step = step
         self._next_step += 1
         self._last_kind = plan.kind
         for sid in step.seq_ids:
@@ -252,7 +251,6 @@ class Scheduler:
                     # The seed's zombie: it ended here, but a later step already includes it.
                     self.probe(f"{s.finish_reason}_with_successor_launched")
             self._maybe_teardown(s)
-        self.pool.slots[step.slot].step = None
         self.pool.slots[step.slot].move("release")  # I4: only now, after reading
 
     def _append(self, s: Sequence, token: int, value: float | None, mask_id: int | None,
@@ -318,7 +316,7 @@ class Scheduler:
         ``reason`` (I7) and every resource comes back (I6)."""
         self.inflight.clear()
         for slot in self.pool.slots:
-            slot.state, slot.step = SlotState.FREE, None
+            slot.state = SlotState.FREE
         for s in list(self.seqs.values()):
             s.inflight_refs = 0
             if s.phase is Phase.QUEUED:

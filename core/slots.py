@@ -53,7 +53,6 @@ class Step:
 class DecodeSlot:
     index: int
     state: SlotState = SlotState.FREE
-    step: Step | None = None
 
     def move(self, event: str) -> None:
         nxt = SLOT_TRANSITIONS.get((self.state, event))
