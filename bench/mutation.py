@@ -65,10 +65,11 @@ def change(name: str) -> tuple[str, str]:
 
 
 def where(name: str) -> str:
-    """``core.scheduler.xǁSchedulerǁcommit__mutmut_12`` -> ``scheduler.py: Scheduler.commit``."""
+    """``core.scheduler.xǁSchedulerǁcommit__mutmut_12`` -> ``scheduler.py: Scheduler.commit``;
+    ``core.pages.x_pages_needed__mutmut_3`` -> ``pages.py: pages_needed``."""
     module, _, rest = name.partition(".x")
-    func = re.sub(r"__mutmut_\d+$", "", rest).strip("ǁ_").replace("ǁ", ".") if "ǁ" in rest else \
-        re.sub(r"__mutmut_\d+$", "", rest).lstrip("_")
+    func = re.sub(r"__mutmut_\d+$", "", rest)
+    func = func.strip("ǁ").replace("ǁ", ".") if "ǁ" in func else func[1:]
     return f"{module.split('.')[-1]}.py: {func}"
 
 

@@ -132,7 +132,7 @@ class Engine:
         ticks = 0
         while self.tick():
             ticks += 1
-            if max_ticks is not None and ticks >= max_ticks:
+            if max_ticks is not None and ticks >= max_ticks and self.has_work():
                 raise RuntimeError(f"engine still busy after {max_ticks} ticks")
 
     def abort(self, reason: str) -> None:
@@ -209,7 +209,7 @@ class Engine:
                 status, reason = Status.FAILED, f"finisher raised {type(err).__name__}: {err}"
         handle.result = Result(request_id=seq.seq_id, status=status, tokens=tuple(seq.tokens),
                                finish_reason=reason, output=output, tag=req.tag)
-        self.trace.append(("end", seq.seq_id, seq.status.value, seq.finish_reason))
+        self.trace.append(("end", seq.seq_id, status.value, reason))
         for listener in handle.listeners:
             listener(handle, None)
 

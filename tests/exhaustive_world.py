@@ -1,0 +1,252 @@
+"""One state of the exhaustive search: an Engine on a FakeBackend, plus the
+choices still open (arrivals, cancels, faults), and every invariant check.
+
+``World.key()`` is the canonical abstract state the search deduplicates on.
+It holds everything the future can depend on and nothing that is only
+history: phases, tokens, refs, in-flight steps, slot states, the queue, the
+allocators' free lists (their order decides the next allocation), the
+simulated device (KV, row tokens, slots), its timeline *relative to the
+host clock* (a queue that is already idle is the same whatever its past),
+and the arrivals and cancels still to come. Step ids are stored relative to
+the next one, so two states that differ only in how many steps came before
+are one state.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from core import Engine, InvariantViolation, Phase, Request, SlotState, Status
+from fake_backend import FakeBackend, FakeModel
+
+if __package__:  # python -m tests.exhaustive
+    from tests.exhaustive_workload import DONE_AFTER, TIMINGS, VOCAB, Bounds, expected_tokens
+else:
+    from exhaustive_workload import DONE_AFTER, TIMINGS, VOCAB, Bounds, expected_tokens
+
+
+@attrs.define(eq=False)
+class PhaseChecked(Engine):
+    """The real Engine, with ``check_integrity`` after each phase of a tick as
+    well as between ticks: mid-tick is where a sequence sits in two steps
+    and both slots are busy (I3's bound of 2, I4), never seen at tick ends."""
+
+    def _launch(self) -> bool:
+        done = super()._launch()
+        self.check_integrity()
+        return done
+
+    def _commit(self) -> bool:
+        done = super()._commit()
+        self.check_integrity()
+        return done
+
+    def _finalize(self) -> bool:
+        done = super()._finalize()
+        self.check_integrity()
+        return done
+
+
+@attrs.define(eq=False)
+class Watcher:
+    """A handle listener: counts ends (I7) and tokens streamed after the end
+    (I5). Armed, it cancels a request when its own request's next token is
+    streamed: a caller's stop condition, run inside the commit (reentrancy)."""
+
+    request_id: int
+    engine: Engine
+    ends: int = 0
+    late_tokens: int = 0
+    checked: bool = False  # its result was checked against the model (I8)
+    arm: int | None = None  # the request to cancel on the next token
+
+    def __call__(self, handle, token) -> None:
+        if handle.request_id != self.request_id:
+            raise InvariantViolation(f"I7: request {self.request_id}'s listener called with {handle.request_id}")
+        if token is None:
+            self.ends += 1
+        elif self.ends:
+            self.late_tokens += 1
+        elif self.arm is not None:
+            target, self.arm = self.arm, None
+            self.engine.cancel(target)
+
+
+@attrs.define(eq=False)
+class World:
+    engine: Engine
+    backend: FakeBackend
+    bounds: Bounds
+    handles: list = attrs.Factory(list)  # every submitted Handle, by seq id
+    watchers: list = attrs.Factory(list)
+    tick_no: int = 0
+    cancels_left: int = 0
+    faults_left: int = 0
+
+    @classmethod
+    def new(cls, bounds: Bounds, pipelined: bool, probe) -> "World":
+        backend = FakeBackend(
+            model=FakeModel(vocab_size=VOCAB), timing=TIMINGS[bounds.timings[0]], num_pages=bounds.num_pages,
+            page_size=bounds.page_size, max_rows=bounds.max_rows, max_seqs=bounds.requests,
+            max_prefill_tokens=bounds.max_prefill_tokens,
+            max_context=2 + bounds.max_tokens, num_adapter_slots=0)
+        engine = PhaseChecked(backend, pipelined=pipelined, probe=probe)
+        return cls(engine, backend, bounds, cancels_left=bounds.cancels, faults_left=int(bool(bounds.faults)))
+
+    # ----------------------------------------------------------------- moves
+    def submit(self, request: Request) -> None:
+        handle = self.engine.submit(request)
+        watcher = Watcher(handle.request_id, self.engine)
+        handle.listeners.append(watcher)
+        self.handles.append(handle)
+        self.watchers.append(watcher)
+
+    def cancel(self, how: int | tuple[int, int]) -> None:
+        """``seq_id``: cancel it now; ``(seq_id, by)``: when ``by`` streams its next token."""
+        self.cancels_left -= 1
+        if isinstance(how, tuple):
+            self.watchers[how[1]].arm = how[0]
+        elif not self.engine.cancel(how):
+            raise InvariantViolation(f"I7: cancel of live request {how} refused")
+
+    def live(self) -> list[int]:
+        return [h.request_id for h in self.handles if h.result is None]
+
+    def arrivals_open(self) -> bool:
+        return len(self.handles) < self.bounds.requests and self.tick_no <= self.bounds.last_arrival
+
+    def terminal(self) -> bool:
+        return len(self.handles) == self.bounds.requests and not self.engine.has_work()
+
+    # ------------------------------------------------------------------- key
+    def key(self) -> tuple:
+        s, b = self.engine.scheduler, self.backend
+        base, host = s._next_step, b.clock.host
+
+        def rel(step_id):
+            return None if step_id is None or step_id < 0 else base - step_id
+
+        def ahead(t):  # a time already past is the same as now
+            return max(0.0, t - host)
+
+        seqs = tuple(
+            (q.seq_id, q.phase.value, q.inflight_refs, tuple(q.tokens), q.launched, q.pages, q.row_slot,
+             q.finish_reason, rel(q.last_step), getattr(q.state, "at", None))
+            for q in sorted(s.seqs.values(), key=lambda q: q.seq_id))
+        steps = tuple((rel(st.step_id), st.kind.value, st.slot, st.seq_ids, st.mask_ids, st.failed)
+                      for st in s.inflight)
+        pools = tuple((tuple(p._free), tuple(sorted(p._owned))) for p in (s.pages, s.rows, s.adapters))
+        slots = tuple(
+            (sl.state.value, rel(sl.plan.step_id if sl.plan else None), ahead(sl.copy_end),
+             sl.host_buffer is not None, sl.fault)
+            for sl in b.slots)
+        # KV and row tokens only where a live sequence owns them: what a free
+        # page or row slot holds is garbage to a correct engine, and a wrong
+        # read of it raises whatever the garbage is (another sequence's, or none).
+        pages, rows = s.pages._owned, s.rows._owned
+        device = (tuple(sorted(kv for kv in b.memory.kv.items() if kv[0][0] in pages)),
+                  tuple(sorted(rt for rt in b.memory.row_tokens.items() if rt[0] in rows)),
+                  rel(b._last_step_id), ahead(b.clock.compute.free_at), ahead(b.clock.copy.free_at))
+        # An ended request was checked when it ended (check_state): only that
+        # it ended, how, and that nothing came after stays in the key.
+        outside = tuple((tuple(h.tokens) if h.result is None else h.result.status, w.ends, w.late_tokens, w.arm)
+                        for h, w in zip(self.handles, self.watchers))
+        to_come = (max(0, self.bounds.last_arrival - self.tick_no) if self.arrivals_open() else -1,
+                   self.cancels_left, self.faults_left)
+        return (seqs, steps, pools, tuple(s.queue), s._last_kind, tuple(sorted(s._waited)),
+                tuple(sl.state.value for sl in s.pool.slots), slots, device, outside, to_come)
+
+    # ---------------------------------------------------------------- checks
+    def check_tick(self, trace_from: int, inflight_before: list[int]) -> None:
+        """I2 from the trace of one tick: each commit is the oldest launched,
+        uncommitted step at that moment."""
+        open_steps = list(inflight_before)
+        for entry in self.engine.trace[trace_from:]:
+            if entry[0] == "launch":
+                open_steps.append(entry[1])
+            elif entry[0] == "commit":
+                if not open_steps or entry[1] != min(open_steps):
+                    raise InvariantViolation(f"I2: step {entry[1]} committed while {open_steps} were open")
+                open_steps.remove(entry[1])
+
+    def check_device(self, compute_free_before: float) -> None:
+        """I1 on this tick's compute queue: one item at a time, each starting
+        after the one before ended, forwards in step order."""
+        prev_end, last_forward = compute_free_before, None
+        for step_id, what, start, end in self.backend.clock.compute.intervals:
+            if start < prev_end or (what == "forward" and last_forward is not None and step_id <= last_forward):
+                raise InvariantViolation(f"I1: {what} of step {step_id} overlaps or overtakes the compute queue")
+            prev_end, last_forward = end, step_id if what == "forward" else last_forward
+
+    def check_state(self) -> None:
+        """Every invariant the core keeps, in any reachable state."""
+        self.engine.check_integrity()  # I2, I3, I4, I6 structure
+        s = self.engine.scheduler
+        for pool, field in ((s.pages, "pages"), (s.rows, "row_slot")):
+            held: list[int] = []
+            for q in s.seqs.values():
+                v = getattr(q, field)
+                held.extend(v if isinstance(v, tuple) else () if v is None else (v,))
+            if sorted(held) != sorted(pool._owned):
+                raise InvariantViolation(f"I6: sequences hold {field} {sorted(held)}, pool owns {sorted(pool._owned)}")
+        for q in s.seqs.values():
+            if q.finalized and not q.is_zombie:
+                raise InvariantViolation(f"I6: sequence {q.seq_id} finalized with no step in flight, not released")
+        for core_slot, dev in zip(s.pool.slots, self.backend.slots):
+            ok = {SlotState.FREE: ("free",), SlotState.LAUNCHED: ("launched",),
+                  SlotState.FINALIZED: ("finalized", "failed")}[core_slot.state]
+            if dev.state.value not in ok:
+                raise InvariantViolation(f"I4: core slot {core_slot.index} {core_slot.state.name}, device {dev.state.name}")
+        for h, w in zip(self.handles, self.watchers):
+            req, toks = h.request, h.tokens
+            if len(toks) > req.max_tokens or any(t in req.stop_ids for t in toks[:-1]) or w.late_tokens:
+                raise InvariantViolation(f"I5: request {h.request_id} streamed {toks} (late: {w.late_tokens})")
+            if w.ends > 1 or (w.ends == 1) != (h.result is not None):
+                raise InvariantViolation(f"I7: request {h.request_id} ended {w.ends} times")
+            if h.result is not None and list(h.result.tokens) != toks:
+                raise InvariantViolation(f"I7: request {h.request_id} result {h.result.tokens} != streamed {toks}")
+            if h.result is not None and not w.checked:
+                self.check_result(h)
+                w.checked = True
+            seq = s.seqs.get(h.request_id)
+            if h.result is None and (seq is None or seq.finalized):
+                raise InvariantViolation(f"I7: request {h.request_id} lost: no result and not live")
+            if seq is not None and seq.phase is Phase.RELEASED:
+                raise InvariantViolation(f"I6: released sequence {seq.seq_id} still in the engine")
+
+    def check_terminal(self) -> None:
+        """Every path ends: all answered, nothing in flight, all freed; I8."""
+        s, b = self.engine.scheduler, self.backend
+        if s.seqs or s.inflight or s.queue or self.engine.handles:
+            raise InvariantViolation(
+                f"termination: idle with seqs {sorted(s.seqs)}, {len(s.inflight)} steps in flight, queue {list(s.queue)}")
+        if s.pages.num_free != s.pages.size or s.rows.num_free != s.rows.size:
+            raise InvariantViolation(f"I6: idle with {s.pages.num_owned} pages, {s.rows.num_owned} row slots held")
+        if any(sl.state.value != "free" for sl in b.slots):
+            raise InvariantViolation("I4: idle with a device slot not released")
+        for h, w in zip(self.handles, self.watchers):
+            if h.result is None or w.ends != 1 or not w.checked:
+                raise InvariantViolation(f"I7: request {h.request_id} ended {w.ends} times")
+
+    def check_result(self, h) -> None:
+        """I8 and the finish reason, once, when a request ends."""
+        res = h.result
+        if res.status is Status.FAILED and not res.finish_reason.endswith(" fault"):
+            # Only an injected fault may fail a request; a skill's check (I9) ends up here.
+            raise InvariantViolation(f"request {h.request_id} failed: {res.finish_reason}")
+        want = expected_tokens(self.backend.model, h.request)
+        if res.status is Status.COMPLETED and res.tokens != want:
+            raise InvariantViolation(f"I8: request {h.request_id} got {res.tokens}, the model says {want}")
+        if res.tokens != want[:len(res.tokens)]:
+            raise InvariantViolation(f"I8: request {h.request_id} partial {res.tokens} is not a prefix of {want}")
+        req = h.request
+        ok = {"stop": res.status is Status.COMPLETED and bool(res.tokens) and res.tokens[-1] in req.stop_ids,
+              "length": res.status is Status.COMPLETED and len(res.tokens) == req.max_tokens,
+              "done": res.status is Status.COMPLETED and req.decode_state is not None and len(res.tokens) == DONE_AFTER,
+              "cancelled": res.status is Status.CANCELLED,
+              }.get(res.finish_reason, res.status is Status.FAILED and res.finish_reason.endswith(" fault"))
+        want_output = None if req.finisher is None else req.finisher(res.tokens, None)
+        if (res.request_id, res.tag, res.output) != (h.request_id, req.tag, want_output):
+            raise InvariantViolation(f"I7: request {h.request_id} answered as {res}")
+        if not ok:
+            raise InvariantViolation(f"I7: request {h.request_id} ended {res.finish_reason!r} with {res.tokens}")

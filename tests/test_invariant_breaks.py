@@ -1,0 +1,182 @@
+"""Each invariant broken by hand, and a test that catches it.
+
+For every invariant the core keeps (I2–I9), a small, realistic bug is
+patched into the core's source — commit the newest step first, skip the
+inflight_refs decrement, reuse a slot whose copy is in flight, append to a
+finalized sequence, tear a zombie down early, release pages twice, drop or
+double a result, build masks before the commit, read the wrong row — and
+the exhaustive search on its quick bound must report a violation naming
+what broke (an invariant id, or the simulated GPU's misuse error).
+
+Where the core has a second guard (the I2 order check in ``commit``, the
+teardown check in ``Sequence.move``), a variant removes that guard too, so
+the search itself, check_integrity or the fake backend must catch the bug.
+
+A patch names the exact source it replaces: when the core changes under
+it, the test fails with "cannot find", never passes vacuously.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+
+import attrs
+import pytest
+
+from core import engine, pages, scheduler, sequence, slots
+from exhaustive import BOUNDS, search
+
+Engine, Scheduler = engine.Engine, scheduler.Scheduler
+
+
+@attrs.frozen
+class Patch:
+    owner: object  # a class or a module
+    name: str
+    edits: tuple[tuple[str, str], ...]
+
+
+@attrs.frozen
+class Break:
+    invariant: str
+    bug: str
+    patches: tuple[Patch, ...]
+    expect: str  # a regex the violation message must match
+    modes: tuple[bool, ...] = (True, False)  # pipelined, blocking: where it must be caught
+    bounds: str = "quick"  # the search bounds that must catch it
+
+
+def P(owner, name, *edits):
+    return Patch(owner, name, tuple(edits))
+
+
+def masks_now(sched, step) -> tuple:
+    """The mask ids of ``step``'s rows from the skill states as they are now."""
+    states = [sched.seqs[sid] for sid in step.seq_ids]
+    return tuple(None if s.state is None or s.finalized else s.state.mask_id() for s in states)
+
+
+BREAKS = [
+    Break("I2", "commit the newest in-flight step first",
+          (P(Scheduler, "next_commit", ("step = self.inflight[0]", "step = self.inflight[-1]")),),
+          r"I2", modes=(True,)),
+    Break("I2", "commit the newest first, with the core's own order check removed",
+          (P(Scheduler, "next_commit", ("step = self.inflight[0]", "step = self.inflight[-1]")),
+           P(Scheduler, "commit", ("if self.inflight[0] is not step:", "if False:"),
+             ("self.inflight.popleft()", "self.inflight.remove(step)"))),
+          r"I2|HardwareMisuse", modes=(True,)),
+    Break("I3", "skip the inflight_refs decrement at commit",
+          (P(Scheduler, "commit", ("s.inflight_refs -= 1", "pass")),), r"I3"),
+    Break("I3", "a zombie's commit does not drop its ref",
+          (P(Scheduler, "commit", ("s.inflight_refs -= 1", "s.inflight_refs -= 0 if s.finalized else 1")),),
+          r"I3", modes=(True,)),
+    Break("I3", "a prefill takes two refs",
+          (P(Scheduler, "launched", ("s.inflight_refs += 1", "s.inflight_refs += 1 + (plan.kind is StepKind.PREFILL)")),),
+          r"I3"),
+    Break("I4", "a slot counts as free once the GPU is done with it",
+          (P(slots.SlotPool, "free_slot", ("if slot.state is SlotState.FREE:", "if slot.state is not SlotState.LAUNCHED:")),),
+          r"I4|HardwareMisuse", modes=(True,)),
+    Break("I4", "the slot is released at finalize, before the commit reads it",
+          (P(Scheduler, "finalized", ('self.pool.slots[step.slot].move("finalize")',
+                                      'self.pool.slots[step.slot].move("finalize"); '
+                                      'self.pool.slots[step.slot].state = SlotState.FREE')),),
+          r"I4|HardwareMisuse"),
+    Break("I5", "a zombie's commit appends its token",
+          (P(Scheduler, "commit", ("if s.finalized:", "if False:")),), r"I5|IllegalTransition|KeyError",
+          modes=(True,)),
+    Break("I5", "EOS does not stop the sequence",
+          (P(Scheduler, "_append", ("if token in req.stop_ids:", "if False:")),), r"I5|I8"),
+    Break("I5", "the length cap is checked one token late",
+          (P(Scheduler, "_append", ("elif len(s.tokens) >= req.max_tokens:", "elif len(s.tokens) > req.max_tokens:")),),
+          r"I5|deadlock|livelock|termination"),
+    Break("I6", "a zombie is torn down while a step still includes it",
+          (P(Scheduler, "_maybe_teardown", ("or s.inflight_refs != 0", "")),), r"I6|IllegalTransition",
+          modes=(True,)),
+    Break("I6", "a zombie is torn down early, with the sequence's own guard removed",
+          (P(Scheduler, "_maybe_teardown", ("or s.inflight_refs != 0", "")),
+           P(sequence.Sequence, "move", ('if event == "teardown" and self.inflight_refs != 0:', "if False:"))),
+          r"I3|I6|KeyError|KVCorruption|HardwareMisuse", modes=(True,)),
+    Break("I6", "pages are released twice",
+          (P(Scheduler, "_maybe_teardown", ("self.pages.release(s.pages)",
+                                            "self.pages.release(s.pages); self.pages.release(s.pages)")),),
+          r"I6|DoubleRelease"),
+    Break("I6", "pages are never released",
+          (P(Scheduler, "_maybe_teardown", ("self.pages.release(s.pages)", "pass")),), r"I6"),
+    Break("I6", "one KV page too few is reserved",
+          (P(scheduler, "pages_needed", ("prompt_len + max_tokens - 1", "prompt_len + max_tokens - 2")),),
+          r"HardwareMisuse|KVCorruption"),
+    Break("I7", "a cancelled request is never answered",
+          (P(Scheduler, "_end", ("self.on_finish(s)", "if status is not Status.CANCELLED: self.on_finish(s)")),),
+          r"I7"),
+    Break("I7", "a request is answered twice",
+          (P(Scheduler, "_end", ("self.on_finish(s)", "self.on_finish(s); self.on_finish(s)")),), r"I7|KeyError"),
+    Break("I7", "a cancelled request stays in the admission queue",
+          (P(Scheduler, "cancel", ("self.queue.remove(seq_id)", "pass")),), r"I7|KeyError|IllegalTransition"),
+    Break("I7", "a request its own listener cancelled on its last token is ended again",
+          (P(Scheduler, "_append", ("if s.finalized:", "if False:")),), r"IllegalTransition", bounds="listeners"),
+    Break("I8", "the commit reads every row's token from row 0",
+          (P(Scheduler, "commit", ("output.tokens[row]", "output.tokens[0]")),), r"I8|I9|I5"),
+    Break("I8", "a decode row is fed the wrong position",
+          (P(Scheduler, "_row", ("tokens, position = (), s.kv_len", "tokens, position = (), s.kv_len + 1")),),
+          r"HardwareMisuse|KVCorruption"),
+    Break("I9", "masks are built at launch, before the previous step's commit",
+          (P(Scheduler, "launched", ("self.inflight.append(step)",
+                                     "self.inflight.append(step); step.mask_ids = MASKS_NOW(self, step)")),
+           P(Scheduler, "plan_finalize", ("step.mask_ids = tuple(masks)", "step.mask_ids = step.mask_ids or tuple(masks)"))),
+          r"I9", modes=(True,)),
+    Break("I9", "the mask is not sent to sampling",
+          (P(Scheduler, "plan_finalize", ("mask = s.state.mask_id()", "mask = None")),), r"I9"),
+]
+
+
+def _edit(src: str, old: str, new: str, name: str) -> str:
+    """Replace ``old`` (one line's text, or whole lines) once; lines of ``new``
+    take the indentation of the first line replaced."""
+    if "\n" not in old:
+        if src.count(old) != 1:
+            pytest.fail(f"{name}: cannot find {old!r} exactly once; the core changed, update this break")
+        return src.replace(old, new)
+    lines, want = src.splitlines(), [w.strip() for w in old.splitlines()]
+    starts = [i for i in range(len(lines)) if [x.strip() for x in lines[i:i + len(want)]] == want]
+    if len(starts) != 1:
+        pytest.fail(f"{name}: cannot find {old!r} exactly once; the core changed, update this break")
+    i = starts[0]
+    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+    lines[i:i + len(want)] = [indent + w.strip() for w in new.splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def apply(monkeypatch, patch: Patch) -> None:
+    fn = getattr(patch.owner, patch.name)
+    src = textwrap.dedent(inspect.getsource(fn))
+    for old, new in patch.edits:
+        src = _edit(src, old, new, patch.name)
+    namespace: dict = {}
+    scope = dict(fn.__globals__, MASKS_NOW=masks_now)
+    exec(compile(src, f"<broken {patch.name}>", "exec"), scope, namespace)
+    monkeypatch.setattr(patch.owner, patch.name, namespace[patch.name])
+
+
+@pytest.mark.parametrize("brk", BREAKS, ids=[f"{b.invariant}-{b.bug.replace(' ', '_')}" for b in BREAKS])
+def test_a_broken_invariant_is_caught(brk, monkeypatch):
+    for patch in brk.patches:
+        apply(monkeypatch, patch)
+    for pipelined in brk.modes:
+        report = search(BOUNDS[brk.bounds], pipelined, max_violations=1)
+        mode = "pipelined" if pipelined else "blocking"
+        assert report.violations, f"{brk.invariant} ({brk.bug}) went unnoticed in {mode} mode: {report.line()}"
+        message, path = report.violations[0]
+        assert re.search(brk.expect, message), f"caught, but as {message!r} (path {path})"
+
+
+def test_every_core_invariant_has_a_break():
+    assert {b.invariant for b in BREAKS} == {f"I{i}" for i in range(2, 10)}
+
+
+def test_the_patches_leave_the_core_intact():
+    # monkeypatch undid every break: the quick search is clean again.
+    assert Scheduler.commit is scheduler.Scheduler.commit and pages.pages_needed is scheduler.pages_needed
+    report = search(BOUNDS["quick"], True)
+    assert not report.violations, report.violations[:1]
