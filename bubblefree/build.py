@@ -26,6 +26,6 @@ def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool
         # head has no notion of them, but every output stays well formed.
         loaded.model.resize_token_embeddings(len(loaded.tokenizer), mean_resizing=True)
     backend = CudaBackend(loaded, **backend_options)
-    core = CoreEngine(backend, pipelined=pipelined)
+    core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
     skills = SkillSet(tokenizer, core.register_mask).compile_all()
     return cls(core, skills, backend=backend)

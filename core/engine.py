@@ -74,6 +74,9 @@ class Engine:
     scheduler: Scheduler = attrs.field(init=False)
     handles: dict[int, Handle] = attrs.Factory(dict)
     trace: list[tuple] = attrs.Factory(list)  # event log, for replay hashing
+    # A long-lived server must not keep every step forever: past twice this
+    # many entries the oldest half is dropped (None keeps everything).
+    trace_limit: int | None = None
     _masks: list[frozenset[int]] = attrs.Factory(list)
     _mask_ids: dict[int, int] = attrs.Factory(dict)  # backend id -> index in _masks
     _ids: Iterator[int] = attrs.Factory(itertools.count)
@@ -103,13 +106,13 @@ class Engine:
         handle = Handle(seq_id, request, self)
         self.handles[seq_id] = handle
         self.scheduler.add(Sequence(seq_id, request))
-        self.trace.append(("submit", seq_id))
+        self._log(("submit", seq_id))
         return handle
 
     def cancel(self, request_id: int) -> bool:
         ok = self.scheduler.cancel(request_id)
         if ok:
-            self.trace.append(("cancel", request_id))
+            self._log(("cancel", request_id))
         return ok
 
     def has_work(self) -> bool:
@@ -138,7 +141,7 @@ class Engine:
     def abort(self, reason: str) -> None:
         """Fail every live request with ``reason``; for a lost device."""
         self.scheduler.abort(reason)
-        self.trace.append(("abort", reason))
+        self._log(("abort", reason))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -152,11 +155,11 @@ class Engine:
         try:
             self.backend.launch(slot.index, plan)
         except StepFailed as fault:
-            self.trace.append(("launch_failed", plan.step_id, fault.reason))
+            self._log(("launch_failed", plan.step_id, fault.reason))
             self.scheduler.launch_failed(plan, fault.reason)
             return True
         self.scheduler.launched(slot, plan)
-        self.trace.append(("launch", plan.step_id, plan.kind.value, slot.index,
+        self._log(("launch", plan.step_id, plan.kind.value, slot.index,
                            tuple(r.seq_id for r in plan.rows)))
         return True
 
@@ -171,7 +174,7 @@ class Engine:
         except StepFailed as fault:
             failed = fault.reason
         self.scheduler.finalized(step, failed)
-        self.trace.append(("finalize", step.step_id, sample.mask_ids, failed))
+        self._log(("finalize", step.step_id, sample.mask_ids, failed))
         return True
 
     def _commit(self) -> bool:
@@ -186,8 +189,13 @@ class Engine:
                 failed = fault.reason
         self.scheduler.commit(step, output, failed, self.allowed, self._emit)
         self.backend.release(step.slot)
-        self.trace.append(("commit", step.step_id, output.tokens if output else None, failed))
+        self._log(("commit", step.step_id, output.tokens if output else None, failed))
         return True
+
+    def _log(self, entry: tuple) -> None:
+        self.trace.append(entry)
+        if self.trace_limit is not None and len(self.trace) > 2 * self.trace_limit:
+            del self.trace[:len(self.trace) - self.trace_limit]
 
     # --------------------------------------------------------------- callbacks
     def _emit(self, seq: Sequence, token: int) -> None:
@@ -209,7 +217,7 @@ class Engine:
                 status, reason = Status.FAILED, f"finisher raised {type(err).__name__}: {err}"
         handle.result = Result(request_id=seq.seq_id, status=status, tokens=tuple(seq.tokens),
                                finish_reason=reason, output=output, tag=req.tag)
-        self.trace.append(("end", seq.seq_id, status.value, reason))
+        self._log(("end", seq.seq_id, status.value, reason))
         for listener in handle.listeners:
             listener(handle, None)
 

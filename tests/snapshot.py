@@ -88,21 +88,19 @@ class Cloner:
             object.__setattr__(twin, name, value)
         return twin
 
-    def _tuple(self, x, memo):
-        hows = self._how
-        if all(hows.get(type(e)) is _share for e in x):  # page ids, KV addresses
-            return x
-        items = self._items(x, memo)
-        twin = x if all(a is b for a, b in zip(items, x)) else tuple(items)
-        memo[id(x)] = twin
-        return twin
+    def _tuple(self, x, memo):  # page ids, KV addresses
+        return self._immutable(x, memo, tuple)
 
-    def _frozenset(self, x, memo):
+    def _frozenset(self, x, memo):  # masks, stop ids
+        return self._immutable(x, memo, frozenset)
+
+    def _immutable(self, x, memo, make):
+        """An immutable container is shared unless something inside it must be copied."""
         hows = self._how
-        if all(hows.get(type(e)) is _share for e in x):  # masks, stop ids
+        if all(hows.get(type(e)) is _share for e in x):
             return x
         items = self._items(x, memo)
-        twin = x if all(a is b for a, b in zip(items, x)) else frozenset(items)
+        twin = x if all(a is b for a, b in zip(items, x)) else make(items)
         memo[id(x)] = twin
         return twin
 

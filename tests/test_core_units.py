@@ -164,3 +164,15 @@ def test_a_listener_may_cancel_its_request_mid_commit():
     assert ends == [Status.CANCELLED] and handle.result.tokens == tuple(handle.tokens)
     assert len(handle.tokens) == 2 and other.result.status is Status.COMPLETED
     assert engine.scheduler.pages.num_free == engine.scheduler.pages.size
+
+
+def test_a_bounded_trace_keeps_the_newest_entries():
+    # A serving engine runs for days: its event log must not grow forever.
+    from core import Engine
+    from fake_backend import FakeBackend
+    engine = Engine(FakeBackend(zero_cost=True), trace_limit=10)
+    for _ in range(12):
+        engine.submit(Request(prompt=(0, 1), max_tokens=3))
+    engine.run_until_idle(max_ticks=200)
+    assert 10 <= len(engine.trace) <= 20
+    assert engine.trace[-1][0] in ("end", "commit")
