@@ -47,7 +47,9 @@ class Handle:
         return self._engine.cancel(self.request_id)
 
     def wait(self) -> Result:
-        """Drive the engine in this thread until this request has ended."""
+        """Drive the engine in this thread until this request has ended. Only
+        for an engine no other thread drives (``bubblefree``'s serving loop
+        owns its engine: wait on a listener there instead)."""
         while self.result is None:
             if not self._engine.tick():
                 raise RuntimeError(f"request {self.request_id}: engine idle before it ended")
