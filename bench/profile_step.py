@@ -1,20 +1,25 @@
 """Where a decode step's GPU time goes (moondream2's text-decoder shape).
 
-Times the captured decode graph per batch bucket with CUDA events, and
-prints the top kernels of one eager decode forward from torch.profiler, so
+Times the captured decode graph per batch bucket with CUDA events for each
+way of running the step (transformers' forward or the fused step, eager or
+compiled), and prints the top kernels of one step of the last, so
 optimisation starts from a measurement rather than a guess.
 
     python -m bench.profile_step [--rows 1,8,32,64] [--context 128]
+                                 [--paths transformers,fused,fused+compile]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import time
 
 import torch
 from transformers import PhiForCausalLM
 
 from cuda_backend.backend import CudaBackend
+from bench.speed_setup import DECODE_PATHS as PATHS
 from cuda_backend.tiny import phi15_config
 
 
@@ -39,6 +44,7 @@ def time_graph(be: CudaBackend, b: int, p: int, context: int, iters: int = 50) -
 
 
 def top_kernels(be: CudaBackend, b: int, p: int, n: int = 18) -> str:
+    """The kernel table of one step (run outside the graph, same kernels)."""
     from torch.profiler import ProfilerActivity, profile
     r = be._runner
     with torch.no_grad(), torch.cuda.stream(be._compute):
@@ -47,7 +53,10 @@ def top_kernels(be: CudaBackend, b: int, p: int, n: int = 18) -> str:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             r.decode_forward(b, p)
             torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n)
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.device_type.name == "CUDA")
+    table = events.table(sort_by="cuda_time_total", row_limit=n)
+    return f"{launches} kernels in one step at {b} rows\n{table}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,28 +64,36 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--kernels-at", type=int, default=32)
-    ap.add_argument("--compile", action="store_true", help="also time the compiled decode step")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = PhiForCausalLM(phi15_config()).to(torch.bfloat16).eval()
-    be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=64, max_seqs=64,
-                     max_prefill_tokens=2048, max_context=256)
-    p = be._pages[0]
-    print(f"page buckets {be._pages}, row buckets {be._rows}; using p={p}")
-    for b in (int(x) for x in args.rows.split(",")):
-        ms = time_graph(be, b, p, args.context)
-        print(f"decode graph b={b:3d}: {ms:.3f} ms/step (GPU)", flush=True)
-    print(top_kernels(be, args.kernels_at, p))
-    if args.compile:
-        del be
-        torch.cuda.empty_cache()
+    rows = [int(x) for x in args.rows.split(",")]
+    paths = args.paths.split(",")
+    results: dict[str, list[float]] = {}
+    be = None
+    for name in paths:
+        t = time.perf_counter()
         be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=64, max_seqs=64,
-                         max_prefill_tokens=2048, max_context=256, compile_decode=True)
-        label = "compiled" if be._runner.decode_model is not model else "compile FAILED, eager"
-        for b in (int(x) for x in args.rows.split(",")):
-            ms = time_graph(be, b, p, args.context)
-            print(f"{label} decode graph b={b:3d}: {ms:.3f} ms/step (GPU)", flush=True)
+                         max_prefill_tokens=2048, max_context=256, **PATHS[name])
+        p = be._pages[0]
+        print(f"{name}: runs as '{be.decode_path}', built in {time.perf_counter() - t:.1f} s; "
+              f"page bucket {p}", flush=True)
+        results[name] = [time_graph(be, b, p, args.context) for b in rows]
+        for b, ms in zip(rows, results[name]):
+            print(f"  {name} decode graph b={b:3d}: {ms:.3f} ms/step (GPU)", flush=True)
+        if name != paths[-1]:
+            del be
+            gc.collect()
+            torch.cuda.empty_cache()
+    print("\nGPU ms per captured decode step, context", args.context)
+    print("| path | " + " | ".join(f"b={b}" for b in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    for name, ms in results.items():
+        print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in ms) + " |")
+    print(f"\nkernels of '{be.decode_path}':")
+    print(top_kernels(be, args.kernels_at, be._pages[0]))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 in one process on one GPU, on the moondream2 text decoder's shape.
 
     python -m bench.speed [--tiny] [--quick] [--streams 1,8,32,64]
-                          [--workloads text,detect,point,mix]
+                          [--workloads text,detect,point,mix] [--decode fused+compile]
                           [--out docs/benchmarks.md] [--plot docs/benchmarks.png]
 
 One backend is built (its CUDA graphs captured once); every cell runs a
@@ -38,7 +38,8 @@ from bench import speed_report as report
 from bench.peers import NAMES as PEER_NAMES, Peers
 from bench.speed_cells import (FULL_TOKENS, PROMPT, QUICK_TOKENS, WORKLOADS, TimedBackend,
                                bin_masks, make_requests, request_count, run_closed_loop)
-from bench.speed_setup import Clock, TimeLimit, build_model, copy_bandwidth, time_limit
+from bench.speed_setup import (DECODE_PATHS, Clock, TimeLimit, build_model, copy_bandwidth,
+                               time_limit)
 from core import Engine
 
 CONTEXT = 256  # prompt + the longest output (152) fits; one page bucket of graphs
@@ -60,6 +61,8 @@ def parse(argv):
                     help="seconds by which everything (peers included) is stopped")
     ap.add_argument("--cell-timeout", type=float, default=120.0)
     ap.add_argument("--peer-timeout", type=float, default=120.0)
+    ap.add_argument("--decode", choices=list(DECODE_PATHS), default="fused+compile",
+                    help="how the engine runs a decode step (compile applies on CUDA only)")
     ap.add_argument("--out", default="docs/benchmarks.md", help="append the tables here ('' = no)")
     ap.add_argument("--plot", default="docs/benchmarks.png", help="PNG plot ('' = no)")
     args = ap.parse_args(argv)
@@ -184,6 +187,12 @@ def main(argv: list[str] | None = None) -> str:
         torch.set_num_threads(threads)
 
 
+def decode_options(args, device) -> dict:
+    options = dict(DECODE_PATHS[args.decode])
+    options["compile_decode"] &= device.type == "cuda"  # inductor on the CPU needs a compiler
+    return options
+
+
 def run(args, command: str) -> str:
     model, label = build_model(args.tiny)
     device = next(model.parameters()).device
@@ -201,8 +210,10 @@ def run(args, command: str) -> str:
         backend = TimedBackend(model, page_size=16, num_pages=2 * top * math.ceil(CONTEXT / 16) + 16,
                                max_rows=top, max_seqs=max(256, 2 * top),
                                max_prefill_tokens=max(2048, PROMPT * top), max_context=CONTEXT,
-                               use_graphs=device.type == "cuda")
-        args.clock.say(f"backend built in {time.perf_counter() - t:.1f} s (graphs captured)")
+                               use_graphs=device.type == "cuda", **decode_options(args, device))
+        env["decode"] = backend.decode_path
+        args.clock.say(f"backend built in {time.perf_counter() - t:.1f} s (graphs captured); "
+                       f"decode step: {backend.decode_path}")
         mask_ids = tuple(Engine(backend).register_mask(m) for m in bin_masks(backend.vocab_size))
         warm_up(backend, args, mask_ids)
         rows = engine_cells(backend, args, mask_ids)

@@ -13,6 +13,13 @@ import transformers
 from cuda_backend.tiny import phi15_config, tiny_model
 
 
+# Ways to run a decode step (CudaBackend options); benchmarks name one.
+DECODE_PATHS = {"transformers": dict(fused_decode=False, compile_decode=False),
+                "transformers+compile": dict(fused_decode=False, compile_decode=True),
+                "fused": dict(fused_decode=True, compile_decode=False),
+                "fused+compile": dict(fused_decode=True, compile_decode=True)}
+
+
 class Clock:
     """Seconds since the run began, and progress lines stamped with them."""
 

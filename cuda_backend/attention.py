@@ -36,17 +36,19 @@ class PagedContext:
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, page_table: torch.Tensor,
                  q_pos: torch.Tensor, q_gather: torch.Tensor | None = None,
-                 out_gather: torch.Tensor | None = None, group_rows: int | None = None):
+                 out_gather: torch.Tensor | None = None, group_rows: int | None = None,
+                 gather_keys: bool = True):
         ps = cache.page_size
         rows, pages = page_table.shape
         self.cache = cache
         self.page_table = page_table  # [R, P]
         self.slot_mapping = slot_mapping  # [T] flat KV index each new token is written to
-        offsets = torch.arange(ps, device=page_table.device)  # [ps]
-        # [R, L]: flat KV index of key position j of row r (L = pages * ps)
-        self.kv_index = (page_table.unsqueeze(-1) * ps + offsets).view(rows, pages * ps)
         self.q_pos = q_pos  # [R, S] absolute position of each (padded) query
-        self.key_pos = torch.arange(pages * ps, device=page_table.device)  # [L]
+        if gather_keys:  # the paged kernel reads pages in place and needs neither
+            offsets = torch.arange(ps, device=page_table.device)  # [ps]
+            # [R, L]: flat KV index of key position j of row r (L = pages * ps)
+            self.kv_index = (page_table.unsqueeze(-1) * ps + offsets).view(rows, pages * ps)
+            self.key_pos = torch.arange(pages * ps, device=page_table.device)  # [L]
         self.q_gather = q_gather  # [R * S] packed token of each padded query (prefill)
         self.out_gather = out_gather  # [T] padded query of each packed token (prefill)
         # Prefill attends in groups of rows so the gathered keys of a group
@@ -83,7 +85,8 @@ def decode_context(cache: PagedKVCache, positions: torch.Tensor,
     """One input token per row at ``positions`` ``[B]``; ``page_table`` ``[B, P]``."""
     ps = cache.page_size
     page = page_table.gather(1, (positions // ps).unsqueeze(1)).squeeze(1)  # [B]
-    return PagedContext(cache, page * ps + positions % ps, page_table, positions.unsqueeze(1))
+    return PagedContext(cache, page * ps + positions % ps, page_table, positions.unsqueeze(1),
+                        gather_keys=not paged_decode.available(page_table))
 
 
 def prefill_context(cache: PagedKVCache, slot_mapping: torch.Tensor, page_table: torch.Tensor,
@@ -115,20 +118,38 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"paged attention: '{name}' is not supported")
-    keys, values = ctx.cache.layer(module.layer_idx)  # [N * ps, KVH, D]
-    keys.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(keys.dtype))
-    values.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(values.dtype))
+    keys, values = write_kv(ctx, module.layer_idx, key[0].transpose(0, 1),
+                            value[0].transpose(0, 1))
     q = query[0].transpose(0, 1)  # [T, H, D]
     window = kwargs.get("sliding_window")
-    if ctx.is_decode and paged_decode.available(q):
-        out = paged_decode.paged_decode_attention(q, keys, values, ctx.page_table, ctx.q_pos[:, 0],
-                                                  ctx.cache.page_size, scaling, window)
-    elif ctx.is_decode:
-        k, v = _gather(keys, values, ctx.kv_index, q.dtype)
-        out = _decode_attention(q, k, v, ctx.mask(window)[:, 0], scaling)
+    if ctx.is_decode:
+        out = decode_attention(q, keys, values, ctx, scaling, window)
     else:
         out = _prefill_attention(q, keys, values, window, scaling, ctx)
     return out.unsqueeze(0), None
+
+
+def write_kv(ctx: PagedContext, layer: int, key: torch.Tensor,
+             value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store the step's new keys and values ``[T, KVH, D]`` at
+    ``ctx.slot_mapping``; returns the layer's whole ``[N * ps, KVH, D]`` pair."""
+    keys, values = ctx.cache.layer(layer)
+    keys.index_copy_(0, ctx.slot_mapping, key.to(keys.dtype))
+    values.index_copy_(0, ctx.slot_mapping, value.to(values.dtype))
+    return keys, values
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     ctx: PagedContext, scaling: float | None,
+                     window: int | None) -> torch.Tensor:
+    """One query per row ``[B, H, D]`` over its own pages: the Triton kernel
+    on CUDA, the gathering path elsewhere. Returns ``[B, H, Dv]``."""
+    if paged_decode.available(q):
+        return paged_decode.paged_decode_attention(q, keys, values, ctx.page_table,
+                                                   ctx.q_pos[:, 0], ctx.cache.page_size,
+                                                   scaling, window)
+    k, v = _gather(keys, values, ctx.kv_index, q.dtype)
+    return _decode_attention(q, k, v, ctx.mask(window)[:, 0], scaling)
 
 
 def _gather(keys: torch.Tensor, values: torch.Tensor, kv_index: torch.Tensor,

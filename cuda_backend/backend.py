@@ -41,7 +41,7 @@ class CudaBackend:
                  num_pages: int | None = None, kv_memory_fraction: float = 0.9,
                  max_rows: int = 64, max_seqs: int = 256, max_prefill_tokens: int = 2048,
                  max_context: int | None = None, use_graphs: bool = True,
-                 compile_decode: bool = False,
+                 compile_decode: bool | None = None, fused_decode: bool = True,
                  min_graph_context: int = 256, mask_capacity: int = 16):
         self.loaded = model if isinstance(model, LoadedModel) else None
         self.model = module = self.loaded.model if self.loaded else model
@@ -66,8 +66,10 @@ class CudaBackend:
         self.cache = PagedKVCache(layers=dims.layers, kv_heads=dims.kv_heads,
                                   head_dim=dims.head_dim, num_pages=num_pages,
                                   page_size=page_size, dtype=self.dtype, device=self.device)
+        if compile_decode is None:  # on by default where graphs will capture it
+            compile_decode = cuda and use_graphs
         self._runner = ModelRunner(module, self.cache, self._cap, self.device,
-                                   compile_decode=compile_decode)
+                                   compile_decode=compile_decode, fused_decode=fused_decode)
         self._masks = MaskTable(self._vocab, self.device, mask_capacity)
         self._salt = vocab_hash(self._vocab, self.device)  # [V]
         self._slots = [make_slot(i, staging_size=staging_size(self._cap), max_rows=max_rows,
@@ -83,9 +85,9 @@ class CudaBackend:
             self._capture_decode()
             if compile_decode and not self._decode_graphs.enabled:
                 # The compiled step could not be captured: keep graphs, drop compile.
-                warnings.warn("compiled decode step failed to capture; using the eager model",
+                warnings.warn("compiled decode step failed to capture; using it uncompiled",
                               RuntimeWarning, stacklevel=2)
-                self._runner.decode_model = module
+                self._runner.use_compiled(False)
                 self._decode_graphs = GraphSet(self.device, use_graphs)
                 self._capture_decode()
             self._capture_sampling()
@@ -98,6 +100,11 @@ class CudaBackend:
     @property
     def capacity(self) -> Capacity:
         return self._cap
+
+    @property
+    def decode_path(self) -> str:
+        """What runs a decode step: "fused phi, compiled", "transformers", ..."""
+        return self._runner.decode_path
 
     @property
     def vocab_size(self) -> int:

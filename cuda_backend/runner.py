@@ -20,6 +20,7 @@ from core.backend import Capacity
 from core.values import StepKind, StepPlan
 from cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_context, prefill_context
 from cuda_backend.errors import PlanRejected
+from cuda_backend.fused_decode import make_decoder
 from cuda_backend.kv_cache import PagedKVCache
 from cuda_backend.sizing import prefill_key_budget
 
@@ -73,13 +74,12 @@ class ModelRunner:
     scratch row that padded rows read and write."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cap: Capacity,
-                 device: torch.device, compile_decode: bool = False):
+                 device: torch.device, compile_decode: bool = False, fused_decode: bool = True):
         self.model, self.cache, self.cap, self.device = model, cache, cap, device
-        # torch.compile fuses the decode step's small elementwise kernels
-        # (norms, rotary, activations, residuals); the graphs then capture the
-        # compiled code. The batch dimension is dynamic: one compile serves
-        # every bucket. Prefill stays eager (its shapes vary).
-        self.decode_model = torch.compile(model, dynamic=True) if compile_decode else model
+        # The decode step: fused projections where the architecture has them
+        # (fused_decode.py), else transformers' forward; why not, when not.
+        self.decoder, self.not_fused = make_decoder(model, fused_decode)
+        self.use_compiled(compile_decode)
         self.scratch_row = cap.max_seqs
         self.last_token = torch.zeros(cap.max_seqs + 1, dtype=torch.long, device=device)  # [S+1]
         self.max_pages = -(-cap.max_context // cap.page_size)
@@ -87,6 +87,20 @@ class ModelRunner:
         # [2 * max_rows + max_rows * max_pages]: the decode graphs' static input
         self.decode_meta = torch.zeros(2 * cap.max_rows + cap.max_rows * self.max_pages,
                                        dtype=torch.long, device=device)
+
+    def use_compiled(self, on: bool) -> None:
+        """torch.compile fuses the decode step's small elementwise kernels
+        (norms, rotary, activations, residuals); the graphs then capture the
+        compiled code. Batch and page dimensions are dynamic: one compile
+        serves every bucket. Prefill stays eager (its shapes vary)."""
+        self.compiled = on
+        self.decode_step = (torch.compile(self.decoder, dynamic=True) if on and self.decoder
+                            else self.decoder)
+
+    @property
+    def decode_path(self) -> str:
+        """What runs a decode step, in words (reports and benchmarks)."""
+        return self.decoder.path + (", compiled" if self.compiled else "")
 
     # -- decode ---------------------------------------------------------------
 
@@ -109,21 +123,18 @@ class ModelRunner:
         return n
 
     def decode_inputs(self, b: int, p: int) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
-        """Input ids ``[1, B]``, position ids ``[1, B]`` and the attention
-        context of ``decode_meta`` read as bucket (b, p)."""
+        """Input ids ``[B]``, positions ``[B]`` and the attention context of
+        ``decode_meta`` read as bucket (b, p)."""
         meta = self.decode_meta
         row_slots, positions = meta[:b], meta[b:2 * b]  # [B], [B]
         page_table = meta[2 * b:2 * b + b * p].view(b, p)  # [B, P]
-        input_ids = self.last_token.index_select(0, row_slots).view(1, b)  # [1, B]
-        return input_ids, positions.view(1, b), decode_context(self.cache, positions, page_table)
+        input_ids = self.last_token.index_select(0, row_slots)  # [B]
+        return input_ids, positions, decode_context(self.cache, positions, page_table)
 
     def decode_forward(self, b: int, p: int) -> torch.Tensor:
         """The decode step; returns logits ``[b, V]``. Allocation-free to
         enqueue once captured as a graph."""
-        input_ids, positions, ctx = self.decode_inputs(b, p)
-        out = self.decode_model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                **{CONTEXT_KWARG: ctx})
-        return out.logits[0]  # [B, V]
+        return self.decode_step(*self.decode_inputs(b, p))
 
     # -- prefill --------------------------------------------------------------
 

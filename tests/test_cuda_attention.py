@@ -101,7 +101,7 @@ def test_decode_matches_eager(window):
     count = runner.pack_decode(plan, staging, b, p)
     runner.decode_meta[:count] = torch.from_numpy(staging[:count])
     _, positions, ctx = runner.decode_inputs(b, p)
-    assert positions[0, :5].tolist() == [n - 1 for n in ctx_lens]
+    assert positions[:5].tolist() == [n - 1 for n in ctx_lens]
     q, k, v = torch.randn(1, H, b, D), torch.randn(1, KVH, b, D), torch.randn(1, KVH, b, D)
     layer = Layer(0)
     before = [cached_kv(cache, 0, pages[i], n - 1) for i, n in enumerate(ctx_lens)]

@@ -24,8 +24,10 @@ PROMPTS = [[5, 9, 17, 33, 4], [7, 8], [100, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2],
 
 
 def small(model, **kw):
+    # Uncompiled unless a test asks: compiling costs seconds per backend, and
+    # the compiled step has its own tests below.
     args = dict(page_size=16, num_pages=64, max_rows=8, max_seqs=16, max_prefill_tokens=256,
-                max_context=256)
+                max_context=256, compile_decode=False)
     args.update(kw)
     return CudaBackend(model, **args)
 
@@ -77,11 +79,13 @@ def test_masks_registered_after_capture_are_honoured():
     assert set(out[0]) <= allowed and set(out[3]) <= allowed and set(out[1]) == {3}
 
 
-def test_steady_state_decode_makes_no_sync_and_no_allocation():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_steady_state_decode_makes_no_sync_and_no_allocation(compiled):
     """I10: around launch and finalize any host sync raises, and the caching
     allocator serves no new block. ``wait`` syncs on its copy's event by
     design, so it runs outside the debug mode."""
-    be = small(tiny_model("phi", device="cuda", seed=2), max_rows=16)
+    be = small(tiny_model("phi", device="cuda", seed=2), max_rows=16, compile_decode=compiled)
+    assert be._runner.compiled == compiled
     cap = be.capacity
     pages = scattered_pages([60] * 5, cap.page_size, cap.num_pages)
     prompt = tuple(range(3, 43))
@@ -122,7 +126,7 @@ def test_memory_sized_cache():
     """Pages come from free device memory, capped at what max_seqs sequences
     of the full context could own; a budget below one page is refused."""
     be = CudaBackend(tiny_model("llama", device="cuda"), max_rows=8, max_seqs=8,
-                     kv_memory_fraction=0.5)
+                     kv_memory_fraction=0.5, compile_decode=False)
     assert be.capacity.num_pages == 8 * 256 // 16
     del be
     gc.collect()
@@ -143,6 +147,7 @@ def test_phi15_shape_bf16_agrees_with_transformers():
     prompts = [list(range(100, 132)), list(range(7000, 7011))]
     be = CudaBackend(model, page_size=16, num_pages=256, max_rows=4, max_seqs=4,
                      max_prefill_tokens=128, max_context=512)
+    assert be.decode_path == "fused phi, compiled"  # the default is what is checked
     got = generate(be, prompts, 24)
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
@@ -154,7 +159,8 @@ def test_phi15_shape_bf16_agrees_with_transformers():
             scale = logits.std(dim=1)
             exact = (logits.argmax(dim=1) == torch.tensor(toks, device="cuda")).float().mean()
             # Printed for the GPU validation record (run with -s).
-            print(f"bf16 parity, prompt of {len(p)}: {len(toks)} tokens, argmax agreement "
+            print(f"bf16 parity ({be.decode_path}), prompt of {len(p)}: {len(toks)} tokens, "
+                  f"argmax agreement "
                   f"{exact.item():.3f}, worst margin {margin.max().item():.4f} "
                   f"(logit std {scale.mean().item():.3f})")
             assert (margin <= 0.1 * scale + 0.0625).all(), (margin, scale)
@@ -205,11 +211,20 @@ def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype):
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
 
-def test_compiled_decode_agrees_with_the_eager_graphs():
-    """compile_decode: torch.compile'd decode step, captured in our graphs,
-    with the paged kernel as an opaque custom op; tokens unchanged."""
-    model = tiny_model("phi", device="cuda", seed=4)
-    want = generate(small(model), PROMPTS, 10)
-    be = small(model, compile_decode=True)
-    assert be._runner.decode_model is not model, "the compiled step failed to capture"
+@pytest.mark.parametrize("arch,fused", [("phi", True), ("llama", True), ("phi", False)])
+def test_compiled_decode_agrees_with_the_eager_graphs(arch, fused):
+    """compile_decode: torch.compile'd decode step (fused or transformers'),
+    captured in our graphs, with the paged kernel as an opaque custom op;
+    tokens unchanged."""
+    model = tiny_model(arch, device="cuda", seed=4)
+    want = generate(small(model, fused_decode=False), PROMPTS, 10)
+    be = small(model, compile_decode=True, fused_decode=fused)
+    path = f"fused {arch}" if fused else "transformers"
+    assert be.decode_path == f"{path}, compiled", "the compiled step failed to capture"
     assert generate(be, PROMPTS, 10) == want
+
+
+def test_the_default_on_cuda_is_the_fused_compiled_step():
+    be = CudaBackend(tiny_model("llama", device="cuda"), page_size=16, num_pages=64, max_rows=4,
+                     max_seqs=4, max_prefill_tokens=128, max_context=128)
+    assert be.decode_path == "fused llama, compiled"

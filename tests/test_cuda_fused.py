@@ -1,0 +1,105 @@
+"""The fused decode step (cuda_backend/fused_decode.py) against transformers'
+forward, on tiny random decoders on the CPU: same logits to rounding, same
+greedy tokens, no weight stored twice, transformers' own forward unchanged,
+and a clear fallback for models it does not cover."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from core.values import StepKind, StepPlan, StepRow
+from cuda_backend.backend import CudaBackend
+from cuda_backend.drive import generate, scattered_pages
+from cuda_backend.fused_decode import FusedDecoder, TransformersDecoder, make_decoder
+from cuda_backend.runner import staging_size
+from cuda_backend.tiny import tiny_model
+
+ARCHS = ["llama", "phi", "qwen2"]
+PROMPTS = [[5, 9, 17, 33, 4], [7, 8], [11, 12, 13] * 7]
+
+
+def backend(model, **kw):
+    args = dict(page_size=4, num_pages=96, max_rows=8, max_seqs=16, max_prefill_tokens=128,
+                min_graph_context=8)
+    args.update(kw)
+    return CudaBackend(model, **args)
+
+
+def decode_logits(be: CudaBackend, decoder, ctx_lens: list[int]) -> torch.Tensor:
+    """Logits of one padded decode step over stale-but-fixed KV, from ``decoder``."""
+    r, cap = be._runner, be.capacity
+    pages = scattered_pages(ctx_lens, cap.page_size, cap.num_pages, seed=3)
+    rows = tuple(StepRow(seq_id=i, row_slot=i, tokens=(), position=n - 1, pages=pages[i])
+                 for i, n in enumerate(ctx_lens))
+    staging = np.zeros(staging_size(cap), dtype=np.int64)
+    b, p = 8, 16  # padded rows and pages past each row's own
+    count = r.pack_decode(StepPlan(0, StepKind.DECODE, rows), staging, b, p)
+    r.decode_meta[:count] = torch.from_numpy(staging[:count])
+    r.last_token[:len(ctx_lens)] = torch.tensor([3, 17, 40, 99][:len(ctx_lens)])
+    with torch.no_grad():
+        return decoder(*r.decode_inputs(b, p))[:len(ctx_lens)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_step_gives_transformers_logits(arch):
+    model = tiny_model(arch, seed=7)
+    be = backend(model)
+    assert isinstance(be._runner.decoder, FusedDecoder) and be.decode_path == f"fused {arch}"
+    torch.manual_seed(0)
+    be.cache.data.normal_()  # KV the step reads; both decoders write the same new entries
+    fused = decode_logits(be, be._runner.decoder, [1, 6, 17, 9])
+    plain = decode_logits(be, TransformersDecoder(model), [1, 6, 17, 9])
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_and_transformers_steps_decode_the_same_tokens(arch):
+    model = tiny_model(arch, seed=8)
+    plain = generate(backend(model, fused_decode=False), PROMPTS, 12, page_seed=1)
+    be = backend(model)
+    assert be.decode_path == f"fused {arch}"
+    assert generate(be, PROMPTS, 12, page_seed=1) == plain
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fusing_stores_no_weight_twice_and_leaves_transformers_forward_alone(arch):
+    model = tiny_model(arch, seed=9)
+    ids = torch.tensor([[5, 9, 17, 33, 4, 8]])
+    with torch.no_grad():
+        before = model(ids).logits
+    params = sum(p.numel() for p in model.parameters())
+    decoder, why = make_decoder(model)
+    assert why is None
+    layer, attn = decoder.layers[0], model.model.layers[0].self_attn
+    fused = layer.w_in if arch == "phi" else layer.w_qkv
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    if arch == "phi":  # the output projection and fc2 are column views of one weight
+        mlp = model.model.layers[0].mlp
+        assert attn.dense.weight.untyped_storage().data_ptr() == \
+            mlp.fc2.weight.untyped_storage().data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == params
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
+
+
+def test_phi_with_qk_layernorm_is_fused_and_matches():
+    model = tiny_model("phi", seed=10, qk_layernorm=True)
+    plain = generate(backend(model, fused_decode=False), PROMPTS, 8)
+    assert generate(backend(model), PROMPTS, 8) == plain
+
+
+def test_unsupported_models_fall_back_to_transformers_and_say_why():
+    model = tiny_model("llama", seed=11, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                          "rope_theta": 10000.0})
+    decoder, why = make_decoder(model)
+    assert isinstance(decoder, TransformersDecoder) and "dynamic" in why
+    model = tiny_model("llama", seed=11).train()
+    assert "training" in make_decoder(model)[1]
+    decoder, why = make_decoder(tiny_model("llama"), fused=False)
+    assert isinstance(decoder, TransformersDecoder) and why == "not asked for"
+    be = backend(tiny_model("qwen2"), fused_decode=False)
+    assert be.decode_path == "transformers"
