@@ -24,11 +24,11 @@ from cuda_backend.tiny import phi15_config
 
 
 def time_graph(be: CudaBackend, b: int, p: int, context: int, iters: int = 50) -> float:
-    r, meta, ps = be._runner, be._runner.decode_meta, be.capacity.page_size
-    pages = torch.arange(b * p, device=be.device).view(b, p) + 1
-    meta[:b] = torch.arange(b, device=be.device)
-    meta[b:2 * b] = context
-    meta[2 * b:2 * b + b * p] = pages.view(-1)
+    r, ps = be._runner, be.capacity.page_size
+    row_slots, positions, table = r.meta_views(r.decode_meta, b, p)
+    row_slots.copy_(torch.arange(b, device=be.device))
+    positions.fill_(context)
+    table.copy_(torch.arange(b * p, device=be.device).view(b, p) + 1)
     fn = (lambda: r.decode_forward(b, p))
     with torch.no_grad(), torch.cuda.stream(be._compute):
         for _ in range(3):

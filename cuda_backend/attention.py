@@ -134,9 +134,15 @@ def write_kv(ctx: PagedContext, layer: int, key: torch.Tensor,
     """Store the step's new keys and values ``[T, KVH, D]`` at
     ``ctx.slot_mapping``; returns the layer's whole ``[N * ps, KVH, D]`` pair."""
     keys, values = ctx.cache.layer(layer)
-    keys.index_copy_(0, ctx.slot_mapping, key.to(keys.dtype))
-    values.index_copy_(0, ctx.slot_mapping, value.to(values.dtype))
+    store_kv(keys, values, ctx.slot_mapping, key, value)
     return keys, values
+
+
+def store_kv(keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor,
+             key: torch.Tensor, value: torch.Tensor) -> None:
+    """``keys[slot_mapping] = key`` (and values), in the cache's dtype."""
+    keys.index_copy_(0, slot_mapping, key.to(keys.dtype))
+    values.index_copy_(0, slot_mapping, value.to(values.dtype))
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

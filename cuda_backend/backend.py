@@ -245,10 +245,11 @@ class CudaBackend:
         def items():
             for b in reversed(self._rows):
                 for p in reversed(self._pages):
-                    def prepare(b=b):  # padded rows only: scratch row, position 0, scratch page
-                        meta.fill_(self.cache.scratch_page)
-                        meta[:b].fill_(r.scratch_row)
-                        meta[b:2 * b].zero_()
+                    def prepare(b=b, p=p):  # padded rows only: scratch row, position 0 and page
+                        row_slots, positions, table = r.meta_views(meta, b, p)
+                        row_slots.fill_(r.scratch_row)
+                        positions.zero_()
+                        table.fill_(self.cache.scratch_page)
                     yield (b, p), prepare, (lambda b=b, p=p: r.decode_forward(b, p))
         with self._on(self._compute):
             self._decode_graphs.capture_all(items())

@@ -25,11 +25,14 @@ when it is not; every other decoder runs transformers' forward.
 
 from __future__ import annotations
 
+import types
+
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_attention, write_kv
+from cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_attention, store_kv
 
 PARALLEL = ("phi",)
 SEQUENTIAL = ("llama", "qwen2")
@@ -53,6 +56,9 @@ class TransformersDecoder:
                          use_cache=False, **{CONTEXT_KWARG: ctx})
         return out.logits[0]
 
+    def compiled(self, on: bool):
+        return torch.compile(self) if on else self
+
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why ``model`` cannot take the fused path, or None when it can."""
@@ -67,6 +73,12 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "no shared rotary embedding module"
     if any(d in str(getattr(rotary, "rope_type", "")) for d in DYNAMIC_ROPE):
         return f"rope type {rotary.rope_type!r} depends on the sequence length"
+    for layer in model.model.layers:
+        norm = layer.input_layernorm
+        if kind in PARALLEL and not isinstance(norm, nn.LayerNorm):
+            return f"a {type(norm).__name__} where a LayerNorm was expected"
+        if kind in SEQUENTIAL and not hasattr(norm, "variance_epsilon"):
+            return f"a {type(norm).__name__} where an RMSNorm was expected"
     return None
 
 
@@ -126,84 +138,129 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
 
 
-class _Attention:
-    """What both layer kinds share: q/k/v from a fused output, rotary, the
-    KV write and paged attention."""
-
-    def __init__(self, attn: nn.Module, cfg, index: int):
-        self.index = index
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
-        self.window = getattr(attn, "sliding_window", None)
-        self.q_norm = getattr(attn, "q_layernorm", None) if getattr(attn, "qk_layernorm",
-                                                                    False) else None
-        self.k_norm = getattr(attn, "k_layernorm", None) if self.q_norm is not None else None
-        self.sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                      self.kv_heads * self.head_dim]
-
-    def __call__(self, q, k, v, cos, sin, ctx: PagedContext) -> torch.Tensor:
-        """Flat q/k/v ``[B, *]`` -> attention output ``[B, H * D]``."""
-        b = q.shape[0]
-        q = q.view(b, self.heads, self.head_dim)
-        k = k.view(b, self.kv_heads, self.head_dim)
-        v = v.view(b, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        keys, values = write_kv(ctx, self.index, k, v)
-        return decode_attention(q, keys, values, ctx, self.scaling, self.window).reshape(b, -1)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Llama, Qwen2): float32 statistics, weight after."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
-class _ParallelLayer:
-    """Phi: ``x + dense(attn(ln(x))) + fc2(act(fc1(ln(x))))``."""
-
-    def __init__(self, layer: nn.Module, cfg, index: int):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.attn = _Attention(attn, cfg, index)
-        self.norm, self.act = layer.input_layernorm, mlp.activation_fn
-        self.w_in, self.b_in = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj, mlp.fc1])
-        self.w_out, self.b_out = _fuse_columns([attn.dense, mlp.fc2])
-        self.sizes = self.attn.sizes + [mlp.fc1.weight.shape[0]]
-
-    def __call__(self, x, cos, sin, ctx):
-        y = F.linear(self.norm(x), self.w_in, self.b_in)
-        q, k, v, f = y.split(self.sizes, dim=-1)
-        a = self.attn(q, k, v, cos, sin, ctx)
-        return x + F.linear(torch.cat((a, self.act(f)), dim=-1), self.w_out, self.b_out)
+@attrs.frozen
+class Dims:
+    """A model's constants, one instance shared by all its layers, so the
+    compiled layer function sees the same constants at every layer."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scaling: float
+    split: tuple[int, ...]  # sizes of the fused input GEMM's outputs
+    inter: int  # MLP width
 
 
-class _SequentialLayer:
-    """Llama, Qwen2: ``h = x + o(attn(n1(x)))``, ``h + down(act(gate) * up)``."""
+def _attend(q, k, v, cos, sin, keys, values, ctx, qk_norm, dims: Dims, window):
+    """Flat q/k/v ``[B, *]`` -> attention output ``[B, H * D]``: rotary, the
+    KV write, paged attention."""
+    b = q.shape[0]
+    q = q.view(b, dims.heads, dims.head_dim)
+    k = k.view(b, dims.kv_heads, dims.head_dim)
+    v = v.view(b, dims.kv_heads, dims.head_dim)
+    if qk_norm is not None:  # Phi's optional per-head LayerNorms
+        q = F.layer_norm(q, (dims.head_dim,), qk_norm[0], qk_norm[1], dims.eps)
+        k = F.layer_norm(k, (dims.head_dim,), qk_norm[2], qk_norm[3], dims.eps)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    store_kv(keys, values, ctx.slot_mapping, k, v)
+    return decode_attention(q, keys, values, ctx, dims.scaling, window).reshape(b, -1)
 
-    def __init__(self, layer: nn.Module, cfg, index: int):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.attn = _Attention(attn, cfg, index)
-        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        self.o_proj, self.down, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
-        self.w_qkv, self.b_qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.w_gu, self.b_gu = _fuse_rows([mlp.gate_proj, mlp.up_proj])
-        self.inter = mlp.gate_proj.weight.shape[0]
 
-    def __call__(self, x, cos, sin, ctx):
-        q, k, v = F.linear(self.norm1(x), self.w_qkv, self.b_qkv).split(self.attn.sizes, dim=-1)
-        x = x + self.o_proj(self.attn(q, k, v, cos, sin, ctx))
-        gate, up = F.linear(self.norm2(x), self.w_gu, self.b_gu).split(self.inter, dim=-1)
-        return x + self.down(self.act(gate) * up)
+def parallel_layer(x, delta, cos, sin, keys, values, ctx, w, dims: Dims, act, window):
+    """Phi. The residual stream arrives as ``x + delta`` (the previous layer's
+    output not yet added, so the add fuses with this layer's norm); returns
+    the new ``(x, delta)``."""
+    norm_w, norm_b, w_in, b_in, w_out, b_out, qk_norm = w
+    x = x + delta
+    h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, dims.eps)
+    q, k, v, f = F.linear(h, w_in, b_in).split(dims.split, dim=-1)
+    a = _attend(q, k, v, cos, sin, keys, values, ctx, qk_norm, dims, window)
+    return x, F.linear(torch.cat((a, act(f)), dim=-1), w_out, b_out)
+
+
+def sequential_layer(x, delta, cos, sin, keys, values, ctx, w, dims: Dims, act, window):
+    """Llama, Qwen2; the residual stream as in ``parallel_layer``."""
+    norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
+    x = x + delta
+    q, k, v = F.linear(_rms_norm(x, norm1, dims.eps), w_qkv, b_qkv).split(dims.split, dim=-1)
+    x = x + F.linear(_attend(q, k, v, cos, sin, keys, values, ctx, None, dims, window), w_o, b_o)
+    gate, up = F.linear(_rms_norm(x, norm2, dims.eps), w_gu, b_gu).split(dims.inter, dim=-1)
+    return x, F.linear(act(gate) * up, w_down, b_down)
+
+
+def _parallel_weights(layer: nn.Module):
+    attn, mlp = layer.self_attn, layer.mlp
+    w_in, b_in = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj, mlp.fc1])
+    w_out, b_out = _fuse_columns([attn.dense, mlp.fc2])
+    qk = None
+    if getattr(attn, "qk_layernorm", False):
+        qk = (attn.q_layernorm.weight, attn.q_layernorm.bias,
+              attn.k_layernorm.weight, attn.k_layernorm.bias)
+    norm = layer.input_layernorm
+    return (norm.weight, norm.bias, w_in, b_in, w_out, b_out, qk)
+
+
+def _sequential_weights(layer: nn.Module):
+    attn, mlp = layer.self_attn, layer.mlp
+    w_qkv, b_qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+    w_gu, b_gu = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+    return (layer.input_layernorm.weight, w_qkv, b_qkv, attn.o_proj.weight, attn.o_proj.bias,
+            layer.post_attention_layernorm.weight, w_gu, b_gu, mlp.down_proj.weight,
+            mlp.down_proj.bias)
+
+
+def _own_copy(fn):
+    """``fn`` with its own code object. torch.compile keeps compiled code per
+    code object; without a copy every model in the process would share (and
+    de-specialise, and exhaust the recompile limit of) one cache."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
 
 
 class FusedDecoder:
-    """The decode step of a supported model with fused projections."""
+    """The decode step of a supported model: embedding and rotary tables,
+    then one layer function per layer over fused weights, then the head.
+    ``compiled(True)`` compiles the layer function: every layer has the same
+    shapes, so one compilation serves them all (a compile of the whole
+    unrolled model takes minutes for a 24-layer decoder)."""
 
     def __init__(self, model: nn.Module):
         cfg, body = model.config, model.model
-        kind = _ParallelLayer if cfg.model_type in PARALLEL else _SequentialLayer
+        parallel = cfg.model_type in PARALLEL
         self.path = f"fused {cfg.model_type}"
         self.embed, self.rotary, self.lm_head = body.embed_tokens, body.rotary_emb, model.lm_head
-        self.norm = body.final_layernorm if cfg.model_type in PARALLEL else body.norm
+        self.norm = body.final_layernorm if parallel else body.norm
+        first = body.layers[0]
+        attn = first.self_attn
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        if parallel:
+            eps, inter = first.input_layernorm.eps, first.mlp.fc1.weight.shape[0]
+            self.act = first.mlp.activation_fn
+        else:
+            eps, inter = first.input_layernorm.variance_epsilon, first.mlp.gate_proj.weight.shape[0]
+            self.act = first.mlp.act_fn
+        qkv = (heads * attn.head_dim, kv_heads * attn.head_dim, kv_heads * attn.head_dim)
+        self.dims = Dims(heads=heads, kv_heads=kv_heads, head_dim=attn.head_dim, eps=eps,
+                         scaling=attn.scaling, split=qkv + ((inter,) if parallel else ()),
+                         inter=inter)
+        self.windows = [getattr(layer.self_attn, "sliding_window", None) for layer in body.layers]
+        self.layer_fn = parallel_layer if parallel else sequential_layer
         with torch.no_grad():
-            self.layers = [kind(layer, cfg, i) for i, layer in enumerate(body.layers)]
+            make = _parallel_weights if parallel else _sequential_weights
+            self.weights = [make(layer) for layer in body.layers]
+        self.step_layer = self.layer_fn
+
+    def compiled(self, on: bool) -> "FusedDecoder":
+        self.step_layer = torch.compile(_own_copy(self.layer_fn)) if on else self.layer_fn
+        return self
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: PagedContext) -> torch.Tensor:
@@ -211,6 +268,9 @@ class FusedDecoder:
         x = self.embed(input_ids)  # [B, hidden]
         cos, sin = self.rotary(x, positions.view(1, -1))  # [1, B, rot] each, in x's dtype
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [B, 1, rot]: over heads
-        for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.lm_head(self.norm(x))
+        delta = torch.zeros_like(x)
+        for i, w in enumerate(self.weights):
+            keys, values = ctx.cache.layer(i)
+            x, delta = self.step_layer(x, delta, cos, sin, keys, values, ctx, w, self.dims,
+                                       self.act, self.windows[i])
+        return self.lm_head(self.norm(x + delta))

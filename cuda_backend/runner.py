@@ -5,7 +5,10 @@ Host metadata is packed into a DecodeSlot's staging buffer (pinned on CUDA)
 and copied to the device with one non-blocking copy per step, so a launch
 never waits for the device. Decode metadata lands in one static buffer that
 every captured decode graph reads; a graph for bucket (B, P) reads it as
-``[row_slots B | positions B | page_table B*P]``. Sharing that buffer between
+``[row_slots (B of max_rows) | positions (B of max_rows) | page_table B*P]``:
+each part starts at a fixed offset whatever the bucket, so the compiled step
+sees the same input layout in every bucket (a bucket-dependent offset would
+make torch.compile recompile per bucket). Sharing that buffer between
 the two slots is safe because both slots' copies and replays run in launch
 order on the one compute stream (I1): step t+1's copy executes only after step
 t's forward has read the buffer.
@@ -94,8 +97,7 @@ class ModelRunner:
         compiled code. Batch and page dimensions are dynamic: one compile
         serves every bucket. Prefill stays eager (its shapes vary)."""
         self.compiled = on
-        self.decode_step = (torch.compile(self.decoder, dynamic=True) if on and self.decoder
-                            else self.decoder)
+        self.decode_step = self.decoder.compiled(on) if self.decoder else None
 
     @property
     def decode_path(self) -> str:
@@ -107,27 +109,30 @@ class ModelRunner:
     def pages_needed(self, plan: StepPlan) -> int:
         return max(r.position // self.cap.page_size + 1 for r in plan.rows)
 
+    def meta_views(self, meta, b: int, p: int):
+        """Row slots ``[b]``, positions ``[b]`` and page table ``[b, p]`` of
+        a decode metadata buffer (``decode_meta`` or a staging array)."""
+        m = self.cap.max_rows
+        return meta[:b], meta[m:m + b], meta[2 * m:2 * m + b * p].reshape(b, p)
+
     def pack_decode(self, plan: StepPlan, staging: np.ndarray, b: int, p: int) -> int:
-        """Write ``[row_slots b | positions b | pages b*p]`` into ``staging``;
-        padded rows point at the scratch row and scratch page. Returns the
-        element count to copy."""
-        n = 2 * b + b * p
-        staging[:b] = self.scratch_row
-        staging[b:2 * b] = 0
-        staging[2 * b:n] = self.cache.scratch_page
+        """Write bucket (b, p)'s metadata into ``staging``; padded rows point
+        at the scratch row and scratch page. Returns the element count to copy."""
+        row_slots, positions, table = self.meta_views(staging, b, p)
+        row_slots[:] = self.scratch_row
+        positions[:] = 0
+        table[:] = self.cache.scratch_page
         for i, r in enumerate(plan.rows):
-            staging[i] = r.row_slot
-            staging[b + i] = r.position
+            row_slots[i] = r.row_slot
+            positions[i] = r.position
             pages = r.pages[:p]
-            staging[2 * b + i * p:2 * b + i * p + len(pages)] = pages
-        return n
+            table[i, :len(pages)] = pages
+        return 2 * self.cap.max_rows + b * p
 
     def decode_inputs(self, b: int, p: int) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
         """Input ids ``[B]``, positions ``[B]`` and the attention context of
         ``decode_meta`` read as bucket (b, p)."""
-        meta = self.decode_meta
-        row_slots, positions = meta[:b], meta[b:2 * b]  # [B], [B]
-        page_table = meta[2 * b:2 * b + b * p].view(b, p)  # [B, P]
+        row_slots, positions, page_table = self.meta_views(self.decode_meta, b, p)
         input_ids = self.last_token.index_select(0, row_slots)  # [B]
         return input_ids, positions, decode_context(self.cache, positions, page_table)
 

@@ -72,8 +72,8 @@ def test_fusing_stores_no_weight_twice_and_leaves_transformers_forward_alone(arc
     params = sum(p.numel() for p in model.parameters())
     decoder, why = make_decoder(model)
     assert why is None
-    layer, attn = decoder.layers[0], model.model.layers[0].self_attn
-    fused = layer.w_in if arch == "phi" else layer.w_qkv
+    attn = model.model.layers[0].self_attn
+    fused = decoder.weights[0][2 if arch == "phi" else 1]  # qkv(+fc1)
     assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert attn.v_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     if arch == "phi":  # the output projection and fc2 are column views of one weight
