@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One call on a lent GPU: the GPU-only tests, the bf16 parity record, then the
-# speed benchmark. Everything it prints is also written under $OUT.
+# One call on a lent GPU: the GPU-only tests, the bf16 parity record, the
+# decode-step profile, then the speed benchmark. Everything it prints is also
+# written under $OUT. GPU_TESTS selects tests (-k expression; empty = all).
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 out="${OUT:-/tmp/bubblefree-gpu}"
@@ -12,10 +13,14 @@ mkdir -p "$out"
 } 2>&1 | tee "$out/env.txt"
 # The GGUF loader tests need the embedded model's package, which this machine
 # lacks; they run in CI on the CPU.
-timeout 200 python3 -m pytest -p no:cacheprovider -rs -q -s \
-  tests/test_cuda_gpu.py tests/test_cuda_parity.py tests/test_cuda_attention.py \
-  tests/test_cuda_sampling.py tests/test_cuda_backend.py 2>&1 | tee "$out/gpu_tests.txt"
-timeout 150 python3 -m bench.profile_step --rows 1,32 2>&1 | grep -v -i warn \
+timeout "${TEST_SECONDS:-200}" python3 -m pytest -p no:cacheprovider -rs -q -s \
+  --junitxml="$out/gpu_tests.xml" -k "${GPU_TESTS:-}" \
+  tests/test_cuda_gpu.py tests/test_cuda_fused.py tests/test_cuda_parity.py \
+  tests/test_cuda_attention.py tests/test_cuda_sampling.py tests/test_cuda_backend.py \
+  2>&1 | tee "$out/gpu_tests.txt"
+echo "pytest exit status: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.txt"
+timeout "${PROFILE_SECONDS:-150}" python3 -m bench.profile_step --rows 1,8,32,64 \
+  --paths "${PROFILE_PATHS:-transformers,fused,fused+compile}" 2>&1 | grep -v -i warn \
   | tee "$out/profile.txt"
 timeout "${BENCH_SECONDS:-420}" python3 -m bench.speed "$@" 2>&1 | tee "$out/bench.txt"
 cp docs/benchmarks.md docs/benchmarks.png "$out/" 2>/dev/null
