@@ -212,8 +212,9 @@ def run(args, command: str) -> str:
                                max_prefill_tokens=max(2048, PROMPT * top), max_context=CONTEXT,
                                use_graphs=device.type == "cuda", **decode_options(args, device))
         env["decode"] = backend.decode_path
+        env["prefill"] = backend.prefill_path
         args.clock.say(f"backend built in {time.perf_counter() - t:.1f} s (graphs captured); "
-                       f"decode step: {backend.decode_path}")
+                       f"decode step: {backend.decode_path}; prefill: {backend.prefill_path}")
         mask_ids = tuple(Engine(backend).register_mask(m) for m in bin_masks(backend.vocab_size))
         warm_up(backend, args, mask_ids)
         rows = engine_cells(backend, args, mask_ids)

@@ -127,7 +127,8 @@ def header(env: dict, command: str, floor: dict, notes_text: str) -> str:
     return (f"## Speed, {datetime.date.today().isoformat()}\n\n"
             f"Device: {env['device']}; torch {env['torch']}, transformers "
             f"{env['transformers']}. Command: `{command}`.\n\n"
-            f"Model: {env['model']}; decode step: {env.get('decode', 'n/a')}; weights {floor['weight_gb']:.3f} GB; copy bandwidth "
+            f"Model: {env['model']}; decode step: {env.get('decode', 'n/a')}; prefill: "
+            f"{env.get('prefill', 'n/a')}; weights {floor['weight_gb']:.3f} GB; copy bandwidth "
             f"{floor['bw_tbps']:.3f} TB/s (read + written); floor "
             f"{floor['floor_ms']:.3f} ms/step (weights ÷ (bandwidth / 2); the input embedding, "
             "only gathered, is counted too).\n\n" + notes_text)

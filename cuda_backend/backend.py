@@ -36,12 +36,18 @@ from cuda_backend.sampling import MaskTable, pack_sampling, sample_inputs, vocab
 from cuda_backend.sizing import ModelDims, context_length, num_pages_for
 from cuda_backend.slots import DecodeSlot, SlotState, make_slot
 
+# Prefills of up to this many tokens (and a bounded summed context, see
+# token_prefill.py) run as token rows in graphs.
+DEFAULT_TOKEN_PREFILL = 2048
+
+
 class CudaBackend:
     def __init__(self, model: LoadedModel | torch.nn.Module, *, page_size: int = 16,
                  num_pages: int | None = None, kv_memory_fraction: float = 0.9,
                  max_rows: int = 64, max_seqs: int = 256, max_prefill_tokens: int = 2048,
                  max_context: int | None = None, use_graphs: bool = True,
                  compile_decode: bool | None = None, fused_decode: bool = True,
+                 token_prefill: int | None = None,
                  min_graph_context: int = 256, mask_capacity: int = 16):
         self.loaded = model if isinstance(model, LoadedModel) else None
         self.model = module = self.loaded.model if self.loaded else model
@@ -68,8 +74,11 @@ class CudaBackend:
                                   page_size=page_size, dtype=self.dtype, device=self.device)
         if compile_decode is None:  # on by default where graphs will capture it
             compile_decode = cuda and use_graphs
+        if token_prefill is None:  # in graphs on CUDA; on the CPU its key gather costs more
+            token_prefill = DEFAULT_TOKEN_PREFILL if cuda and use_graphs else 0
         self._runner = ModelRunner(module, self.cache, self._cap, self.device,
-                                   compile_decode=compile_decode, fused_decode=fused_decode)
+                                   compile_decode=compile_decode, fused_decode=fused_decode,
+                                   token_prefill=token_prefill)
         self._masks = MaskTable(self._vocab, self.device, mask_capacity)
         self._salt = vocab_hash(self._vocab, self.device)  # [V]
         self._slots = [make_slot(i, staging_size=staging_size(self._cap), max_rows=max_rows,
@@ -80,6 +89,7 @@ class CudaBackend:
         ps = page_size
         self._pages = page_buckets(self._runner.max_pages, -(-min_graph_context // ps))
         self._decode_graphs = GraphSet(self.device, use_graphs)
+        self._prefill_graphs = GraphSet(self.device, use_graphs, share_pool_of=self._decode_graphs)
         self._sample_graphs = GraphSet(self.device, use_graphs)
         if self._decode_graphs.enabled:
             self._capture_decode()
@@ -89,7 +99,10 @@ class CudaBackend:
                               RuntimeWarning, stacklevel=2)
                 self._runner.use_compiled(False)
                 self._decode_graphs = GraphSet(self.device, use_graphs)
+                self._prefill_graphs = GraphSet(self.device, use_graphs,
+                                                share_pool_of=self._decode_graphs)
                 self._capture_decode()
+            self._capture_prefill()
             self._capture_sampling()
         self._sync()  # set-up work on the default stream is done before the compute stream runs
         if self.loaded is not None:
@@ -105,6 +118,15 @@ class CudaBackend:
     def decode_path(self) -> str:
         """What runs a decode step: "fused phi, compiled", "transformers", ..."""
         return self._runner.decode_path
+
+    @property
+    def prefill_path(self) -> str:
+        """What runs a prefill step, in words."""
+        tp = self._runner.token_prefill
+        if tp is None:
+            return "transformers"
+        where = "in graphs" if self._prefill_graphs.enabled else "eager"
+        return f"token rows {where} up to {tp.max_tokens} tokens, else transformers"
 
     @property
     def vocab_size(self) -> int:
@@ -135,6 +157,12 @@ class CudaBackend:
                     self._runner.decode_meta[:k].copy_(s.staging[:k], non_blocking=True)
                     logits = self._decode_graphs.run(
                         (b, p), lambda: self._runner.decode_forward(b, p))  # [b, V]
+                elif (tp := self._runner.token_prefill) is not None and tp.fits(plan):
+                    t = bucket(sum(len(r.tokens) for r in plan.rows), tp.tokens)
+                    b = bucket(n, tp.rows)
+                    k = tp.pack(plan, s.staging_np, t, b)
+                    tp.meta[:k].copy_(s.staging[:k], non_blocking=True)
+                    logits = self._prefill_graphs.run((t, b), lambda: tp.forward(t, b))  # [b, V]
                 else:
                     b = bucket(n, self._rows)
                     k, shape = self._runner.pack_prefill(plan, s.staging_np)
@@ -253,6 +281,19 @@ class CudaBackend:
                     yield (b, p), prepare, (lambda b=b, p=p: r.decode_forward(b, p))
         with self._on(self._compute):
             self._decode_graphs.capture_all(items())
+        self._sync()
+
+    def _capture_prefill(self) -> None:
+        tp = self._runner.token_prefill
+        if tp is None:
+            return
+
+        def items():
+            for t, b in reversed(tp.keys()):
+                yield (t, b), (lambda t=t, b=b: tp.harmless(tp.meta, t, b)), (
+                    lambda t=t, b=b: tp.forward(t, b))
+        with self._on(self._compute):
+            self._prefill_graphs.capture_all(items())
         self._sync()
 
     def _capture_sampling(self) -> None:

@@ -262,9 +262,10 @@ class FusedDecoder:
         self.step_layer = torch.compile(_own_copy(self.layer_fn)) if on else self.layer_fn
         return self
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 ctx: PagedContext) -> torch.Tensor:
-        """``[B]`` tokens at ``[B]`` positions -> logits ``[B, V]``."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext,
+                 last: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B]`` tokens at ``[B]`` positions -> logits ``[B, V]``, or only
+        the rows ``last`` ``[R]`` -> ``[R, V]`` (a prefill's last tokens)."""
         x = self.embed(input_ids)  # [B, hidden]
         cos, sin = self.rotary(x, positions.view(1, -1))  # [1, B, rot] each, in x's dtype
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [B, 1, rot]: over heads
@@ -273,4 +274,7 @@ class FusedDecoder:
             keys, values = ctx.cache.layer(i)
             x, delta = self.step_layer(x, delta, cos, sin, keys, values, ctx, w, self.dims,
                                        self.act, self.windows[i])
-        return self.lm_head(self.norm(x + delta))
+        x = x + delta
+        if last is not None:
+            x = x.index_select(0, last)
+        return self.lm_head(self.norm(x))

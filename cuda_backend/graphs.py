@@ -40,10 +40,13 @@ def bucket(n: int, sizes: list[int]) -> int:
 
 
 class GraphSet:
-    def __init__(self, device: torch.device, enabled: bool):
+    def __init__(self, device: torch.device, enabled: bool, share_pool_of: "GraphSet | None" = None):
         self.device = device
         self.enabled = enabled and device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self.pool = None
+        if self.enabled:  # sets sharing a pool must replay on one stream, outputs consumed in order
+            self.pool = share_pool_of.pool if share_pool_of and share_pool_of.pool is not None \
+                else torch.cuda.graph_pool_handle()
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
 
     def __len__(self) -> int:

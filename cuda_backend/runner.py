@@ -26,6 +26,7 @@ from cuda_backend.errors import PlanRejected
 from cuda_backend.fused_decode import make_decoder
 from cuda_backend.kv_cache import PagedKVCache
 from cuda_backend.sizing import prefill_key_budget
+from cuda_backend.token_prefill import TokenPrefill
 
 
 def check_plan(plan: StepPlan, cap: Capacity, vocab_size: int) -> None:
@@ -63,10 +64,11 @@ def check_plan(plan: StepPlan, cap: Capacity, vocab_size: int) -> None:
 
 
 def staging_size(cap: Capacity) -> int:
-    """int64 elements a slot's host staging needs for either kind of step."""
+    """int64 elements a slot's host staging needs for any kind of step."""
     max_pages = -(-cap.max_context // cap.page_size)
     return max(2 * cap.max_rows + cap.max_rows * max_pages,
-               4 * cap.max_prefill_tokens + 4 * cap.max_rows + cap.max_rows * max_pages)
+               4 * cap.max_prefill_tokens + 4 * cap.max_rows + cap.max_rows * max_pages,
+               3 * cap.max_prefill_tokens + cap.max_rows + (cap.max_rows + 1) * max_pages)
 
 
 class ModelRunner:
@@ -77,7 +79,8 @@ class ModelRunner:
     scratch row that padded rows read and write."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cap: Capacity,
-                 device: torch.device, compile_decode: bool = False, fused_decode: bool = True):
+                 device: torch.device, compile_decode: bool = False, fused_decode: bool = True,
+                 token_prefill: int = 0):
         self.model, self.cache, self.cap, self.device = model, cache, cap, device
         # The decode step: fused projections where the architecture has them
         # (fused_decode.py), else transformers' forward; why not, when not.
@@ -86,6 +89,12 @@ class ModelRunner:
         self.scratch_row = cap.max_seqs
         self.last_token = torch.zeros(cap.max_seqs + 1, dtype=torch.long, device=device)  # [S+1]
         self.max_pages = -(-cap.max_context // cap.page_size)
+        # Short prefills as token rows through the fused step (token_prefill.py).
+        self.token_prefill = None
+        if token_prefill > 0 and self.not_fused is None:
+            self.token_prefill = TokenPrefill(self.decoder, cache,
+                                              min(token_prefill, cap.max_prefill_tokens),
+                                              cap.max_rows, self.max_pages, device)
         self.key_budget = prefill_key_budget(cap.max_prefill_tokens, cap.max_context)
         # [2 * max_rows + max_rows * max_pages]: the decode graphs' static input
         self.decode_meta = torch.zeros(2 * cap.max_rows + cap.max_rows * self.max_pages,

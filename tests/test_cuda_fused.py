@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.values import StepKind, StepPlan, StepRow
+from core.values import SamplePlan, StepKind, StepPlan, StepRow
 from cuda_backend.backend import CudaBackend
 from cuda_backend.drive import generate, scattered_pages
 from cuda_backend.fused_decode import FusedDecoder, TransformersDecoder, make_decoder
@@ -103,3 +103,92 @@ def test_unsupported_models_fall_back_to_transformers_and_say_why():
     assert isinstance(decoder, TransformersDecoder) and why == "not asked for"
     be = backend(tiny_model("qwen2"), fused_decode=False)
     assert be.decode_path == "transformers"
+
+
+# -- prefill as token rows (cuda_backend/token_prefill.py) --------------------
+
+@pytest.fixture
+def token_steps(monkeypatch):
+    """Counts prefills that took the token-row path."""
+    from cuda_backend.token_prefill import TokenPrefill
+    calls = []
+    forward = TokenPrefill.forward
+    monkeypatch.setattr(TokenPrefill, "forward",
+                        lambda self, t, r: calls.append((t, r)) or forward(self, t, r))
+    return calls
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_token_row_prefill_decodes_like_the_padded_prefill(arch, token_steps):
+    model = tiny_model(arch, seed=12)
+    prompts = PROMPTS + [[42], list(range(3, 40))]  # 66 tokens: bucket 128, 5 rows: bucket 8
+    plain = generate(backend(model, token_prefill=0), prompts, 8, page_seed=2)
+    assert token_steps == []
+    be = backend(model, token_prefill=128)
+    assert be.prefill_path.startswith("token rows")
+    assert generate(be, prompts, 8, page_seed=2) == plain
+    assert token_steps == [(128, 8)]
+
+
+def test_token_row_prefill_honours_sliding_windows(token_steps):
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                       num_hidden_layers=3, seed=13)
+    prompts = [list(range(5, 30)), [9, 8, 7, 6, 5, 4, 3, 2, 1] * 2]
+    plain = generate(backend(model, token_prefill=0), prompts, 8)
+    assert generate(backend(model, token_prefill=64), prompts, 8) == plain
+    assert len(token_steps) == 1
+
+
+def test_token_row_prefill_continuing_a_prefix_matches(token_steps):
+    """A prompt split over two prefills (the second starts past position 0)."""
+    model = tiny_model("llama", seed=14)
+    prompt = list(range(4, 30))
+    outs = []
+    for tokens in (0, 64):
+        be = backend(model, token_prefill=tokens)
+        pages = scattered_pages([len(prompt) + 2], 4, 96, seed=6)[0]
+        got = []
+        for step, (start, end) in enumerate([(0, 11), (11, len(prompt))]):
+            row = StepRow(seq_id=0, row_slot=3, tokens=tuple(prompt[start:end]), position=start,
+                          pages=pages)
+            be.launch(step, StepPlan(step, StepKind.PREFILL, (row,)))
+            be.finalize(step, SamplePlan(step, (None,)))
+            got.append(be.wait(step).tokens[0])
+            be.release(step)
+        outs.append(got[-1])
+    assert outs[0] == outs[1] and len(token_steps) == 2
+
+
+def test_token_row_prefill_pads_only_into_the_scratch_page():
+    model = tiny_model("phi", seed=15)
+    be = backend(model, token_prefill=64)
+    tp = be._runner.token_prefill
+    pages = scattered_pages([9, 5], 4, 96, seed=7)
+    rows = (StepRow(seq_id=0, row_slot=0, tokens=tuple(range(3, 12)), position=0, pages=pages[0]),
+            StepRow(seq_id=1, row_slot=1, tokens=(5, 6, 7, 8, 9), position=0, pages=pages[1]))
+    plan = StepPlan(0, StepKind.PREFILL, rows)
+    assert tp.fits(plan)
+    before = be.cache.data.clone()
+    be.launch(0, plan)  # 14 tokens -> bucket 16 (2 padded), 2 rows -> bucket 2
+    be.finalize(0, SamplePlan(0, (None, None)))
+    be.wait(0)
+    be.release(0)
+    ps = be.capacity.page_size
+    touched = {p for r in rows for p in r.pages[:-(-len(r.tokens) // ps)]}
+    changed = {p for p in range(be.capacity.num_pages + 1)
+               if not torch.equal(be.cache.data[:, :, p], before[:, :, p])}
+    # Padded tokens (id 0, position 0) may write zeros: the scratch page may
+    # look unchanged; no other page may change.
+    assert touched <= changed <= touched | {be.cache.scratch_page}
+
+
+def test_only_short_prefills_take_token_rows():
+    be = backend(tiny_model("llama", seed=16), token_prefill=32)
+    tp = be._runner.token_prefill
+    short = StepPlan(0, StepKind.PREFILL, (StepRow(0, 0, tuple(range(20)), 0, tuple(range(5))),))
+    long = StepPlan(0, StepKind.PREFILL, (StepRow(0, 0, tuple(range(40)), 0, tuple(range(10))),))
+    assert tp.fits(short) and not tp.fits(long)
+    tp.key_budget = 100  # 20 tokens at positions 0..19 read 210 keys
+    assert not tp.fits(short)
+    assert backend(tiny_model("llama"), fused_decode=False,
+                   token_prefill=32).prefill_path == "transformers"

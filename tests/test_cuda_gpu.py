@@ -224,7 +224,25 @@ def test_compiled_decode_agrees_with_the_eager_graphs(arch, fused):
     assert generate(be, PROMPTS, 10) == want
 
 
+@pytest.mark.parametrize("arch", ["llama", "phi", "qwen2"])
+def test_token_prefill_graphs_match_the_padded_prefill(arch):
+    """Prefill as token rows, replayed from graphs, against transformers'
+    padded prefill run eagerly: same tokens; a prefill too long for the
+    token path still takes the eager one."""
+    model = tiny_model(arch, device="cuda", seed=7)
+    prompts = PROMPTS + [list(range(3, 90))]
+    want = generate(small(model, token_prefill=0), prompts, 8, page_seed=3)
+    be = small(model)
+    tp = be._runner.token_prefill
+    assert be.prefill_path.startswith("token rows in graphs")
+    assert len(be._prefill_graphs) == len(tp.keys())
+    assert generate(be, prompts, 8, page_seed=3) == want
+    tp.key_budget = 10  # nothing fits: the eager path, same answer
+    assert generate(be, prompts, 8, page_seed=3) == want
+
+
 def test_the_default_on_cuda_is_the_fused_compiled_step():
     be = CudaBackend(tiny_model("llama", device="cuda"), page_size=16, num_pages=64, max_rows=4,
                      max_seqs=4, max_prefill_tokens=128, max_context=128)
     assert be.decode_path == "fused llama, compiled"
+    assert be.prefill_path == "token rows in graphs up to 128 tokens, else transformers"
