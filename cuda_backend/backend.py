@@ -3,7 +3,8 @@
 Per step, in one of two DecodeSlots:
 
     launch    metadata host->device (pinned, non-blocking), forward (a graph
-              replay for decode, eager for prefill), logits into the slot
+              replay for decode and short prefills, eager for long
+              prefills), logits into the slot
     finalize  sampling inputs host->device, sampling (a graph replay): each
               row's token into the slot and into ``last_token[row_slot]``;
               event; device->host copy on the copy stream waiting on it

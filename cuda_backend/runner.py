@@ -1,5 +1,6 @@
 """The forward side of a step: plan checks, metadata packing, and the model
-call for decode (graph-capturable) and prefill (eager).
+call for decode (graph-capturable) and transformers' padded prefill (eager;
+short prefills go through token_prefill.py instead, in graphs).
 
 Host metadata is packed into a DecodeSlot's staging buffer (pinned on CUDA)
 and copied to the device with one non-blocking copy per step, so a launch
@@ -104,7 +105,7 @@ class ModelRunner:
         """torch.compile fuses the decode step's small elementwise kernels
         (norms, rotary, activations, residuals); the graphs then capture the
         compiled code. Batch and page dimensions are dynamic: one compile
-        serves every bucket. Prefill stays eager (its shapes vary)."""
+        serves every bucket, and the token-row prefill graphs too."""
         self.compiled = on
         self.decode_step = self.decoder.compiled(on) if self.decoder else None
 
