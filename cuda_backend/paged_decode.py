@@ -5,9 +5,13 @@ and values into a dense ``[B, L, KVH, D]`` copy of its page bucket, then
 permutes them for two batched matmuls: at 32 rows that is several full
 passes over L = the bucket's length, most of it past the row's real
 context (measured: over half of an H200 decode step; docs/benchmarks.md).
-This kernel instead walks the row's page table and reads only positions
-``start .. pos`` once, with an online softmax in float32: one program per
-(row, query head), BLOCK_N keys per iteration.
+These kernels instead walk the row's page table and read only positions
+``start .. pos`` once, with an online softmax in float32. A bucket of up to
+32 keys takes one program per (row, query head). Longer ones split each
+(row, head) over programs of ``split_chunk`` keys and combine their partial
+softmax states in a second pass (flash-decoding): a program's page-table
+lookups and key loads depend on each other, so one program walking a whole
+context is latency-bound long before bandwidth is.
 
 Used on CUDA when Triton imports; everywhere else the portable path runs.
 Shapes: q ``[B, H, D]``, keys/values ``[N * page_size, KVH, D]``, page table
@@ -76,6 +80,81 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+                      sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, spt_b,
+                      scale, window, chunk, splits, heads,
+                      GROUP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Keys ``s * chunk ..`` of one (row, head): the partial softmax state
+        (max, sum, unnormalised output) for ``_combine_kernel``."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        kvh = h // GROUP
+        pos = tl.load(pos_ptr + b)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + d, mask=dmask, other=0.0).to(tl.float32)
+        start = tl.maximum(pos - window + 1, 0)
+        hi = tl.minimum(s * chunk + chunk, pos + 1)  # exclusive
+        # The first block holds a valid key (``start`` itself, or the chunk's
+        # first key): the running max is finite after it, never -inf - -inf.
+        lo = tl.maximum(s * chunk, (start // BLOCK_N) * BLOCK_N)
+        m_i = tl.full([], -float("inf"), tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        for base in range(lo, hi, BLOCK_N):
+            kpos = base + offs
+            valid = (kpos < hi) & (kpos >= start)
+            page = tl.load(pt_ptr + b * spt_b + kpos // PS, mask=valid, other=0)
+            tok = page * PS + kpos % PS
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + tok[:, None] * sk_t + kvh * sk_h + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            sc = tl.sum(k * q[None, :], 1) * scale
+            sc = tl.where(valid, sc, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            v = tl.load(v_ptr + tok[:, None] * sv_t + kvh * sv_h + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            m_i = m_new
+        at = (b * heads + h) * splits + s
+        tl.store(m_ptr + at, m_i)
+        tl.store(l_ptr + at, l_i)
+        tl.store(acc_ptr + at * D + d, acc, mask=dmask)
+
+    @triton.jit
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, splits, heads, so_b, so_h,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One (row, head): its splits' partial states into the output. An
+        empty split (max -inf) weighs exp(-inf) = 0."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        first = (b * heads + h) * splits
+        si = tl.arange(0, BLOCK_S)
+        smask = si < splits
+        m = tl.load(m_ptr + first + si, mask=smask, other=-float("inf"))
+        l = tl.load(l_ptr + first + si, mask=smask, other=0.0)
+        w = tl.exp(m - tl.max(m, 0))
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        acc = tl.load(acc_ptr + (first + si)[:, None] * D + d[None, :],
+                      mask=smask[:, None] & dmask[None, :], other=0.0)
+        out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+        tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def split_chunk(length: int) -> int:
+    """Keys per program of the split kernel: 32, or more so that a bucket of
+    ``length`` keys needs at most 64 programs per (row, head)."""
+    return max(32, triton.next_power_of_2(triton.cdiv(length, 64)))
+
+
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                            scaling: float | None, window: int | None) -> torch.Tensor:
@@ -95,6 +174,9 @@ def _paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   scale: float, window: int) -> torch.Tensor:
     b, h, d = q.shape
     out = torch.empty((b, h, values.shape[2]), dtype=q.dtype, device=q.device)
+    if page_table.shape[1] * page_size > split_chunk(page_table.shape[1] * page_size):
+        _split_attention(q, keys, values, page_table, positions, page_size, scale, window, out)
+        return out
     _kernel[(b, h)](
         q, keys, values, page_table, positions, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
@@ -110,3 +192,33 @@ def _paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 @_paged_decode.register_fake
 def _(q, keys, values, page_table, positions, page_size, scale, window):
     return q.new_empty((q.shape[0], q.shape[1], values.shape[2]))
+
+
+def _split_attention(q, keys, values, page_table, positions, page_size: int, scale: float,
+                     window: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Flash-decoding: each (row, head) spread over programs of ``chunk``
+    keys, then one combining pass. A (row, head) program walking its pages
+    one dependent load after another was latency-bound at short contexts
+    (20 us per layer at 32 rows and 128 positions, where the bytes need 10);
+    here each program makes one or two such steps."""
+    b, h, d = q.shape
+    length = page_table.shape[1] * page_size
+    chunk = split_chunk(length)
+    splits = triton.cdiv(length, chunk)
+    m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty((b, h, values.shape[2]), dtype=q.dtype, device=q.device)
+    _split_kernel[(b, h, splits)](
+        q, keys, values, page_table, positions, m, l, acc,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
+        values.stride(0), values.stride(1), page_table.stride(0),
+        scale, window, chunk, splits, h,
+        GROUP=h // keys.shape[1], PS=page_size, D=d, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_N=32, num_warps=2)
+    _combine_kernel[(b, h)](
+        m, l, acc, out, splits, h, out.stride(0), out.stride(1),
+        D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=triton.next_power_of_2(splits),
+        num_warps=2)
+    return out

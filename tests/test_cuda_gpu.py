@@ -183,21 +183,25 @@ def test_engine_on_gpu_pipelined_equals_blocking_equals_generate():
         assert [list(h.result.tokens) for h in handles] == want
 
 
-@pytest.mark.parametrize("kv_heads,window,dtype", [
-    (4, None, torch.float32), (1, None, torch.float32), (2, 5, torch.float32),
-    (4, None, torch.bfloat16)])
-def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype):
-    """The Triton kernel reads pages in place; the portable path gathers them.
-    Same function on scattered pages, mixed lengths, grouped heads, windows."""
+@pytest.mark.parametrize("kv_heads,window,dtype,pages", [
+    (4, None, torch.float32, 8), (1, None, torch.float32, 8), (2, 5, torch.float32, 8),
+    (4, None, torch.bfloat16, 8), (4, None, torch.float32, 2), (2, 40, torch.float32, 160),
+    (4, None, torch.bfloat16, 160)])
+def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, pages):
+    """The Triton kernels read pages in place; the portable path gathers them.
+    Same function on scattered pages, mixed lengths, grouped heads, windows;
+    2 pages (32 keys) take the one-pass kernel, 8 the split kernel with one
+    block per program, 160 (2,560 keys) the split kernel with two."""
     from cuda_backend.attention import _decode_attention, _gather
     from cuda_backend.paged_decode import available, paged_decode_attention
     assert available(torch.zeros(1, device="cuda")), "Triton must be present on a CUDA machine"
     torch.manual_seed(kv_heads)
-    rows, heads, dim, ps, pages, total = 6, 4, 64, 16, 8, 64
+    rows, heads, dim, ps, total = 6, 4, 64, 16, 2 * 160
     keys = torch.randn(total * ps, kv_heads, dim, device="cuda", dtype=dtype)
     values = torch.randn(total * ps, kv_heads, dim, device="cuda", dtype=dtype)
     table = torch.stack([torch.randperm(total, device="cuda")[:pages] for _ in range(rows)])
-    positions = torch.tensor([0, 3, 15, 16, 40, pages * ps - 1], device="cuda")
+    positions = torch.tensor([0, 3, 15, 16, min(40, pages * ps - 2), pages * ps - 1],
+                             device="cuda")
     q = torch.randn(rows, heads, dim, device="cuda", dtype=dtype)
     kv_index = (table.unsqueeze(-1) * ps + torch.arange(ps, device="cuda")).view(rows, -1)
     key_pos = torch.arange(pages * ps, device="cuda")
