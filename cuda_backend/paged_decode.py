@@ -6,12 +6,16 @@ permutes them for two batched matmuls: at 32 rows that is several full
 passes over L = the bucket's length, most of it past the row's real
 context (measured: over half of an H200 decode step; docs/benchmarks.md).
 These kernels instead walk the row's page table and read only positions
-``start .. pos`` once, with an online softmax in float32. A bucket of up to
-32 keys takes one program per (row, query head). Longer ones split each
-(row, head) over programs of ``split_chunk`` keys and combine their partial
-softmax states in a second pass (flash-decoding): a program's page-table
-lookups and key loads depend on each other, so one program walking a whole
-context is latency-bound long before bandwidth is.
+``start .. pos`` once, with an online softmax in float32. Two kernels:
+
+- one-pass (the default): one program per (row, query head) walks the whole
+  context, BLOCK_N keys per iteration;
+- split (flash-decoding): each (row, head) is spread over programs of
+  ``split_chunk`` keys, whose partial softmax states a second pass combines.
+  A program's page-table lookups and key loads depend on each other, so a
+  lone program walking a long context is latency-bound; splitting helps
+  when there are few (row, head) pairs to overlap, and costs when there are
+  many (``SPLIT_BELOW_PROGRAMS`` records the measurement).
 
 Used on CUDA when Triton imports; everywhere else the portable path runs.
 Shapes: q ``[B, H, D]``, keys/values ``[N * page_size, KVH, D]``, page table
@@ -149,6 +153,15 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
+# Use the split kernel when a step has fewer (row, head) programs than this.
+# Measured on the H200 (docs/benchmarks.md, runs 3 and 4): split everywhere
+# took batch 1 from 1.41 to 1.32 ms per step and 8 streams up 4%, but 32
+# streams down 5% and 64 streams down 15%, where the one-pass kernel already
+# has programs enough to hide its latency. A threshold between the two has
+# not had a run of its own yet, so the measured default stays: never.
+SPLIT_BELOW_PROGRAMS = 0
+
+
 def split_chunk(length: int) -> int:
     """Keys per program of the split kernel: 32, or more so that a bucket of
     ``length`` keys needs at most 64 programs per (row, head)."""
@@ -157,13 +170,16 @@ def split_chunk(length: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
-                           scaling: float | None, window: int | None) -> torch.Tensor:
-    """One query per row over its own pages; returns ``[B, H, Dv]`` in q's dtype."""
+                           scaling: float | None, window: int | None,
+                           split: bool | None = None) -> torch.Tensor:
+    """One query per row over its own pages; returns ``[B, H, Dv]`` in q's
+    dtype. ``split`` picks the kernel (None: ``SPLIT_BELOW_PROGRAMS`` decides)."""
     if keys.stride(2) != 1 or values.stride(2) != 1 or q.stride(2) != 1:
         raise ValueError("paged_decode_attention: the head dimension must be contiguous")
     scale = scaling if scaling is not None else q.shape[2] ** -0.5
     return _paged_decode(q, keys, values, page_table, positions, page_size, float(scale),
-                         int(window) if window is not None else NO_WINDOW)
+                         int(window) if window is not None else NO_WINDOW,
+                         -1 if split is None else int(split))
 
 
 # A custom op, so torch.compile treats the kernel as one opaque call (its fake
@@ -171,10 +187,13 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 @torch.library.custom_op("bubblefree::paged_decode", mutates_args=())
 def _paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
-                  scale: float, window: int) -> torch.Tensor:
+                  scale: float, window: int, split: int) -> torch.Tensor:
     b, h, d = q.shape
     out = torch.empty((b, h, values.shape[2]), dtype=q.dtype, device=q.device)
-    if page_table.shape[1] * page_size > split_chunk(page_table.shape[1] * page_size):
+    length = page_table.shape[1] * page_size
+    if split < 0:  # a bucket's shapes are fixed at capture, so is this choice
+        split = int(b * h < SPLIT_BELOW_PROGRAMS and length > split_chunk(length))
+    if split:
         _split_attention(q, keys, values, page_table, positions, page_size, scale, window, out)
         return out
     _kernel[(b, h)](
@@ -190,7 +209,7 @@ def _paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 @_paged_decode.register_fake
-def _(q, keys, values, page_table, positions, page_size, scale, window):
+def _(q, keys, values, page_table, positions, page_size, scale, window, split):
     return q.new_empty((q.shape[0], q.shape[1], values.shape[2]))
 
 

@@ -183,15 +183,16 @@ def test_engine_on_gpu_pipelined_equals_blocking_equals_generate():
         assert [list(h.result.tokens) for h in handles] == want
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kv_heads,window,dtype,pages", [
     (4, None, torch.float32, 8), (1, None, torch.float32, 8), (2, 5, torch.float32, 8),
     (4, None, torch.bfloat16, 8), (4, None, torch.float32, 2), (2, 40, torch.float32, 160),
     (4, None, torch.bfloat16, 160)])
-def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, pages):
+def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, pages, split):
     """The Triton kernels read pages in place; the portable path gathers them.
     Same function on scattered pages, mixed lengths, grouped heads, windows;
-    2 pages (32 keys) take the one-pass kernel, 8 the split kernel with one
-    block per program, 160 (2,560 keys) the split kernel with two."""
+    both kernels. Split: 2 pages (32 keys) are one program's chunk, 8 pages
+    give four programs of one block, 160 (2,560 keys) forty of two blocks."""
     from cuda_backend.attention import _decode_attention, _gather
     from cuda_backend.paged_decode import available, paged_decode_attention
     assert available(torch.zeros(1, device="cuda")), "Triton must be present on a CUDA machine"
@@ -210,7 +211,8 @@ def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, 
         mask &= key_pos > positions[:, None] - window
     k, v = _gather(keys, values, kv_index, dtype)
     want = _decode_attention(q, k, v, mask, None).float()
-    got = paged_decode_attention(q, keys, values, table, positions, ps, None, window).float()
+    got = paged_decode_attention(q, keys, values, table, positions, ps, None, window,
+                                 split=split).float()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
