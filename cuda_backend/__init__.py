@@ -13,7 +13,10 @@ Usage::
 
 Modules, one idea each: ``loader`` (models, tokenizers, stop ids, GGUF via
 ``gguf_cache``), ``attention`` (paged attention through transformers'
-AttentionInterface), ``kv_cache`` (the pages), ``sizing`` (model shape,
+AttentionInterface), ``paged_decode`` (the Triton kernels that read pages
+in place), ``fused_decode`` (the decode step with fused projections, for
+Phi, Llama and Qwen2), ``token_prefill`` (short prefills as token rows, in
+graphs), ``kv_cache`` (the pages), ``sizing`` (model shape,
 page count), ``runner`` (plan checks, metadata packing, the forward),
 ``sampling`` (masks, greedy / temperature / top-p, seeded per position),
 ``slots`` (the two DecodeSlots), ``graphs`` (CUDA graphs per bucket),

@@ -83,7 +83,6 @@ if triton is not None:
         out = acc / l_i
         tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
-
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                       sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, spt_b,
