@@ -74,11 +74,17 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if any(d in str(getattr(rotary, "rope_type", "")) for d in DYNAMIC_ROPE):
         return f"rope type {rotary.rope_type!r} depends on the sequence length"
     for layer in model.model.layers:
-        norm = layer.input_layernorm
+        norm, attn, mlp = layer.input_layernorm, layer.self_attn, layer.mlp
         if kind in PARALLEL and not isinstance(norm, nn.LayerNorm):
             return f"a {type(norm).__name__} where a LayerNorm was expected"
         if kind in SEQUENTIAL and not hasattr(norm, "variance_epsilon"):
             return f"a {type(norm).__name__} where an RMSNorm was expected"
+        groups = [[attn.q_proj, attn.k_proj, attn.v_proj]
+                  + ([mlp.fc1] if kind in PARALLEL else []),
+                  [] if kind in PARALLEL else [mlp.gate_proj, mlp.up_proj]]
+        for group in groups:
+            if len({lin.bias is None for lin in group}) > 1:
+                return "projections fused into one GEMM differ in having a bias"
     return None
 
 

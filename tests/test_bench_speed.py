@@ -26,6 +26,8 @@ def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     doc = out.read_text()
     assert "## Speed, " in doc and table in doc and "python -m bench.speed --tiny --quick" in doc
     assert "The seed's model on the detect workload" in doc
+    # what ran is recorded: the fused step (compile is CUDA-only), padded prefill
+    assert "decode step: fused phi; prefill: transformers;" in doc
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith(table.splitlines()[-1])  # the table is printed last
     lines = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]

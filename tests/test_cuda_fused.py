@@ -99,6 +99,11 @@ def test_unsupported_models_fall_back_to_transformers_and_say_why():
     assert isinstance(decoder, TransformersDecoder) and "dynamic" in why
     model = tiny_model("llama", seed=11).train()
     assert "training" in make_decoder(model)[1]
+    model = tiny_model("llama", seed=11)
+    attn = model.model.layers[1].self_attn
+    attn.k_proj.bias = torch.nn.Parameter(torch.zeros(attn.k_proj.out_features))
+    decoder, why = make_decoder(model)
+    assert isinstance(decoder, TransformersDecoder) and "bias" in why
     decoder, why = make_decoder(tiny_model("llama"), fused=False)
     assert isinstance(decoder, TransformersDecoder) and why == "not asked for"
     be = backend(tiny_model("qwen2"), fused_decode=False)
