@@ -1,0 +1,90 @@
+"""Properties of the metadata a step's graphs read (pure numpy, no model):
+every real token, position, page and row lands where the graph looks for
+it, and every padded slot points at the scratch row or scratch page, for
+any plan the capacity admits. A wrong offset here would make a graph read
+another sequence's pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from core.backend import Capacity
+from core.values import StepKind, StepPlan, StepRow
+from cuda_backend.graphs import batch_buckets, bucket, page_buckets
+from cuda_backend.kv_cache import PagedKVCache
+from cuda_backend.runner import ModelRunner, staging_size
+from cuda_backend.token_prefill import TokenPrefill
+
+CAP = Capacity(num_pages=40, page_size=4, max_rows=6, max_seqs=8, max_prefill_tokens=48,
+               max_context=32)
+CACHE = PagedKVCache(layers=1, kv_heads=1, head_dim=2, num_pages=CAP.num_pages,
+                     page_size=CAP.page_size, dtype=torch.float32, device=torch.device("cpu"))
+RUNNER = ModelRunner(None, CACHE, CAP, torch.device("cpu"))
+MAX_PAGES = -(-CAP.max_context // CAP.page_size)
+
+
+@st.composite
+def rows(draw, prefill: bool):
+    n = draw(st.integers(1, CAP.max_rows))
+    slots = draw(st.permutations(range(CAP.max_seqs)))[:n]
+    out = []
+    for i in range(n):
+        start = draw(st.integers(0, CAP.max_context - 1))
+        length = draw(st.integers(1, min(8, CAP.max_context - start))) if prefill else 1
+        pages = tuple(draw(st.lists(st.integers(0, CAP.num_pages - 1),
+                                    min_size=-(-(start + length) // CAP.page_size),
+                                    max_size=MAX_PAGES)))
+        tokens = tuple(draw(st.lists(st.integers(0, 99), min_size=length, max_size=length)))
+        out.append(StepRow(seq_id=i, row_slot=slots[i], tokens=tokens if prefill else (),
+                           position=start, pages=pages))
+    return tuple(out)
+
+
+@given(rows(prefill=False))
+def test_decode_metadata_sits_at_fixed_offsets(plan_rows):
+    plan = StepPlan(0, StepKind.DECODE, plan_rows)
+    b = bucket(len(plan_rows), batch_buckets(CAP.max_rows))
+    p = bucket(RUNNER.pages_needed(plan), page_buckets(MAX_PAGES))
+    staging = np.full(staging_size(CAP), -7, dtype=np.int64)
+    count = RUNNER.pack_decode(plan, staging, b, p)
+    slots, positions, table = RUNNER.meta_views(staging, b, p)
+    assert count == 2 * CAP.max_rows + b * p  # one copy covers every part
+    for i, r in enumerate(plan_rows):
+        assert slots[i] == r.row_slot and positions[i] == r.position
+        used = r.position // CAP.page_size + 1  # the pages the kernel may read
+        assert list(table[i, :used]) == list(r.pages[:used])
+    assert (slots[len(plan_rows):] == RUNNER.scratch_row).all()
+    assert (positions[len(plan_rows):] == 0).all()
+    assert (table[len(plan_rows):] == CACHE.scratch_page).all()
+
+
+@given(rows(prefill=True))
+def test_token_rows_carry_each_prompt_and_pad_into_the_scratch_row(plan_rows):
+    tp = TokenPrefill(None, CACHE, CAP.max_prefill_tokens, CAP.max_rows, MAX_PAGES,
+                      torch.device("cpu"))
+    assert staging_size(CAP) >= tp.size
+    plan = StepPlan(0, StepKind.PREFILL, plan_rows)
+    total = sum(len(r.tokens) for r in plan_rows)
+    t, b = bucket(total, tp.tokens), bucket(len(plan_rows), tp.rows)
+    assert (t, b) in tp.keys()  # a graph exists for every bucket a plan can land in
+    staging = np.full(staging_size(CAP), -7, dtype=np.int64)
+    tp.pack(plan, staging, t, b)
+    tokens, positions, row_of, last, table = tp.views(staging, t, b)
+    at = 0
+    for i, r in enumerate(plan_rows):
+        n = len(r.tokens)
+        assert list(tokens[at:at + n]) == list(r.tokens)
+        assert list(positions[at:at + n]) == list(range(r.position, r.position + n))
+        assert (row_of[at:at + n] == i).all() and last[i] == at + n - 1
+        assert list(table[i, :len(r.pages)]) == list(r.pages)
+        assert (table[i, len(r.pages):] == CACHE.scratch_page).all()
+        at += n
+    assert (row_of[at:] == b).all() and (positions[at:] == 0).all()  # padded tokens
+    assert (table[len(plan_rows):] == CACHE.scratch_page).all()  # padded rows + scratch row
+    assert (last[len(plan_rows):] == 0).all()
+    keys = sum(len(r.tokens) * r.position + len(r.tokens) * (len(r.tokens) + 1) // 2
+               for r in plan_rows)
+    assert tp.fits(plan) == (keys <= tp.key_budget)
