@@ -159,11 +159,7 @@ class CudaBackend:
                     logits = self._decode_graphs.run(
                         (b, p), lambda: self._runner.decode_forward(b, p))  # [b, V]
                 elif (tp := self._runner.token_prefill) is not None and tp.fits(plan):
-                    t = bucket(sum(len(r.tokens) for r in plan.rows), tp.tokens)
-                    b = bucket(n, tp.rows)
-                    k = tp.pack(plan, s.staging_np, t, b)
-                    tp.meta[:k].copy_(s.staging[:k], non_blocking=True)
-                    logits = self._prefill_graphs.run((t, b), lambda: tp.forward(t, b))  # [b, V]
+                    logits, b = tp.launch(plan, s.staging_np, s.staging, self._prefill_graphs)
                 else:
                     b = bucket(n, self._rows)
                     k, shape = self._runner.pack_prefill(plan, s.staging_np)
@@ -285,17 +281,10 @@ class CudaBackend:
         self._sync()
 
     def _capture_prefill(self) -> None:
-        tp = self._runner.token_prefill
-        if tp is None:
-            return
-
-        def items():
-            for t, b in reversed(tp.keys()):
-                yield (t, b), (lambda t=t, b=b: tp.harmless(tp.meta, t, b)), (
-                    lambda t=t, b=b: tp.forward(t, b))
-        with self._on(self._compute):
-            self._prefill_graphs.capture_all(items())
-        self._sync()
+        if self._runner.token_prefill is not None:
+            with self._on(self._compute):
+                self._runner.token_prefill.capture(self._prefill_graphs)
+            self._sync()
 
     def _capture_sampling(self) -> None:
         def items():

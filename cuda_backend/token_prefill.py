@@ -32,7 +32,7 @@ import torch
 
 from core.values import StepPlan
 from cuda_backend.attention import decode_context
-from cuda_backend.graphs import batch_buckets, page_buckets
+from cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
 from cuda_backend.kv_cache import PagedKVCache
 
 # Summed (position + 1) over a step's tokens: keys read per head and layer.
@@ -111,3 +111,22 @@ class TokenPrefill:
         page_table = table.index_select(0, row_of)  # [t, max_pages]: each token's row
         ctx = decode_context(self.cache, positions, page_table)
         return self.decoder(tokens, positions, ctx, last)
+
+    def launch(self, plan: StepPlan, staging_np: np.ndarray, staging: torch.Tensor,
+               graphs: GraphSet) -> tuple[torch.Tensor, int]:
+        """Enqueue ``plan`` on the current stream: its metadata (one
+        non-blocking copy from the slot's pinned ``staging``) and the graph
+        of its bucket. Returns the logits ``[b, V]`` and the row bucket b."""
+        t = bucket(sum(len(r.tokens) for r in plan.rows), self.tokens)
+        b = bucket(len(plan.rows), self.rows)
+        k = self.pack(plan, staging_np, t, b)
+        self.meta[:k].copy_(staging[:k], non_blocking=True)
+        return graphs.run((t, b), lambda: self.forward(t, b)), b
+
+    def capture(self, graphs: GraphSet) -> None:
+        """A graph per bucket, largest first (smaller ones reuse its memory)."""
+        def items():
+            for t, b in reversed(self.keys()):
+                yield (t, b), (lambda t=t, b=b: self.harmless(self.meta, t, b)), (
+                    lambda t=t, b=b: self.forward(t, b))
+        graphs.capture_all(items())
