@@ -1,5 +1,9 @@
-"""Times the paged decode kernel's launch settings (BLOCK_N, warps) on the
-GPU at the benchmark model's attention shape, so the defaults are measured.
+"""Times the one-pass paged decode kernel's launch settings (BLOCK_N, warps)
+on the GPU at the benchmark model's attention shape, so the defaults are
+measured. Calls are launched from the host in a loop: a kernel shorter than
+a launch (~20 us here) shows the launch, not itself; only the larger cases
+(64 rows, 512 positions) measure the kernel. In-graph kernel times come from
+``bench.profile_step``.
 
     python -m bench.attention_tune [--rows 1,32,64] [--contexts 128,1024]
 """

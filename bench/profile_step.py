@@ -18,8 +18,8 @@ import time
 import torch
 from transformers import PhiForCausalLM
 
-from cuda_backend.backend import CudaBackend
 from bench.speed_setup import DECODE_PATHS as PATHS
+from cuda_backend.backend import CudaBackend
 from cuda_backend.tiny import phi15_config
 
 
