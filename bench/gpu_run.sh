@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU: the GPU-only tests, the bf16 parity record, the
 # decode-step profile, then the speed benchmark. Everything it prints is also
-# written under $OUT. GPU_TESTS selects tests (-k expression; empty = all).
+# written under $OUT. GPU_TESTS selects tests (-k expression; empty = all);
+# PROFILE_ARGS adds to the profile's arguments (e.g. --attention, --gemm).
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 out="${OUT:-/tmp/bubblefree-gpu}"
@@ -20,7 +21,7 @@ timeout "${TEST_SECONDS:-200}" python3 -m pytest -p no:cacheprovider -rs -q -s \
   2>&1 | tee "$out/gpu_tests.txt"
 echo "pytest exit status: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.txt"
 timeout "${PROFILE_SECONDS:-150}" python3 -m bench.profile_step --rows 1,8,32,64 \
-  --paths "${PROFILE_PATHS:-transformers,fused,fused+compile}" 2>&1 | grep -v -i warn \
+  --paths "${PROFILE_PATHS:-transformers,fused,fused+compile}" ${PROFILE_ARGS:-} 2>&1 | grep -v -i warn \
   | tee "$out/profile.txt"
 timeout "${BENCH_SECONDS:-420}" python3 -m bench.speed "$@" 2>&1 | tee "$out/bench.txt"
 cp docs/benchmarks.md docs/benchmarks.png "$out/" 2>/dev/null

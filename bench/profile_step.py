@@ -7,18 +7,31 @@ optimisation starts from a measurement rather than a guess.
 
     python -m bench.profile_step [--rows 1,8,32,64] [--context 128]
                                  [--paths transformers,fused,fused+compile]
+                                 [--attention default,split,1x16w1s1]
+                                 [--gemm cublas,tiles.json]
+
+``--attention`` builds the last path once per attention choice listed:
+``default`` (``paged_decode.DISPATCH``), ``split`` (the split kernel in every
+bucket), or a one-pass launch such as ``1x16w1s1`` (in every bucket).
+``--gemm`` builds it once more per GEMM choice listed, with the default
+attention: ``cublas`` everywhere, or a table of our kernel's tiles (JSON,
+from ``bench.gemm_tune --save``). Otherwise the step's GEMMs are the
+defaults (``skinny_gemm.MEASURED`` for this GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import time
 
 import torch
 from transformers import PhiForCausalLM
 
 from bench.speed_setup import DECODE_PATHS as PATHS
+from cuda_backend import paged_decode as pd
+from cuda_backend import skinny_gemm
 from cuda_backend.backend import CudaBackend
 from cuda_backend.tiny import phi15_config
 
@@ -65,25 +78,47 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--kernels-at", type=int, default=32)
     ap.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
+    ap.add_argument("--attention", default="",
+                    help="attention choices for the last path: default, split, or launches")
+    ap.add_argument("--gemm", default="", help="GEMM choices for the last path: cublas, or "
+                    "JSON files of tiles")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = PhiForCausalLM(phi15_config()).to(torch.bfloat16).eval()
     rows = [int(x) for x in args.rows.split(",")]
     paths = args.paths.split(",")
+    dispatch = {"default": pd.DISPATCH, "split": pd.forced(split_below=1 << 30)}
+    for x in args.attention.split(","):
+        if x and x not in dispatch:
+            dispatch[x] = pd.forced(split_below=0, launch=pd.Launch.parse(x))
+    gemms = {"default": skinny_gemm.tiles(), "cublas": {}}
+    for x in args.gemm.split(","):
+        if x and x not in gemms:
+            with open(x) as f:
+                gemms[x] = skinny_gemm.read_tiles(json.load(f))
+    last = [(paths[-1], x, "default") for x in args.attention.split(",") if x]
+    last += [(paths[-1], "default", x) for x in args.gemm.split(",") if x]
+    runs = [(name, "default", "default") for name in paths[:-1]]
+    runs = list(dict.fromkeys(runs + last)) if last else runs + [(paths[-1], "default", "default")]
     results: dict[str, list[float]] = {}
     be = None
-    for name in paths:
+    for i, (path, attention, gemm) in enumerate(runs):
+        # Both are read when the graphs are captured.
+        pd.DISPATCH, skinny_gemm.TILES = dispatch[attention], gemms[gemm]
+        choice = [f"attention {attention}"] * (attention != "default")
+        choice += [f"GEMM {gemm.split('/')[-1]}"] * (gemm != "default")
+        name = f"{path} [{', '.join(choice)}]" if choice else path
         t = time.perf_counter()
         be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=64, max_seqs=64,
-                         max_prefill_tokens=2048, max_context=256, **PATHS[name])
+                         max_prefill_tokens=2048, max_context=256, **PATHS[path])
         p = be._pages[0]
         print(f"{name}: runs as '{be.decode_path}', built in {time.perf_counter() - t:.1f} s; "
               f"page bucket {p}", flush=True)
         results[name] = [time_graph(be, b, p, args.context) for b in rows]
         for b, ms in zip(rows, results[name]):
             print(f"  {name} decode graph b={b:3d}: {ms:.3f} ms/step (GPU)", flush=True)
-        if name != paths[-1]:
+        if i < len(runs) - 1:
             del be
             gc.collect()
             torch.cuda.empty_cache()

@@ -3,7 +3,7 @@ in one process on one GPU, on the moondream2 text decoder's shape.
 
     python -m bench.speed [--tiny] [--quick] [--streams 1,8,32,64]
                           [--workloads text,detect,point,mix] [--decode fused+compile]
-                          [--split-below PROGRAMS]
+                          [--split-below PROGRAMS] [--attention 4x32w4s1] [--gemm cublas]
                           [--out docs/benchmarks.md] [--plot docs/benchmarks.png]
 
 One backend is built (its CUDA graphs captured once); every cell runs a
@@ -42,7 +42,7 @@ from bench.speed_cells import (FULL_TOKENS, PROMPT, QUICK_TOKENS, WORKLOADS, Tim
 from bench.speed_setup import (DECODE_PATHS, Clock, TimeLimit, build_model, copy_bandwidth,
                                time_limit)
 from core import Engine
-from cuda_backend import paged_decode
+from cuda_backend import paged_decode, skinny_gemm
 
 CONTEXT = 256  # prompt + the longest output (152) fits; one page bucket of graphs
 
@@ -67,7 +67,13 @@ def parse(argv):
                     help="how the engine runs a decode step (compile applies on CUDA only)")
     ap.add_argument("--split-below", type=int, default=None, metavar="PROGRAMS",
                     help="use the split attention kernel for buckets of fewer (row, head) "
-                         "programs than this (default: paged_decode.SPLIT_BELOW_PROGRAMS)")
+                         "programs than this (default: paged_decode.DISPATCH)")
+    ap.add_argument("--attention", type=paged_decode.Launch.parse, default=None, metavar="LAUNCH",
+                    help="the one-pass attention kernel's launch for every bucket, "
+                         "HEADSxBLOCKwWARPSsSTAGES (default: paged_decode.DISPATCH)")
+    ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
+                    help="the decode step's GEMMs: ours where measured faster (default), "
+                         "or cuBLAS everywhere")
     ap.add_argument("--out", default="docs/benchmarks.md", help="append the tables here ('' = no)")
     ap.add_argument("--plot", default="docs/benchmarks.png", help="PNG plot ('' = no)")
     args = ap.parse_args(argv)
@@ -193,16 +199,21 @@ def main(argv: list[str] | None = None) -> str:
 
 
 def decode_options(args, device) -> dict:
-    if args.split_below is not None:  # read when each graph is captured
-        paged_decode.SPLIT_BELOW_PROGRAMS = args.split_below
+    # Read when each graph is captured.
+    paged_decode.DISPATCH = paged_decode.forced(args.split_below, args.attention)
+    skinny_gemm.TILES = {} if args.gemm == "cublas" else None  # None: measured, read at build
     options = dict(DECODE_PATHS[args.decode])
     options["compile_decode"] &= device.type == "cuda"  # inductor on the CPU needs a compiler
     return options
 
 
-def split_note() -> str:
-    below = paged_decode.SPLIT_BELOW_PROGRAMS
-    return f" (split attention below {below} programs)" if below > 0 else ""
+def kernels_note(device) -> str:
+    """Our Triton kernels' settings, where they run."""
+    if device.type != "cuda":
+        return ""
+    shapes = [f"{k}->{n}" for k, n in skinny_gemm.tiles()]
+    gemm = f"ours for {', '.join(shapes)} at measured rows" if shapes else "cuBLAS"
+    return f" (attention: {paged_decode.DISPATCH}; GEMM: {gemm})"
 
 
 def run(args, command: str) -> str:
@@ -223,7 +234,7 @@ def run(args, command: str) -> str:
                                max_rows=top, max_seqs=max(256, 2 * top),
                                max_prefill_tokens=max(2048, PROMPT * top), max_context=CONTEXT,
                                use_graphs=device.type == "cuda", **decode_options(args, device))
-        env["decode"] = backend.decode_path + split_note()
+        env["decode"] = backend.decode_path + kernels_note(device)
         env["prefill"] = backend.prefill_path
         args.clock.say(f"backend built in {time.perf_counter() - t:.1f} s (graphs captured); "
                        f"decode step: {backend.decode_path}; prefill: {backend.prefill_path}")

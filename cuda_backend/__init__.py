@@ -14,8 +14,10 @@ Usage::
 Modules, one idea each: ``loader`` (models, tokenizers, stop ids, GGUF via
 ``gguf_cache``), ``attention`` (paged attention through transformers'
 AttentionInterface), ``paged_decode`` (the Triton kernels that read pages
-in place), ``fused_decode`` (the decode step with fused projections, for
-Phi, Llama and Qwen2), ``token_prefill`` (short prefills as token rows, in
+in place), ``skinny_gemm`` (a Triton GEMM for decode-sized inputs, where
+measured faster than cuBLAS), ``tuning`` (launch settings as strings),
+``fused_decode`` (the decode step with fused projections, for Phi, Llama
+and Qwen2), ``token_prefill`` (short prefills as token rows, in
 graphs), ``kv_cache`` (the pages), ``sizing`` (model shape,
 page count), ``runner`` (plan checks, metadata packing, the forward),
 ``sampling`` (masks, greedy / temperature / top-p, seeded per position),

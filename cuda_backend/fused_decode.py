@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cuda_backend import skinny_gemm
 from cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_attention, store_kv
 
 PARALLEL = ("phi",)
@@ -164,6 +165,11 @@ class Dims:
     inter: int  # MLP width
 
 
+# The layers' GEMMs: cuBLAS, or our decode-sized kernel for the weight
+# shapes and row counts where it was measured faster (skinny_gemm.TILES).
+_linear = skinny_gemm.linear
+
+
 def _attend(q, k, v, cos, sin, keys, values, ctx, qk_norm, dims: Dims, window):
     """Flat q/k/v ``[B, *]`` -> attention output ``[B, H * D]``: rotary, the
     KV write, paged attention."""
@@ -186,19 +192,19 @@ def parallel_layer(x, delta, cos, sin, keys, values, ctx, w, dims: Dims, act, wi
     norm_w, norm_b, w_in, b_in, w_out, b_out, qk_norm = w
     x = x + delta
     h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, dims.eps)
-    q, k, v, f = F.linear(h, w_in, b_in).split(dims.split, dim=-1)
+    q, k, v, f = _linear(h, w_in, b_in).split(dims.split, dim=-1)
     a = _attend(q, k, v, cos, sin, keys, values, ctx, qk_norm, dims, window)
-    return x, F.linear(torch.cat((a, act(f)), dim=-1), w_out, b_out)
+    return x, _linear(torch.cat((a, act(f)), dim=-1), w_out, b_out)
 
 
 def sequential_layer(x, delta, cos, sin, keys, values, ctx, w, dims: Dims, act, window):
     """Llama, Qwen2; the residual stream as in ``parallel_layer``."""
     norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
     x = x + delta
-    q, k, v = F.linear(_rms_norm(x, norm1, dims.eps), w_qkv, b_qkv).split(dims.split, dim=-1)
-    x = x + F.linear(_attend(q, k, v, cos, sin, keys, values, ctx, None, dims, window), w_o, b_o)
-    gate, up = F.linear(_rms_norm(x, norm2, dims.eps), w_gu, b_gu).split(dims.inter, dim=-1)
-    return x, F.linear(act(gate) * up, w_down, b_down)
+    q, k, v = _linear(_rms_norm(x, norm1, dims.eps), w_qkv, b_qkv).split(dims.split, dim=-1)
+    x = x + _linear(_attend(q, k, v, cos, sin, keys, values, ctx, None, dims, window), w_o, b_o)
+    gate, up = _linear(_rms_norm(x, norm2, dims.eps), w_gu, b_gu).split(dims.inter, dim=-1)
+    return x, _linear(act(gate) * up, w_down, b_down)
 
 
 def _parallel_weights(layer: nn.Module):
@@ -263,6 +269,7 @@ class FusedDecoder:
             make = _parallel_weights if parallel else _sequential_weights
             self.weights = [make(layer) for layer in body.layers]
         self.step_layer = self.layer_fn
+        skinny_gemm.tiles()  # read before any step is traced or captured
 
     def compiled(self, on: bool) -> "FusedDecoder":
         self.step_layer = torch.compile(_own_copy(self.layer_fn)) if on else self.layer_fn
@@ -283,4 +290,4 @@ class FusedDecoder:
         x = x + delta
         if last is not None:
             x = x.index_select(0, last)
-        return self.lm_head(self.norm(x))
+        return _linear(self.norm(x), self.lm_head.weight, self.lm_head.bias)

@@ -183,19 +183,21 @@ def test_engine_on_gpu_pipelined_equals_blocking_equals_generate():
         assert [list(h.result.tokens) for h in handles] == want
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("kernel", ["split", "1x32w2s1", "4x32w4s3", "8x16w2s1"])
 @pytest.mark.parametrize("kv_heads,window,dtype,pages", [
     (4, None, torch.float32, 8), (1, None, torch.float32, 8), (2, 5, torch.float32, 8),
     (4, None, torch.bfloat16, 8), (4, None, torch.float32, 2), (2, 40, torch.float32, 160),
     (4, None, torch.bfloat16, 160)])
-def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, pages, split):
+def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, pages, kernel):
     """The Triton kernels read pages in place; the portable path gathers them.
     Same function on scattered pages, mixed lengths, grouped heads, windows;
-    both kernels. Split: 2 pages (32 keys) are one program's chunk, 8 pages
-    give four programs of one block, 160 (2,560 keys) forty of two blocks."""
+    the split kernel and one-pass launches of 1, 4 and 8 heads per program
+    (8 is cut to the 4 heads there are), pipelined and not. Split: 2 pages
+    (32 keys) are one program's chunk, 8 pages give four programs of one
+    block, 160 (2,560 keys) forty of two blocks."""
+    from cuda_backend import paged_decode as pd
     from cuda_backend.attention import _decode_attention, _gather
-    from cuda_backend.paged_decode import available, paged_decode_attention
-    assert available(torch.zeros(1, device="cuda")), "Triton must be present on a CUDA machine"
+    assert pd.available(torch.zeros(1, device="cuda")), "Triton must be present on a CUDA machine"
     torch.manual_seed(kv_heads)
     rows, heads, dim, ps, total = 6, 4, 64, 16, 2 * 160
     keys = torch.randn(total * ps, kv_heads, dim, device="cuda", dtype=dtype)
@@ -211,10 +213,54 @@ def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, 
         mask &= key_pos > positions[:, None] - window
     k, v = _gather(keys, values, kv_index, dtype)
     want = _decode_attention(q, k, v, mask, None).float()
-    got = paged_decode_attention(q, keys, values, table, positions, ps, None, window,
-                                 split=split).float()
+    if kernel == "split":
+        got = pd.paged_decode_attention(q, keys, values, table, positions, ps, None, window,
+                                        split=True)
+    else:
+        got = pd.one_pass(q, keys, values, table, positions, ps, dim ** -0.5,
+                          window or pd.NO_WINDOW, torch.empty_like(q), pd.Launch.parse(kernel))
+    got = got.float()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n,tile", [
+    (1, 2048, 96, "64n128k1s4w3p"), (5, 512, 2048, "32n128k4s4w3p"),
+    (33, 1024, 100, "128n128k2s4w3p"), (64, 256, 64, "64n128k2s4w3p")])
+def test_skinny_gemm_matches_cublas(m, k, n, tile, dtype):
+    """Our decode-sized GEMM against F.linear: columns past a block (N=100,
+    96), rows padded to the tile, K split or not, with and without bias."""
+    from cuda_backend import skinny_gemm
+    torch.manual_seed(m)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+    for bias in (torch.randn(n, device="cuda", dtype=dtype), None):
+        want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+        got = skinny_gemm.run(x, w, bias, skinny_gemm.Tile.parse(tile)).float()
+        assert got.shape == (m, n)
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("arch,compiled", [("phi", True), ("llama", False)])
+def test_our_gemm_in_the_decode_step_keeps_tokens(arch, compiled, monkeypatch):
+    """With tiles for every fused weight shape (whole K at one row, K split
+    in two up to 8 rows, cuBLAS beyond), the step runs our GEMM, compiled as
+    an opaque op or not, and greedy tokens do not change."""
+    from cuda_backend import skinny_gemm
+    model = tiny_model(arch, device="cuda", seed=4)
+    want = generate(small(model), PROMPTS, 10)
+    shapes = {"phi": [(64, 320), (192, 64)],
+              "llama": [(64, 128), (64, 64), (64, 256), (128, 64)]}[arch]
+    one, two = skinny_gemm.Tile(32, 32, 1, 4, 3), skinny_gemm.Tile(32, 32, 2, 4, 3)
+    monkeypatch.setattr(skinny_gemm, "TILES", {s: ((1, one), (8, two)) for s in shapes})
+    ran = []
+    real = skinny_gemm.run
+    monkeypatch.setattr(skinny_gemm, "run", lambda x, w, b, t: ran.append(t) or real(x, w, b, t))
+    be = small(model, compile_decode=compiled)
+    assert {one, two} <= set(ran), "the step never ran our GEMM"
+    assert generate(be, PROMPTS, 10) == want
 
 
 @pytest.mark.parametrize("arch,fused", [("phi", True), ("llama", True), ("phi", False)])
