@@ -14,10 +14,11 @@ mkdir -p "$out"
 } 2>&1 | tee "$out/env.txt"
 # The GGUF loader tests need the embedded model's package, which this machine
 # lacks; they run in CI on the CPU.
-timeout "${TEST_SECONDS:-200}" python3 -m pytest -p no:cacheprovider -rs -q -s \
+timeout "${TEST_SECONDS:-300}" python3 -m pytest -p no:cacheprovider -rs -q -s \
   --junitxml="$out/gpu_tests.xml" -k "${GPU_TESTS:-}" \
   tests/test_cuda_gpu.py tests/test_cuda_fused.py tests/test_cuda_parity.py \
   tests/test_cuda_attention.py tests/test_cuda_sampling.py tests/test_cuda_backend.py \
+  tests/test_skinny_tiles.py tests/test_paged_launch.py \
   2>&1 | tee "$out/gpu_tests.txt"
 echo "pytest exit status: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.txt"
 timeout "${PROFILE_SECONDS:-150}" python3 -m bench.profile_step --rows 1,8,32,64 \

@@ -213,8 +213,8 @@ class Dispatch:
     - several query heads per program never won by more than 3% without
       grouped heads, so ``heads`` stays 1 (models with grouped KV heads have
       not been measured).
-    Whole steps (``bench.profile_step``, docs/runs/profile-2026-11-30.txt)
-    confirm the choice at each row count."""
+    Whole steps (``bench.profile_step``, docs/runs/profile-final-2026-11-30.txt
+    and docs/performance.md) confirm the choice at each row count."""
     split_below: int = 512
     pipelined_below: int = 2048
     pipelined: Launch = Launch(heads=1, block_n=16, warps=1, stages=3)
