@@ -69,7 +69,7 @@ def parse(argv):
                     help="use the split attention kernel for buckets of fewer (row, head) "
                          "programs than this (default: paged_decode.DISPATCH)")
     ap.add_argument("--attention", type=paged_decode.Launch.parse, default=None, metavar="LAUNCH",
-                    help="the one-pass attention kernel's launch for every bucket, "
+                    help="the one-pass attention kernel's launch wherever it runs, "
                          "HEADSxBLOCKwWARPSsSTAGES (default: paged_decode.DISPATCH)")
     ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
                     help="the decode step's GEMMs: ours where measured faster (default), "

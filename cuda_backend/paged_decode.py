@@ -171,8 +171,8 @@ class Launch:
     page-table walk), keys per loop iteration, warps per program, and the
     software-pipelining stages of the key loop. Written ``4x32w4s1``."""
     heads: int = 1
-    block_n: int = 32
-    warps: int = 2
+    block_n: int = 16
+    warps: int = 1
     stages: int = 1
 
     def __str__(self) -> str:
@@ -204,9 +204,8 @@ class Dispatch:
       programs): 19.8 against 14.0. The threshold lies between.
     - one warp and 16 keys per iteration is the best one-pass launch at 32
       and 64 rows: the earlier launch (two warps, 32 keys) took 21-74%
-      longer.
-      Fewer warps means fewer softmax reductions that cross warps through
-      shared memory.
+      longer. With one warp the online softmax's reductions stay inside the
+      warp instead of crossing through shared memory.
     - a three-stage pipelined key loop pays at 32 rows (14.0 against 15.8 us
       at 128 keys, 38 against 52 at 512) and not at 64 (23.2 against 21.4 at
       128 keys; even at 512).
@@ -217,8 +216,8 @@ class Dispatch:
     and docs/performance.md) confirm the choice at each row count."""
     split_below: int = 512
     pipelined_below: int = 2048
-    pipelined: Launch = Launch(heads=1, block_n=16, warps=1, stages=3)
-    plain: Launch = Launch(heads=1, block_n=16, warps=1, stages=1)
+    pipelined: Launch = Launch(stages=3)
+    plain: Launch = Launch()
 
     def choose(self, rows: int, heads: int, length: int) -> Launch | None:
         """The one-pass launch for a bucket, or None for the split kernel."""
@@ -239,9 +238,9 @@ DISPATCH = Dispatch()
 
 
 def forced(split_below: int | None = None, launch: Launch | None = None) -> Dispatch:
-    """``DISPATCH`` with a split threshold and/or one launch for every
-    one-pass bucket imposed (benchmarks and profiles compare them)."""
-    out = DISPATCH
+    """The default dispatch with a split threshold and/or one launch for
+    every one-pass bucket imposed (benchmarks and profiles compare them)."""
+    out = Dispatch()
     if split_below is not None:
         out = attrs.evolve(out, split_below=split_below)
     if launch is not None:
