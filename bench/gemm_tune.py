@@ -31,12 +31,11 @@ import json
 import torch
 import torch.nn.functional as F
 
-from bench.attention_tune import time_in_graph
+from bench.attention_tune import L2_BYTES, time_in_graph
 from cuda_backend import skinny_gemm as sg
 
 SHAPES = {"input 2048->14336": (2048, 14336), "output 10240->2048": (10240, 2048),
           "head 2048->51200": (2048, 51200)}
-L2_BYTES = 50 * 2**20
 
 
 def tiles() -> list[sg.Tile]:
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--save", default="", help="write the winning tiles here (JSON)")
     args = ap.parse_args(argv)
     grid = [sg.Tile.parse(t) for t in args.tiles.split(",") if t] or tiles()
-    best: dict[tuple[str, int], tuple[float, str, float]] = {}
+    best: dict[tuple[str, int], tuple[int, int, float, str, float]] = {}  # k, n, cuBLAS, ours
     print("| GEMM | rows | variant | us | weight TB/s |")
     print("|---|---:|---|---:|---:|")
     for name, (k, n) in SHAPES.items():
