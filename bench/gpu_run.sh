@@ -18,7 +18,7 @@ timeout "${TEST_SECONDS:-300}" python3 -m pytest -p no:cacheprovider -rs -q -s \
   --junitxml="$out/gpu_tests.xml" -k "${GPU_TESTS:-}" \
   tests/test_cuda_gpu.py tests/test_cuda_fused.py tests/test_cuda_parity.py \
   tests/test_cuda_attention.py tests/test_cuda_sampling.py tests/test_cuda_backend.py \
-  tests/test_skinny_tiles.py tests/test_paged_launch.py \
+  tests/test_skinny_tiles.py tests/test_paged_launch.py tests/test_rope_attention.py \
   2>&1 | tee "$out/gpu_tests.txt"
 echo "pytest exit status: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.txt"
 timeout "${PROFILE_SECONDS:-150}" python3 -m bench.profile_step --rows 1,8,32,64 \

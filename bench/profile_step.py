@@ -7,12 +7,15 @@ optimisation starts from a measurement rather than a guess.
 
     python -m bench.profile_step [--rows 1,8,32,64] [--context 128]
                                  [--paths transformers,fused,fused+compile]
-                                 [--attention default,split,1x16w1s1]
+                                 [--attention default,split,separate,act-separate,1x16w1s1]
                                  [--gemm cublas,tiles.json]
 
 ``--attention`` builds the last path once per attention choice listed:
 ``default`` (``paged_decode.DISPATCH``), ``split`` (the split kernel in every
-bucket), or a one-pass launch such as ``1x16w1s1`` (in every bucket).
+bucket), ``separate`` (rotary and the KV write as compiled kernels before
+attention, not inside it), ``act-separate`` (only Phi's MLP activation as a
+kernel of its own), or a one-pass launch such as ``1x16w1s1`` (in every
+bucket).
 ``--gemm`` builds it once more per GEMM choice listed, with the default
 attention: ``cublas`` everywhere, or a table of our kernel's tiles (JSON,
 from ``bench.gemm_tune --save``). Otherwise the step's GEMMs are the
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernels-at", type=int, default=32)
     ap.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
     ap.add_argument("--attention", default="",
-                    help="attention choices for the last path: default, split, or launches")
+                    help="attention choices for the last path: default, split, separate, "
+                    "act-separate, or launches")
     ap.add_argument("--gemm", default="", help="GEMM choices for the last path: cublas, or "
                     "JSON files of tiles")
     args = ap.parse_args(argv)
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         model = PhiForCausalLM(phi15_config()).to(torch.bfloat16).eval()
     rows = [int(x) for x in args.rows.split(",")]
     paths = args.paths.split(",")
-    dispatch = {"default": pd.DISPATCH, "split": pd.forced(split_below=1 << 30)}
+    dispatch = {"default": pd.DISPATCH, "split": pd.forced(split_below=1 << 30),
+                "separate": pd.forced(new_token=False), "act-separate": pd.forced(mlp_act=False)}
     for x in args.attention.split(","):
         if x and x not in dispatch:
             dispatch[x] = pd.forced(split_below=0, launch=pd.Launch.parse(x))

@@ -14,7 +14,8 @@ Usage::
 Modules, one idea each: ``loader`` (models, tokenizers, stop ids, GGUF via
 ``gguf_cache``), ``attention`` (paged attention through transformers'
 AttentionInterface), ``paged_decode`` (the Triton kernels that read pages
-in place), ``skinny_gemm`` (a Triton GEMM for decode-sized inputs, where
+in place), ``rope_attention`` (a fused decode step's rotary, KV write and
+attention as one op), ``skinny_gemm`` (a Triton GEMM for decode-sized inputs, where
 measured faster than cuBLAS), ``tuning`` (launch settings as strings),
 ``fused_decode`` (the decode step with fused projections, for Phi, Llama
 and Qwen2), ``token_prefill`` (short prefills as token rows, in

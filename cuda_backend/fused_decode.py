@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cuda_backend import skinny_gemm
+from cuda_backend import paged_decode, skinny_gemm
 from cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_attention, store_kv
+from cuda_backend.rope_attention import ACTIVATIONS, rope_attend, rotate
 
 PARALLEL = ("phi",)
 SEQUENTIAL = ("llama", "qwen2")
@@ -134,17 +135,6 @@ def _fuse_columns(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
     return weight, bias
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' rotary embedding on the first ``cos.shape[-1]`` dims of
-    ``x`` ``[B, heads, D]``; the rest pass through (partial rotary)."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    x_rot = x_rot * cos + rotated * sin
-    return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
-
-
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm (Llama, Qwen2): float32 statistics, weight after."""
     h = x.float()
@@ -163,6 +153,9 @@ class Dims:
     scaling: float
     split: tuple[int, ...]  # sizes of the fused input GEMM's outputs
     inter: int  # MLP width
+    # Phi: its MLP activation (rope_attention.ACTIVATIONS) applied by the
+    # attention op, 0 for a kernel of its own.
+    act: int = 0
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel for the weight
@@ -170,9 +163,12 @@ class Dims:
 _linear = skinny_gemm.linear
 
 
-def _attend(q, k, v, cos, sin, keys, values, ctx, qk_norm, dims: Dims, window):
+def _attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims: Dims, window, mlp=None):
     """Flat q/k/v ``[B, *]`` -> attention output ``[B, H * D]``: rotary, the
-    KV write, paged attention."""
+    KV write, paged attention. ``kv`` is the layer's whole cache tensor (one
+    op does all three: ``rope_attention``) or its ``(keys, values)`` views
+    (three steps). With ``mlp`` (one op only) the output is ``[B, H * D +
+    I]``: the attention, then ``dims.act`` of ``mlp`` ``[B, I]``."""
     b = q.shape[0]
     q = q.view(b, dims.heads, dims.head_dim)
     k = k.view(b, dims.kv_heads, dims.head_dim)
@@ -180,29 +176,41 @@ def _attend(q, k, v, cos, sin, keys, values, ctx, qk_norm, dims: Dims, window):
     if qk_norm is not None:  # Phi's optional per-head LayerNorms
         q = F.layer_norm(q, (dims.head_dim,), qk_norm[0], qk_norm[1], dims.eps)
         k = F.layer_norm(k, (dims.head_dim,), qk_norm[2], qk_norm[3], dims.eps)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    if isinstance(kv, torch.Tensor):
+        out = rope_attend(q, k, v, cos, sin, kv, ctx.slot_mapping, ctx.page_table,
+                          ctx.q_pos[:, 0], ctx.cache.page_size, dims.scaling, window, mlp,
+                          dims.act)
+        return out if mlp is not None else out.reshape(b, -1)
+    keys, values = kv
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over heads
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     store_kv(keys, values, ctx.slot_mapping, k, v)
     return decode_attention(q, keys, values, ctx, dims.scaling, window).reshape(b, -1)
 
 
-def parallel_layer(x, delta, cos, sin, keys, values, ctx, w, dims: Dims, act, window):
+def parallel_layer(x, delta, cos, sin, kv, ctx, w, dims: Dims, act, window):
     """Phi. The residual stream arrives as ``x + delta`` (the previous layer's
     output not yet added, so the add fuses with this layer's norm); returns
-    the new ``(x, delta)``."""
+    the new ``(x, delta)``. The output GEMM reads ``[attention | act(fc1)]``:
+    with the one attention op and an activation it knows, the op writes that
+    whole row (no kernel of its own for the activation and the concat)."""
     norm_w, norm_b, w_in, b_in, w_out, b_out, qk_norm = w
     x = x + delta
     h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, dims.eps)
     q, k, v, f = _linear(h, w_in, b_in).split(dims.split, dim=-1)
-    a = _attend(q, k, v, cos, sin, keys, values, ctx, qk_norm, dims, window)
+    if dims.act and isinstance(kv, torch.Tensor):
+        return x, _linear(_attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, f),
+                          w_out, b_out)
+    a = _attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window)
     return x, _linear(torch.cat((a, act(f)), dim=-1), w_out, b_out)
 
 
-def sequential_layer(x, delta, cos, sin, keys, values, ctx, w, dims: Dims, act, window):
+def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims: Dims, act, window):
     """Llama, Qwen2; the residual stream as in ``parallel_layer``."""
     norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
     x = x + delta
     q, k, v = _linear(_rms_norm(x, norm1, dims.eps), w_qkv, b_qkv).split(dims.split, dim=-1)
-    x = x + _linear(_attend(q, k, v, cos, sin, keys, values, ctx, None, dims, window), w_o, b_o)
+    x = x + _linear(_attend(q, k, v, cos, sin, kv, ctx, None, dims, window), w_o, b_o)
     gate, up = _linear(_rms_norm(x, norm2, dims.eps), w_gu, b_gu).split(dims.inter, dim=-1)
     return x, _linear(act(gate) * up, w_down, b_down)
 
@@ -260,9 +268,6 @@ class FusedDecoder:
             eps, inter = first.input_layernorm.variance_epsilon, first.mlp.gate_proj.weight.shape[0]
             self.act = first.mlp.act_fn
         qkv = (heads * attn.head_dim, kv_heads * attn.head_dim, kv_heads * attn.head_dim)
-        self.dims = Dims(heads=heads, kv_heads=kv_heads, head_dim=attn.head_dim, eps=eps,
-                         scaling=attn.scaling, split=qkv + ((inter,) if parallel else ()),
-                         inter=inter)
         self.windows = [getattr(layer.self_attn, "sliding_window", None) for layer in body.layers]
         self.layer_fn = parallel_layer if parallel else sequential_layer
         with torch.no_grad():
@@ -270,6 +275,14 @@ class FusedDecoder:
             self.weights = [make(layer) for layer in body.layers]
         self.step_layer = self.layer_fn
         skinny_gemm.tiles()  # read before any step is traced or captured
+        # One op for rotary, the KV write and attention, or three steps; and
+        # Phi's MLP activation in that op, when it is one the kernels know.
+        self.rope_in_kernel = paged_decode.DISPATCH.new_token
+        act = ACTIVATIONS.get(getattr(cfg, "hidden_act", None), 0)
+        act = act if parallel and paged_decode.DISPATCH.mlp_act else 0
+        self.dims = Dims(heads=heads, kv_heads=kv_heads, head_dim=attn.head_dim, eps=eps,
+                         scaling=attn.scaling, split=qkv + ((inter,) if parallel else ()),
+                         inter=inter, act=act)
 
     def compiled(self, on: bool) -> "FusedDecoder":
         self.step_layer = torch.compile(_own_copy(self.layer_fn)) if on else self.layer_fn
@@ -281,12 +294,17 @@ class FusedDecoder:
         the rows ``last`` ``[R]`` -> ``[R, V]`` (a prefill's last tokens)."""
         x = self.embed(input_ids)  # [B, hidden]
         cos, sin = self.rotary(x, positions.view(1, -1))  # [1, B, rot] each, in x's dtype
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [B, 1, rot]: over heads
+        cos, sin = cos[0], sin[0]
         delta = torch.zeros_like(x)
+        # The one op lets each row see the cache as it was before the step,
+        # plus its own key. Right for a decode step (a row per sequence); the
+        # token rows of a prefill must see each other's keys, so they write
+        # first and attend after (three steps).
+        one_op = self.rope_in_kernel and last is None
         for i, w in enumerate(self.weights):
-            keys, values = ctx.cache.layer(i)
-            x, delta = self.step_layer(x, delta, cos, sin, keys, values, ctx, w, self.dims,
-                                       self.act, self.windows[i])
+            kv = ctx.cache.layer_kv(i) if one_op else ctx.cache.layer(i)
+            x, delta = self.step_layer(x, delta, cos, sin, kv, ctx, w, self.dims, self.act,
+                                       self.windows[i])
         x = x + delta
         if last is not None:
             x = x.index_select(0, last)

@@ -56,12 +56,19 @@ class PagedKVCache:
         # Flat per-layer views, made once: [L][N+1 * page_size, KVH, D] (a view,
         # so attention writes land in ``data``; no per-step view creation).
         flat = self.data.view(layers, 2, (num_pages + 1) * page_size, kv_heads, head_dim)
+        self._kv = [flat[i] for i in range(layers)]
         self._keys = [flat[i, 0] for i in range(layers)]
         self._values = [flat[i, 1] for i in range(layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat keys and values of one layer: ``[(N + 1) * page_size, KVH, D]`` each."""
         return self._keys[index], self._values[index]
+
+    def layer_kv(self, index: int) -> torch.Tensor:
+        """One layer's keys and values as one tensor ``[2, (N + 1) * page_size,
+        KVH, D]``, for ops that write both (a compiled step writes a single
+        tensor in place; two views of one storage it would copy whole)."""
+        return self._kv[index]
 
 
 def activation_reserve(*, hidden: int, intermediate: int, heads: int, kv_heads: int,

@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised where Triton is absent
 if triton is not None:
 
     @triton.jit
-    def _kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per, sx_m, sw_n, so_s, so_m,
+    def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per, sx_m, sw_n, so_s, so_m,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
                 BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
@@ -122,7 +122,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Ti
         out = torch.empty((tile.split, m, n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _kernel[(triton.cdiv(n, tile.block_n), tile.split)](
+    _gemm_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
         x, w, bias if bias is not None else w, out, m, n, k // tile.split,
         x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2),
         HAS_BIAS=bias is not None, PARTIAL=partial, IEEE=x.dtype == torch.float32,

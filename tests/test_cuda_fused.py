@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from core.values import SamplePlan, StepKind, StepPlan, StepRow
+from cuda_backend import paged_decode
 from cuda_backend.backend import CudaBackend
 from cuda_backend.drive import generate, scattered_pages
 from cuda_backend.fused_decode import FusedDecoder, TransformersDecoder, make_decoder
@@ -42,11 +43,20 @@ def decode_logits(be: CudaBackend, decoder, ctx_lens: list[int]) -> torch.Tensor
         return decoder(*r.decode_inputs(b, p))[:len(ctx_lens)]
 
 
+@pytest.mark.parametrize("new_token,mlp_act", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_step_gives_transformers_logits(arch):
+def test_fused_step_gives_transformers_logits(arch, new_token, mlp_act, monkeypatch):
+    """Rotary, the KV write and attention as one op, with Phi's MLP
+    activation in it (the default) or not, or as three steps: transformers'
+    logits every way."""
+    monkeypatch.setattr(paged_decode, "DISPATCH",
+                        paged_decode.forced(new_token=new_token, mlp_act=mlp_act))
     model = tiny_model(arch, seed=7)
     be = backend(model)
-    assert isinstance(be._runner.decoder, FusedDecoder) and be.decode_path == f"fused {arch}"
+    decoder = be._runner.decoder
+    assert isinstance(decoder, FusedDecoder) and be.decode_path == f"fused {arch}"
+    assert decoder.rope_in_kernel == new_token
+    assert decoder.dims.act == (1 if arch == "phi" and mlp_act else 0)  # tiny Phi: gelu_new
     torch.manual_seed(0)
     be.cache.data.normal_()  # KV the step reads; both decoders write the same new entries
     fused = decode_logits(be, be._runner.decoder, [1, 6, 17, 9])
@@ -84,6 +94,28 @@ def test_fusing_stores_no_weight_twice_and_leaves_transformers_forward_alone(arc
     with torch.no_grad():
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
+
+
+def test_the_compiled_phi_step_is_one_graph_for_every_layer():
+    """Compiled, the fused Phi step (rotary, attention and the MLP
+    activation as one op) traces into one graph that serves every layer: no
+    graph break, no recompile (both would cost launches on the GPU,
+    silently). The CPU compiler stands in for the GPU's."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("phi", seed=7)
+    be = backend(model)
+    assert be._runner.decoder.dims.act == 1 and be._runner.decoder.rope_in_kernel
+    decoder = be._runner.decoder.compiled(True)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    be.cache.data.normal_()
+    fused = decode_logits(be, decoder, [1, 6, 17, 9])
+    assert dict(counters["frames"]) == {"total": 1, "ok": 1}
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    plain = decode_logits(be, TransformersDecoder(model), [1, 6, 17, 9])
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
 
 
 def test_phi_with_qk_layernorm_is_fused_and_matches():

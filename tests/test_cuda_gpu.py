@@ -224,6 +224,91 @@ def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, 
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
 
+@pytest.mark.parametrize("kernel", ["split", "1x16w1s1", "1x16w1s3", "4x32w4s3", "8x16w2s1"])
+@pytest.mark.parametrize("kv_heads,window,dtype,pages,rot", [
+    (4, None, torch.float32, 8, 64), (1, None, torch.float32, 8, 32), (2, 5, torch.float32, 8, 64),
+    (4, None, torch.bfloat16, 8, 32), (4, None, torch.float32, 2, 64),
+    (2, 40, torch.float32, 160, 32), (4, None, torch.bfloat16, 160, 64), (4, 1, torch.float32, 8, 64)])
+def test_rotary_and_kv_write_in_the_kernel_match_the_portable_op(kv_heads, window, dtype, pages,
+                                                                 rot, kernel, monkeypatch):
+    """rope_attention's op on CUDA (the kernels with a NewToken: rotary on q
+    and k, the KV write by each group's first head, the step's own key from
+    registers) against its torch path: same output, same cache. Rows own
+    disjoint pages (I6), positions start a page (16), end one (15), and sit
+    at 0 (the own key alone); a window of 1 sees only the own key; full and
+    partial rotary; raw q/k/v as strided views of one projection output."""
+    from cuda_backend import paged_decode as pd
+    from cuda_backend.kv_cache import PagedKVCache
+    from cuda_backend.rope_attention import _portable, rope_attend
+    torch.manual_seed(kv_heads * 7 + rot)
+    rows, heads, dim, ps = 6, 4, 64, 16
+    total = rows * pages + 3
+    caches = [PagedKVCache(layers=1, kv_heads=kv_heads, head_dim=dim, num_pages=total,
+                           page_size=ps, dtype=dtype, device=torch.device("cuda"))
+              for _ in range(2)]
+    caches[0].data.normal_()
+    caches[1].data.copy_(caches[0].data)
+    table = torch.randperm(total, device="cuda")[:rows * pages].view(rows, pages)
+    positions = torch.tensor([0, 3, 15, 16, min(40, pages * ps - 2), pages * ps - 1],
+                             device="cuda")
+    slot = table.gather(1, (positions // ps)[:, None])[:, 0] * ps + positions % ps
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim + 8, device="cuda", dtype=dtype)
+    q, k, v = qkv[:, :-8].split((heads * dim, kv_heads * dim, kv_heads * dim), dim=1)
+    q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
+    theta = torch.rand(rows, rot // 2, device="cuda") * 6
+    cos, sin = torch.cat((theta, theta), 1).cos().to(dtype), torch.cat((theta, theta), 1).sin().to(dtype)
+    win = window or pd.NO_WINDOW
+    want = _portable(q, k, v, cos, sin, caches[1].layer_kv(0), slot, table, positions, ps,
+                     dim ** -0.5, win).float()
+    dispatch = (pd.forced(split_below=1 << 30) if kernel == "split"
+                else pd.forced(split_below=0, launch=pd.Launch.parse(kernel)))
+    monkeypatch.setattr(pd, "DISPATCH", dispatch)
+    got = rope_attend(q, k, v, cos, sin, caches[0].layer_kv(0), slot, table, positions, ps,
+                      None, window).float()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+    # The rows' slots written alike (to rounding: the kernel may fuse a multiply-add), nothing else.
+    torch.testing.assert_close(caches[0].data, caches[1].data)
+
+
+@pytest.mark.parametrize("kernel", ["split", "1x16w1s1", "4x32w4s3"])
+@pytest.mark.parametrize("act,dtype,inter", [(1, torch.bfloat16, 8192), (2, torch.float32, 200),
+                                             (1, torch.float32, 37)])
+def test_the_mlp_activation_rides_on_the_attention_kernels(kernel, act, dtype, inter,
+                                                          monkeypatch):
+    """With a parallel block's fc1 output the op returns ``[attention |
+    act(fc1)]``, the activation shared among each row's programs (shares
+    that do not divide evenly, fewer columns than programs, Phi's 8,192)."""
+    from cuda_backend import paged_decode as pd
+    from cuda_backend.kv_cache import PagedKVCache
+    from cuda_backend.rope_attention import _torch_act, rope_attend
+    torch.manual_seed(inter)
+    rows, heads, kv_heads, dim, ps, pages = 6, 8, 2, 64, 16, 8
+    cache = PagedKVCache(layers=1, kv_heads=kv_heads, head_dim=dim, num_pages=rows * pages,
+                         page_size=ps, dtype=dtype, device=torch.device("cuda"))
+    cache.data.normal_()
+    table = torch.randperm(rows * pages, device="cuda").view(rows, pages)
+    positions = torch.tensor([0, 3, 15, 16, 40, pages * ps - 1], device="cuda")
+    slot = table.gather(1, (positions // ps)[:, None])[:, 0] * ps + positions % ps
+    q = torch.randn(rows, heads, dim, device="cuda", dtype=dtype)
+    k, v = (torch.randn(rows, kv_heads, dim, device="cuda", dtype=dtype) for _ in range(2))
+    theta = torch.rand(rows, dim // 4, device="cuda") * 6
+    cos, sin = (f(torch.cat((theta, theta), 1)).to(dtype) for f in (torch.cos, torch.sin))
+    mlp = (torch.randn(rows, inter + 3, device="cuda", dtype=dtype) * 3)[:, 3:]
+    dispatch = (pd.forced(split_below=1 << 30) if kernel == "split"
+                else pd.forced(split_below=0, launch=pd.Launch.parse(kernel)))
+    monkeypatch.setattr(pd, "DISPATCH", dispatch)
+    before = cache.data.clone()
+    row = rope_attend(q, k, v, cos, sin, cache.layer_kv(0), slot, table, positions, ps, None,
+                      None, mlp, act)
+    cache.data.copy_(before)
+    attention = rope_attend(q, k, v, cos, sin, cache.layer_kv(0), slot, table, positions, ps,
+                            None, None)
+    assert row.shape == (rows, heads * dim + inter)
+    torch.testing.assert_close(row[:, :heads * dim], attention.reshape(rows, -1))
+    torch.testing.assert_close(row[:, heads * dim:], _torch_act(mlp, act).to(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,k,n,tile", [
     (1, 2048, 96, "64n128k1s4w3p"), (5, 512, 2048, "32n128k4s4w3p"),
@@ -263,7 +348,8 @@ def test_our_gemm_in_the_decode_step_keeps_tokens(arch, compiled, monkeypatch):
     assert generate(be, PROMPTS, 10) == want
 
 
-@pytest.mark.parametrize("arch,fused", [("phi", True), ("llama", True), ("phi", False)])
+@pytest.mark.parametrize("arch,fused", [("phi", True), ("llama", True), ("qwen2", True),
+                                        ("phi", False)])
 def test_compiled_decode_agrees_with_the_eager_graphs(arch, fused):
     """compile_decode: torch.compile'd decode step (fused or transformers'),
     captured in our graphs, with the paged kernel as an opaque custom op;
