@@ -79,6 +79,11 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     if cos.shape != sin.shape or cos.shape[0] != b or cos.shape[1] > d or cos.shape[1] % 2:
         raise ValueError(f"rope_attend: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must "
                          f"be [{b}, ROT] with ROT even and at most {d}")
+    rows = {"slot": slot.shape, "positions": positions.shape, "page_table": page_table.shape[:1]}
+    for name, shape in rows.items():
+        if tuple(shape) != (b,):
+            raise ValueError(f"rope_attend: {name} {tuple(shape)} must have one entry per row "
+                             f"({b})")
     scale = scaling if scaling is not None else d ** -0.5
     return _rope_attend(q, k, v, cos, sin, kv, slot, page_table, positions, page_size,
                         float(scale), int(window) if window is not None else paged_decode.NO_WINDOW,

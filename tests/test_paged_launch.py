@@ -45,6 +45,15 @@ def test_forcing_a_launch_applies_it_everywhere_and_keeps_the_default():
     assert DISPATCH == Dispatch() and forced() == DISPATCH
 
 
+def test_where_the_new_token_and_the_activation_run_is_named():
+    """Rotary, the KV write and Phi's activation run inside the attention
+    kernels by default; a dispatch that moves them out says so."""
+    assert DISPATCH.new_token and DISPATCH.mlp_act and "separate" not in str(DISPATCH)
+    assert str(forced(new_token=False)).endswith("; rotary and KV write separate")
+    assert str(forced(mlp_act=False)).endswith("; Phi's MLP activation separate")
+    assert forced(new_token=False, split_below=0).split_below == 0  # the rest kept
+
+
 def test_split_chunks_cap_the_programs_per_row_and_head():
     for length in (16, 32, 144, 2048, 2049, 32768):
         chunk = split_chunk(length)

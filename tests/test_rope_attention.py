@@ -121,5 +121,9 @@ def test_bad_shapes_are_named():
         rope_attend(q, k, v, cos[:, :3], sin[:, :3], **args)
     with pytest.raises(ValueError, match=r"mlp \(5, 8\) must be \[5, I\] with act 1"):
         rope_attend(q, k, v, cos, sin, **args, mlp=torch.zeros(5, 8), act=3)
+    with pytest.raises(ValueError, match=r"slot \(4,\) must have one entry per row \(5\)"):
+        rope_attend(q, k, v, cos, sin, **{**args, "slot": slot[:4]})
+    with pytest.raises(ValueError, match=r"page_table \(3,\) must have one entry per row"):
+        rope_attend(q, k, v, cos, sin, **{**args, "page_table": table[:3]})
     with pytest.raises(ValueError, match="q's last dimension must be contiguous"):
         rope_attend(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, cos, sin, **args)
