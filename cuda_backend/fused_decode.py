@@ -15,9 +15,12 @@ tail, so the count of GEMMs, not their FLOPs, sets much of a step's time
 The fused weights are the model's own memory: each module's parameters are
 re-pointed at views of the fused tensors, so nothing is stored twice and
 transformers' forward (which prefill still uses) reads the same values.
-Norms, activations and rotary embeddings are the model's own modules, so
-numerics follow transformers; a fused GEMM sums in a different order, so
-results agree to rounding, not bit for bit.
+Norms and the rotary tables are the model's own modules. In a decode step
+on CUDA the rotary embedding itself, the KV write and (Phi) the MLP's
+activation run inside the attention kernels (``rope_attention``), in
+float32; prefill and other devices apply them with torch. A fused GEMM sums
+in a different order too, so results agree with transformers to rounding,
+not bit for bit.
 
 ``make_decoder`` picks this path when the model is supported and says why
 when it is not; every other decoder runs transformers' forward.
