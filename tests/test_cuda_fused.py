@@ -96,16 +96,17 @@ def test_fusing_stores_no_weight_twice_and_leaves_transformers_forward_alone(arc
     torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
 
 
-def test_the_compiled_phi_step_is_one_graph_for_every_layer():
-    """Compiled, the fused Phi step (rotary, attention and the MLP
-    activation as one op) traces into one graph that serves every layer: no
-    graph break, no recompile (both would cost launches on the GPU,
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_compiled_step_is_one_graph_for_every_layer(arch):
+    """Compiled, the fused step (rotary and attention as one op, for Phi
+    the MLP activation too) traces into one graph that serves every layer:
+    no graph break, no recompile (both would cost launches on the GPU,
     silently). The CPU compiler stands in for the GPU's."""
     from torch._dynamo.utils import counters
 
-    model = tiny_model("phi", seed=7)
+    model = tiny_model(arch, seed=7)
     be = backend(model)
-    assert be._runner.decoder.dims.act == 1 and be._runner.decoder.rope_in_kernel
+    assert be._runner.decoder.dims.act == (arch == "phi") and be._runner.decoder.rope_in_kernel
     decoder = be._runner.decoder.compiled(True)
     torch._dynamo.reset()
     counters.clear()
