@@ -38,17 +38,13 @@ class PagedContext:
                  q_pos: torch.Tensor, q_gather: torch.Tensor | None = None,
                  out_gather: torch.Tensor | None = None, group_rows: int | None = None,
                  gather_keys: bool = True):
-        ps = cache.page_size
-        rows, pages = page_table.shape
+        rows = page_table.shape[0]
         self.cache = cache
         self.page_table = page_table  # [R, P]
         self.slot_mapping = slot_mapping  # [T] flat KV index each new token is written to
         self.q_pos = q_pos  # [R, S] absolute position of each (padded) query
         if gather_keys:  # the paged kernel reads pages in place and needs neither
-            offsets = torch.arange(ps, device=page_table.device)  # [ps]
-            # [R, L]: flat KV index of key position j of row r (L = pages * ps)
-            self.kv_index = (page_table.unsqueeze(-1) * ps + offsets).view(rows, pages * ps)
-            self.key_pos = torch.arange(pages * ps, device=page_table.device)  # [L]
+            self.kv_index, self.key_pos = row_keys(page_table, cache.page_size)
         self.q_gather = q_gather  # [R * S] packed token of each padded query (prefill)
         self.out_gather = out_gather  # [T] padded query of each packed token (prefill)
         # Prefill attends in groups of rows so the gathered keys of a group
@@ -78,6 +74,15 @@ class PagedContext:
         if whole:
             self._masks[window] = m
         return m
+
+
+def row_keys(page_table: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[R, L]`` flat KV index of key position j of row r (L = pages *
+    page_size), and the key positions ``[L]``."""
+    rows, pages = page_table.shape
+    offsets = torch.arange(page_size, device=page_table.device)
+    kv_index = (page_table.unsqueeze(-1) * page_size + offsets).view(rows, pages * page_size)
+    return kv_index, torch.arange(pages * page_size, device=page_table.device)
 
 
 def decode_context(cache: PagedKVCache, positions: torch.Tensor,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cuda_backend import paged_decode
-from cuda_backend.attention import _decode_attention, _gather, store_kv
+from cuda_backend.attention import _decode_attention, _gather, row_keys, store_kv
 
 # MLP activations the kernels apply (transformers' hidden_act names): 1 the
 # tanh form of GELU, 2 the erf form. See ``rope_attend``'s ``mlp``.
@@ -137,14 +137,11 @@ def _portable(q, k, v, cos, sin, kv, slot, page_table, positions, page_size: int
     q = rotate(q.float(), cos, sin).to(q.dtype)
     k = rotate(k.float(), cos, sin).to(keys.dtype)
     v = v.to(values.dtype)
-    rows, pages = page_table.shape
-    offsets = torch.arange(page_size, device=page_table.device)
-    kv_index = (page_table.unsqueeze(-1) * page_size + offsets).view(rows, pages * page_size)
-    key_pos = torch.arange(pages * page_size, device=page_table.device)
+    kv_index, key_pos = row_keys(page_table, page_size)
     pos = positions.unsqueeze(1)
     mask = (key_pos <= pos) & (key_pos > pos - window)
     k_all, v_all = _gather(keys, values, kv_index, q.dtype)  # copies: the cache before
-    own = torch.arange(rows, device=q.device)
+    own = torch.arange(q.shape[0], device=q.device)
     k_all[own, positions], v_all[own, positions] = k.to(q.dtype), v.to(q.dtype)
     store_kv(keys, values, slot, k, v)
     return _decode_attention(q, k_all, v_all, mask, scale)
