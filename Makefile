@@ -26,16 +26,16 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 mutation: $(STAMP)
-	$(PY) -m bench.mutation
+	$(PY) -m bubblefree.bench.mutation
 
 bench: $(STAMP)
-	$(PY) -m bench.speed
+	$(PY) -m bubblefree.bench.speed
 
 bench-bookkeeping: $(STAMP)
-	$(PY) -m bench.bookkeeping
+	$(PY) -m bubblefree.bench.bookkeeping
 
 bench-masks: $(STAMP)
-	$(PY) -m bench.masks
+	$(PY) -m bubblefree.bench.masks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis mutants

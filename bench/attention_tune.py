@@ -10,7 +10,7 @@ Every one-pass launch (``paged_decode.Launch``: heads per program, keys per
 iteration, warps, loop stages) in the grid, and the split kernel, at each
 (rows, context); then the best launch per case, and the current default.
 
-    python -m bench.attention_tune [--rows 1,8,32,64] [--contexts 128,512]
+    python -m bubblefree.bench.attention_tune [--rows 1,8,32,64] [--contexts 128,512]
                                    [--launches 1x32w2s1,4x32w4s1]
 """
 
@@ -21,7 +21,7 @@ import itertools
 
 import torch
 
-from cuda_backend import paged_decode as pd
+from bubblefree.cuda_backend import paged_decode as pd
 
 HEADS, DIM, PS = 32, 64, 16
 L2_BYTES = 50 * 2**20  # the H200's

@@ -7,7 +7,7 @@ Reports microseconds of scheduler work per decode step and per
 sequence-step at 1, 8, 32 and 64 streams; writes the table to
 docs/bookkeeping.md.
 
-    python -m bench.bookkeeping [--tokens 200] [--repeats 3]
+    python -m bubblefree.bench.bookkeeping [--tokens 200] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from core import Capacity, Engine, Request, StepKind, StepOutput
+from bubblefree.core import Capacity, Engine, Request, StepKind, StepOutput
 
 STREAMS = (1, 8, 32, 64)
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> str:
     table = "\n".join(lines)
     header = (f"## Core bookkeeping, {datetime.date.today().isoformat()}\n\n"
               f"CPU: {platform.processor() or platform.machine()}, Python {platform.python_version()}. "
-              f"Command: `python -m bench.bookkeeping --tokens {args.tokens} --repeats {args.repeats}`. "
+              f"Command: `python -m bubblefree.bench.bookkeeping --tokens {args.tokens} --repeats {args.repeats}`. "
               "A zero-cost GPU; time inside backend calls subtracted; median of the repeats. "
               "Absolute µs are of this CPU: compare rows, not machines.\n\n")
     print("\n" + table)

@@ -6,7 +6,7 @@ same simulated timing; the table shows requests, tokens, whether outputs are
 identical (I8), and simulated GPU idle per step — the bubble pipelining
 removes.
 
-    python -m bench.fake_pipeline [--requests 48] [--seed 0]
+    python -m bubblefree.bench.fake_pipeline [--requests 48] [--seed 0]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 
 import attrs
 
-from core import Engine, Request, Status, StepKind
-from fake_backend import FakeBackend, FakeModel, Timing
+from bubblefree.core import Engine, Request, Status, StepKind
+from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 
 VOCAB = 64
 MASKS = (frozenset(range(1, 20)), frozenset(range(20, 40)) | {0}, frozenset(range(40, 64)))

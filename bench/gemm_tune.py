@@ -19,7 +19,7 @@ hold them from one call to the next. Compared for each shape and rows:
 (inductor's max-autotune, compiled with a dynamic row count as the step is,
 was measured at 0.1-1.9 TB/s, far below cuBLAS: docs/performance.md.)
 
-    python -m bench.gemm_tune [--rows 1,8,32,64] [--tiles 64n128k4s4w3p,...]
+    python -m bubblefree.bench.gemm_tune [--rows 1,8,32,64] [--tiles 64n128k4s4w3p,...]
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from bench.attention_tune import L2_BYTES, time_in_graph
-from cuda_backend import skinny_gemm as sg
+from bubblefree.bench.attention_tune import L2_BYTES, time_in_graph
+from bubblefree.cuda_backend import skinny_gemm as sg
 
 SHAPES = {"input 2048->14336": (2048, 14336), "output 10240->2048": (10240, 2048),
           "head 2048->51200": (2048, 51200)}

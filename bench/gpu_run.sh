@@ -21,9 +21,9 @@ timeout "${TEST_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -rs -q -s \
   tests/test_skinny_tiles.py tests/test_paged_launch.py tests/test_rope_attention.py \
   2>&1 | tee "$out/gpu_tests.txt"
 echo "pytest exit status: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.txt"
-timeout "${PROFILE_SECONDS:-150}" python3 -m bench.profile_step --rows 1,8,32,64 \
+timeout "${PROFILE_SECONDS:-150}" python3 -m bubblefree.bench.profile_step --rows 1,8,32,64 \
   --paths "${PROFILE_PATHS:-transformers,fused,fused+compile}" ${PROFILE_ARGS:-} 2>&1 | grep -v -i warn \
   | tee "$out/profile.txt"
-timeout "${BENCH_SECONDS:-420}" python3 -m bench.speed "$@" 2>&1 | tee "$out/bench.txt"
+timeout "${BENCH_SECONDS:-420}" python3 -m bubblefree.bench.speed "$@" 2>&1 | tee "$out/bench.txt"
 cp docs/benchmarks.md docs/benchmarks.png "$out/" 2>/dev/null
 exit 0

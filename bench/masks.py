@@ -14,7 +14,7 @@ detect, segment, yesno, round robin) and times, per step:
 at vocabularies of ~1k, 50k and 150k tokens, then the mask-id time at several
 batch sizes. Prints the tables and appends them to docs/masks.md.
 
-    python -m bench.masks [--steps 2000] [--repeats 5]
+    python -m bubblefree.bench.masks [--steps 2000] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from skills import SkillSet, WordTokenizer, location_tokens
-from skills.driver import MaskRecorder
-from skills.word_tokenizer import DEMO_WORDS
+from bubblefree.skills import SkillSet, WordTokenizer, location_tokens
+from bubblefree.skills.driver import MaskRecorder
+from bubblefree.skills.word_tokenizer import DEMO_WORDS
 
 VOCABS = (1_200, 50_000, 150_000)
 BATCHES = (8, 32, 128)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> str:
 
     header = (f"## Mask preparation, {datetime.date.today().isoformat()}\n\n"
               f"CPU: {platform.processor() or platform.machine()}, Python "
-              f"{platform.python_version()}. Command: `python -m bench.masks --steps {args.steps} "
+              f"{platform.python_version()}. Command: `python -m bubblefree.bench.masks --steps {args.steps} "
               f"--repeats {args.repeats}`. 32 streams of mixed skills; median of the repeats; "
               "ratios against the smallest vocabulary in parentheses. Absolute µs are of this "
               "CPU: read the ratios.\n\n")

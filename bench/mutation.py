@@ -13,7 +13,7 @@ judged in ``VERDICTS`` below, keyed by the function and the mutated line
 (stable when mutmut renumbers). A survivor without a verdict is reported as
 unjudged, and the run fails below ``TARGET``.
 
-    python -m bench.mutation [--report-only] [--max-children N]
+    python -m bubblefree.bench.mutation [--report-only] [--max-children N]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.mutation_verdicts import VERDICTS
+from bubblefree.bench.mutation_verdicts import VERDICTS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "verification.md"
@@ -92,7 +92,7 @@ def report(statuses: dict[str, str]) -> tuple[str, float, int]:
     when = datetime.date.today().isoformat()
     lines = [
         f"Run {when} on {platform.machine()} ({os.cpu_count()} CPUs), `make mutation` "
-        f"(`python -m bench.mutation`, mutmut over `core/`, test subset in `pyproject.toml`).",
+        f"(`python -m bubblefree.bench.mutation`, mutmut over `core/`, test subset in `pyproject.toml`).",
         "",
         f"**Score: {killed} / {len(judged)} killed = {score:.1%}** (target {TARGET:.0%}). "
         + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + ".",

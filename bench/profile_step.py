@@ -5,7 +5,7 @@ way of running the step (transformers' forward or the fused step, eager or
 compiled), and prints the top kernels of one step of the last, so
 optimisation starts from a measurement rather than a guess.
 
-    python -m bench.profile_step [--rows 1,8,32,64] [--context 128]
+    python -m bubblefree.bench.profile_step [--rows 1,8,32,64] [--context 128]
                                  [--paths transformers,fused,fused+compile]
                                  [--attention default,split,separate,act-separate,1x16w1s1]
                                  [--gemm cublas,tiles.json]
@@ -32,11 +32,11 @@ import time
 import torch
 from transformers import PhiForCausalLM
 
-from bench.speed_setup import DECODE_PATHS as PATHS
-from cuda_backend import paged_decode as pd
-from cuda_backend import skinny_gemm
-from cuda_backend.backend import CudaBackend
-from cuda_backend.tiny import phi15_config
+from bubblefree.bench.speed_setup import DECODE_PATHS as PATHS
+from bubblefree.cuda_backend import paged_decode as pd
+from bubblefree.cuda_backend import skinny_gemm
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.tiny import phi15_config
 
 
 def time_graph(be: CudaBackend, b: int, p: int, context: int, iters: int = 50) -> float:

@@ -1,7 +1,7 @@
 """Speed benchmark: the engine pipelined and blocking, and plain transformers,
 in one process on one GPU, on the moondream2 text decoder's shape.
 
-    python -m bench.speed [--tiny] [--quick] [--streams 1,8,32,64]
+    python -m bubblefree.bench.speed [--tiny] [--quick] [--streams 1,8,32,64]
                           [--workloads text,detect,point,mix] [--decode fused+compile]
                           [--split-below PROGRAMS] [--attention 4x32w4s1] [--gemm cublas]
                           [--out docs/benchmarks.md] [--plot docs/benchmarks.png]
@@ -35,20 +35,20 @@ import time
 import torch
 import transformers
 
-from bench import speed_report as report
-from bench.peers import NAMES as PEER_NAMES, Peers
-from bench.speed_cells import (FULL_TOKENS, PROMPT, QUICK_TOKENS, WORKLOADS, TimedBackend,
+from bubblefree.bench import speed_report as report
+from bubblefree.bench.peers import NAMES as PEER_NAMES, Peers
+from bubblefree.bench.speed_cells import (FULL_TOKENS, PROMPT, QUICK_TOKENS, WORKLOADS, TimedBackend,
                                bin_masks, make_requests, request_count, run_closed_loop)
-from bench.speed_setup import (DECODE_PATHS, Clock, TimeLimit, build_model, copy_bandwidth,
+from bubblefree.bench.speed_setup import (DECODE_PATHS, Clock, TimeLimit, build_model, copy_bandwidth,
                                time_limit)
-from core import Engine
-from cuda_backend import paged_decode, skinny_gemm
+from bubblefree.core import Engine
+from bubblefree.cuda_backend import paged_decode, skinny_gemm
 
 CONTEXT = 256  # prompt + the longest output (152) fits; one page bucket of graphs
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bubblefree.bench.speed", description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny random Phi on the CPU")
     ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and runs")
     ap.add_argument("--streams", default=None, help="concurrency levels (default 1,8,32,64; "
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> str:
     if args.tiny:
         torch.set_num_threads(1)  # a tiny model's ops only lose to thread hand-offs
     try:
-        return run(args, "python -m bench.speed " + " ".join(sys.argv[1:] if argv is None else argv))
+        return run(args, "python -m bubblefree.bench.speed " + " ".join(sys.argv[1:] if argv is None else argv))
     finally:
         torch.set_num_threads(threads)
 

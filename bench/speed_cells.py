@@ -29,9 +29,9 @@ from collections import defaultdict
 import attrs
 import torch
 
-from core import Engine, Request, Status
-from cuda_backend.backend import CudaBackend
-from cuda_backend.slots import SlotState
+from bubblefree.core import Engine, Request, Status
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.slots import SlotState
 
 PROMPT = 32
 FULL_TOKENS = {"text": 110, "detect": 150, "point": 3}

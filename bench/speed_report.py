@@ -11,7 +11,7 @@ from pathlib import Path
 MODES = ("pipelined", "blocking")
 INTRO = ("# Speed benchmarks\n\nThe engine, pipelined and blocking, on the same backend object, "
          "and plain transformers on the same workload, all measured in one run "
-         "(`python -m bench.speed`).\n")
+         "(`python -m bubblefree.bench.speed`).\n")
 
 
 def notes(tokens: dict[str, int], repeats: int) -> str:

@@ -10,7 +10,7 @@ import time
 import torch
 import transformers
 
-from cuda_backend.tiny import phi15_config, tiny_model
+from bubblefree.cuda_backend.tiny import phi15_config, tiny_model
 
 
 # Ways to run a decode step (CudaBackend options); benchmarks name one.

@@ -2,6 +2,6 @@
 
 from bubblefree.engine import Engine, RequestFailed
 from bubblefree.loop import EngineStopped
-from core import InvalidRequest, SamplingParams
+from bubblefree.core import InvalidRequest, SamplingParams
 
 __all__ = ["Engine", "EngineStopped", "InvalidRequest", "RequestFailed", "SamplingParams"]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from core import Engine as CoreEngine
-from cuda_backend.backend import CudaBackend
-from cuda_backend.loader import load_model
-from skills import HFTokenizer, SkillSet, location_tokens
+from bubblefree.core import Engine as CoreEngine
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.loader import load_model
+from bubblefree.skills import HFTokenizer, SkillSet, location_tokens
 
 
 def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool,

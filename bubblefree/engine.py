@@ -18,9 +18,9 @@ import queue
 import threading
 from typing import Any, AsyncIterator, Iterator
 
-from core import Engine as CoreEngine
-from core import Handle, Result, SamplingParams, Status
-from skills import SkillSet, TextStream
+from bubblefree.core import Engine as CoreEngine
+from bubblefree.core import Handle, Result, SamplingParams, Status
+from bubblefree.skills import SkillSet, TextStream
 
 from bubblefree.loop import ServingLoop
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from core import Engine as CoreEngine
-from core import Handle, Request
+from bubblefree.core import Engine as CoreEngine
+from bubblefree.core import Handle, Request
 
 
 class EngineStopped(RuntimeError):

@@ -3,14 +3,14 @@
 Everything that decides what runs, when, and what is committed lives here.
 """
 
-from core.backend import Backend, Capacity
-from core.decode_state import DecodeState
-from core.engine import Engine, Handle
-from core.pages import DoubleRelease, IdPool, pages_needed
-from core.scheduler import InvariantViolation, Scheduler
-from core.sequence import IllegalTransition, Phase, Sequence
-from core.slots import DecodeSlot, SlotPool, SlotState, Step
-from core.values import (
+from bubblefree.core.backend import Backend, Capacity
+from bubblefree.core.decode_state import DecodeState
+from bubblefree.core.engine import Engine, Handle
+from bubblefree.core.pages import DoubleRelease, IdPool, pages_needed
+from bubblefree.core.scheduler import InvariantViolation, Scheduler
+from bubblefree.core.sequence import IllegalTransition, Phase, Sequence
+from bubblefree.core.slots import DecodeSlot, SlotPool, SlotState, Step
+from bubblefree.core.values import (
     GREEDY, InvalidRequest, Request, Result, SamplePlan, SamplingParams, Status, StepFailed,
     StepKind, StepOutput, StepPlan, StepRow,
 )

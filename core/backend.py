@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from core.values import SamplePlan, StepOutput, StepPlan
+from bubblefree.core.values import SamplePlan, StepOutput, StepPlan
 
 
 @attrs.frozen

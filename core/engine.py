@@ -21,11 +21,11 @@ from typing import Callable, Iterable, Iterator
 
 import attrs
 
-from core.backend import Backend
-from core.pages import pages_needed
-from core.scheduler import Scheduler
-from core.sequence import Sequence
-from core.values import InvalidRequest, Request, Result, Status, StepFailed
+from bubblefree.core.backend import Backend
+from bubblefree.core.pages import pages_needed
+from bubblefree.core.scheduler import Scheduler
+from bubblefree.core.sequence import Sequence
+from bubblefree.core.values import InvalidRequest, Request, Result, Status, StepFailed
 
 
 @attrs.define(eq=False)

@@ -26,11 +26,11 @@ from typing import Callable, Iterable
 
 import attrs
 
-from core.backend import Capacity
-from core.pages import IdPool, pages_needed
-from core.sequence import Phase, Sequence
-from core.slots import DecodeSlot, SlotPool, SlotState, Step
-from core.values import SamplePlan, Status, StepKind, StepOutput, StepPlan, StepRow
+from bubblefree.core.backend import Capacity
+from bubblefree.core.pages import IdPool, pages_needed
+from bubblefree.core.sequence import Phase, Sequence
+from bubblefree.core.slots import DecodeSlot, SlotPool, SlotState, Step
+from bubblefree.core.values import SamplePlan, Status, StepKind, StepOutput, StepPlan, StepRow
 
 
 class InvariantViolation(AssertionError):

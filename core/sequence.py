@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from core.values import Request, Status
+from bubblefree.core.values import Request, Status
 
 
 class Phase(enum.Enum):

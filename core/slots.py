@@ -18,8 +18,8 @@ import enum
 
 import attrs
 
-from core.sequence import IllegalTransition
-from core.values import StepKind
+from bubblefree.core.sequence import IllegalTransition
+from bubblefree.core.values import StepKind
 
 NUM_SLOTS = 2
 

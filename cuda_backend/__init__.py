@@ -2,7 +2,7 @@
 
 Usage::
 
-    from cuda_backend import CudaBackend, load_model
+    from bubblefree.cuda_backend import CudaBackend, load_model
     loaded = load_model()                      # the embedded SmolLM2 (GGUF), or a
                                                # directory / .gguf path
     ids = loaded.add_tokens(["<loc_0>"])       # optional, before the backend
@@ -27,9 +27,9 @@ page count), ``runner`` (plan checks, metadata packing, the forward),
 hand-driven loop for tests and benchmarks).
 """
 
-from cuda_backend.backend import CudaBackend
-from cuda_backend.errors import CacheTooSmall, ModelLoadError, PlanRejected, UnsupportedModel
-from cuda_backend.loader import LoadedModel, default_model_path, load_model
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.errors import CacheTooSmall, ModelLoadError, PlanRejected, UnsupportedModel
+from bubblefree.cuda_backend.loader import LoadedModel, default_model_path, load_model
 
 __all__ = ["CudaBackend", "LoadedModel", "load_model", "default_model_path", "ModelLoadError",
            "UnsupportedModel", "CacheTooSmall", "PlanRejected"]

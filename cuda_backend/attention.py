@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from cuda_backend import paged_decode
-from cuda_backend.kv_cache import PagedKVCache
+from bubblefree.cuda_backend import paged_decode
+from bubblefree.cuda_backend.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "bubblefree_paged"
 CONTEXT_KWARG = "paged_context"

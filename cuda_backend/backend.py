@@ -26,16 +26,16 @@ import warnings
 
 import torch
 
-from core.backend import Capacity
-from core.values import SamplePlan, StepFailed, StepKind, StepOutput, StepPlan
-from cuda_backend.errors import CacheTooSmall, PlanRejected
-from cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
-from cuda_backend.kv_cache import PagedKVCache
-from cuda_backend.loader import LoadedModel, use_paged_attention
-from cuda_backend.runner import ModelRunner, check_plan, staging_size
-from cuda_backend.sampling import MaskTable, pack_sampling, sample_inputs, vocab_hash
-from cuda_backend.sizing import ModelDims, context_length, num_pages_for
-from cuda_backend.slots import DecodeSlot, SlotState, make_slot
+from bubblefree.core.backend import Capacity
+from bubblefree.core.values import SamplePlan, StepFailed, StepKind, StepOutput, StepPlan
+from bubblefree.cuda_backend.errors import CacheTooSmall, PlanRejected
+from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
+from bubblefree.cuda_backend.kv_cache import PagedKVCache
+from bubblefree.cuda_backend.loader import LoadedModel, use_paged_attention
+from bubblefree.cuda_backend.runner import ModelRunner, check_plan, staging_size
+from bubblefree.cuda_backend.sampling import MaskTable, pack_sampling, sample_inputs, vocab_hash
+from bubblefree.cuda_backend.sizing import ModelDims, context_length, num_pages_for
+from bubblefree.cuda_backend.slots import DecodeSlot, SlotState, make_slot
 
 # Prefills of up to this many tokens (and a bounded summed context, see
 # token_prefill.py) run as token rows in graphs.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from core.values import GREEDY, SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
+from bubblefree.core.values import GREEDY, SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
 
 
 def scattered_pages(lengths: list[int], page_size: int, num_pages: int,

@@ -8,7 +8,7 @@ drives the backend directly can catch it as a bad input).
 
 from __future__ import annotations
 
-from core.values import InvalidRequest, StepFailed
+from bubblefree.core.values import InvalidRequest, StepFailed
 
 
 class ModelLoadError(ValueError):

@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cuda_backend import paged_decode, skinny_gemm
-from cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_attention, store_kv
-from cuda_backend.rope_attention import ACTIVATIONS, rope_attend, rotate
+from bubblefree.cuda_backend import paged_decode, skinny_gemm
+from bubblefree.cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_attention, store_kv
+from bubblefree.cuda_backend.rope_attention import ACTIVATIONS, rope_attend, rotate
 
 PARALLEL = ("phi",)
 SEQUENTIAL = ("llama", "qwen2")

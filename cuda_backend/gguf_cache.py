@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from cuda_backend.errors import ModelLoadError
+from bubblefree.cuda_backend.errors import ModelLoadError
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from cuda_backend.errors import CacheTooSmall
+from bubblefree.cuda_backend.errors import CacheTooSmall
 
 
 def page_bytes(layers: int, kv_heads: int, head_dim: int, page_size: int,

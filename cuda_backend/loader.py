@@ -21,9 +21,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from cuda_backend.attention import ATTN_IMPLEMENTATION
-from cuda_backend.errors import ModelLoadError, UnsupportedModel
-from cuda_backend.gguf_cache import converted_dir
+from bubblefree.cuda_backend.attention import ATTN_IMPLEMENTATION
+from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
+from bubblefree.cuda_backend.gguf_cache import converted_dir
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -29,7 +29,7 @@ import math
 import attrs
 import torch
 
-from cuda_backend.tuning import parse_settings
+from bubblefree.cuda_backend.tuning import parse_settings
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
     import triton

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cuda_backend import paged_decode
-from cuda_backend.attention import _decode_attention, _gather, row_keys, store_kv
+from bubblefree.cuda_backend import paged_decode
+from bubblefree.cuda_backend.attention import _decode_attention, _gather, row_keys, store_kv
 
 # MLP activations the kernels apply (transformers' hidden_act names): 1 the
 # tanh form of GELU, 2 the erf form. See ``rope_attend``'s ``mlp``.

@@ -20,14 +20,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core.backend import Capacity
-from core.values import StepKind, StepPlan
-from cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_context, prefill_context
-from cuda_backend.errors import PlanRejected
-from cuda_backend.fused_decode import make_decoder
-from cuda_backend.kv_cache import PagedKVCache
-from cuda_backend.sizing import prefill_key_budget
-from cuda_backend.token_prefill import TokenPrefill
+from bubblefree.core.backend import Capacity
+from bubblefree.core.values import StepKind, StepPlan
+from bubblefree.cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_context, prefill_context
+from bubblefree.cuda_backend.errors import PlanRejected
+from bubblefree.cuda_backend.fused_decode import make_decoder
+from bubblefree.cuda_backend.kv_cache import PagedKVCache
+from bubblefree.cuda_backend.sizing import prefill_key_budget
+from bubblefree.cuda_backend.token_prefill import TokenPrefill
 
 
 def check_plan(plan: StepPlan, cap: Capacity, vocab_size: int) -> None:

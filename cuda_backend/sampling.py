@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core.values import StepRow
+from bubblefree.core.values import StepRow
 
 M32 = 0xFFFFFFFF
 UNCONSTRAINED = 0  # mask id of the all-true row

@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from cuda_backend.kv_cache import activation_reserve, page_bytes, pages_that_fit
+from bubblefree.cuda_backend.kv_cache import activation_reserve, page_bytes, pages_that_fit
 
 CPU_DEFAULT_PAGES = 256
 

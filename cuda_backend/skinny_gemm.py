@@ -19,7 +19,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from cuda_backend.tuning import parse_settings
+from bubblefree.cuda_backend.tuning import parse_settings
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
     import triton

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 import torch
 
-from core.values import StepPlan
+from bubblefree.core.values import StepPlan
 
 
 class SlotState(enum.Enum):

@@ -30,10 +30,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core.values import StepPlan
-from cuda_backend.attention import decode_context
-from cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
-from cuda_backend.kv_cache import PagedKVCache
+from bubblefree.core.values import StepPlan
+from bubblefree.cuda_backend.attention import decode_context
+from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
+from bubblefree.cuda_backend.kv_cache import PagedKVCache
 
 # Summed (position + 1) over a step's tokens: keys read per head and layer.
 # 64K is 1,024 tokens of 64-token prompts; beyond it SDPA's reuse wins.

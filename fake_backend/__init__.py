@@ -6,11 +6,11 @@ and ``Fault``. Misuse that real hardware would silently corrupt raises
 ``HardwareMisuse`` (or ``KVCorruption``); device faults raise ``StepFailed``.
 """
 
-from fake_backend.backend import FakeBackend
-from fake_backend.errors import HardwareMisuse, KVCorruption
-from fake_backend.model import FakeModel, stable_hash
-from fake_backend.stats import Stats
-from fake_backend.timing import Fault, Timing, Work, by_step
+from bubblefree.fake_backend.backend import FakeBackend
+from bubblefree.fake_backend.errors import HardwareMisuse, KVCorruption
+from bubblefree.fake_backend.model import FakeModel, stable_hash
+from bubblefree.fake_backend.stats import Stats
+from bubblefree.fake_backend.timing import Fault, Timing, Work, by_step
 
 __all__ = [
     "FakeBackend", "FakeModel", "Fault", "HardwareMisuse", "KVCorruption", "Stats", "Timing",

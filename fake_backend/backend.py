@@ -27,16 +27,16 @@ from typing import Mapping
 
 import attrs
 
-from core.backend import Capacity
-from core.values import SamplePlan, StepFailed, StepOutput, StepPlan
-from fake_backend.checks import check_plan, check_sample
-from fake_backend.clock import Clock
-from fake_backend.errors import HardwareMisuse
-from fake_backend.kv import DeviceMemory
-from fake_backend.model import FakeModel
-from fake_backend.slots import Slot, SlotState
-from fake_backend.stats import Stats, measure
-from fake_backend.timing import Fault, Timing, Work
+from bubblefree.core.backend import Capacity
+from bubblefree.core.values import SamplePlan, StepFailed, StepOutput, StepPlan
+from bubblefree.fake_backend.checks import check_plan, check_sample
+from bubblefree.fake_backend.clock import Clock
+from bubblefree.fake_backend.errors import HardwareMisuse
+from bubblefree.fake_backend.kv import DeviceMemory
+from bubblefree.fake_backend.model import FakeModel
+from bubblefree.fake_backend.slots import Slot, SlotState
+from bubblefree.fake_backend.stats import Stats, measure
+from bubblefree.fake_backend.timing import Fault, Timing, Work
 
 NUM_SLOTS = 2
 

@@ -8,9 +8,9 @@ backend changes any state.
 
 from __future__ import annotations
 
-from core.backend import Capacity
-from core.values import SamplePlan, SamplingParams, StepKind, StepPlan
-from fake_backend.errors import HardwareMisuse
+from bubblefree.core.backend import Capacity
+from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepPlan
+from bubblefree.fake_backend.errors import HardwareMisuse
 
 
 def check_plan(plan: StepPlan, cap: Capacity, vocab_size: int, last_step_id: int | None) -> None:

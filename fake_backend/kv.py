@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import attrs
 
-from core.values import StepKind, StepPlan, StepRow
-from fake_backend.errors import HardwareMisuse, KVCorruption
+from bubblefree.core.values import StepKind, StepPlan, StepRow
+from bubblefree.fake_backend.errors import HardwareMisuse, KVCorruption
 
 
 @attrs.frozen

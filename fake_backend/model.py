@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Sequence
 
 import attrs
 
-from core.values import GREEDY, SamplingParams
+from bubblefree.core.values import GREEDY, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 EOS_TOP = 1.0e6  # beats every other score (all in [0, 1)) and any Gumbel noise

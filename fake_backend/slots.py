@@ -17,10 +17,10 @@ import enum
 
 import attrs
 
-from core.values import StepOutput, StepPlan
-from fake_backend.errors import HardwareMisuse
-from fake_backend.kv import Context
-from fake_backend.timing import Fault
+from bubblefree.core.values import StepOutput, StepPlan
+from bubblefree.fake_backend.errors import HardwareMisuse
+from bubblefree.fake_backend.kv import Context
+from bubblefree.fake_backend.timing import Fault
 
 
 class SlotState(enum.Enum):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-from fake_backend.clock import Clock
+from bubblefree.fake_backend.clock import Clock
 
 
 @attrs.frozen

@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Union
 
 import attrs
 
-from core.values import StepKind
+from bubblefree.core.values import StepKind
 
 
 @attrs.frozen

@@ -7,13 +7,13 @@
 See docs/skills.md for the contract and how to add a skill.
 """
 
-from skills.base import Skill, SkillError, SkillState
-from skills.codec import Kind, LocationCodec, RegionHeadCodec, SpatialCodec, location_tokens
-from skills.registry import BUILTIN, Registry
-from skills.skillset import SkillSet, build_request
-from skills.text import TextStream
-from skills.tokenizer import HFTokenizer, Tokenizer
-from skills.word_tokenizer import WordTokenizer, demo_tokenizer
+from bubblefree.skills.base import Skill, SkillError, SkillState
+from bubblefree.skills.codec import Kind, LocationCodec, RegionHeadCodec, SpatialCodec, location_tokens
+from bubblefree.skills.registry import BUILTIN, Registry
+from bubblefree.skills.skillset import SkillSet, build_request
+from bubblefree.skills.text import TextStream
+from bubblefree.skills.tokenizer import HFTokenizer, Tokenizer
+from bubblefree.skills.word_tokenizer import WordTokenizer, demo_tokenizer
 
 __all__ = [
     "BUILTIN", "HFTokenizer", "Kind", "LocationCodec", "Registry", "RegionHeadCodec",

@@ -30,9 +30,9 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable, Mapping, Protocol
 
-from core.values import InvalidRequest
-from skills.codec import SpatialCodec
-from skills.tokenizer import Tokenizer
+from bubblefree.core.values import InvalidRequest
+from bubblefree.skills.codec import SpatialCodec
+from bubblefree.skills.tokenizer import Tokenizer
 
 
 class SkillError(RuntimeError):

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from skills.tokenizer import Tokenizer
+from bubblefree.skills.tokenizer import Tokenizer
 
 
 class Kind(enum.Enum):

@@ -11,11 +11,11 @@ from typing import Any, Mapping
 
 import attrs
 
-from skills.base import CompileContext, Skill
-from skills.codec import Kind, box_from_centre
-from skills.objects import ObjectListState, ObjectTables, compile_objects
-from skills.point import ObjectArgs, parse_object_args
-from skills.tokenizer import Tokenizer
+from bubblefree.skills.base import CompileContext, Skill
+from bubblefree.skills.codec import Kind, box_from_centre
+from bubblefree.skills.objects import ObjectListState, ObjectTables, compile_objects
+from bubblefree.skills.point import ObjectArgs, parse_object_args
+from bubblefree.skills.tokenizer import Tokenizer
 
 BOX_SLOTS = (Kind.X, Kind.Y, Kind.SIZE, Kind.SIZE)
 

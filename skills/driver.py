@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import attrs
 
-from core.values import Request
+from bubblefree.core.values import Request
 
 Pick = Callable[[frozenset[int] | None, int], tuple[int, float | None]]
 

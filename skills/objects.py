@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import attrs
 
-from skills.base import CompileContext, SkillError, SkillState
-from skills.codec import Kind, SpatialCodec
+from bubblefree.skills.base import CompileContext, SkillError, SkillState
+from bubblefree.skills.codec import Kind, SpatialCodec
 
 
 @attrs.frozen

@@ -22,8 +22,8 @@ from typing import Mapping, Sequence
 
 import attrs
 
-from skills.base import CompileContext
-from skills.codec import Kind, SpatialCodec
+from bubblefree.skills.base import CompileContext
+from bubblefree.skills.codec import Kind, SpatialCodec
 
 NUM = "<num>"  # a coordinate token; never one character, so never text
 ARITY = {"M": 2, "L": 2, "C": 6, "Z": 0}

@@ -6,10 +6,10 @@ from typing import Any, Mapping
 
 import attrs
 
-from skills.base import CompileContext, Skill, check_fields, positive_int, text_arg
-from skills.codec import Kind
-from skills.objects import ObjectListState, ObjectTables, compile_objects
-from skills.tokenizer import Tokenizer
+from bubblefree.skills.base import CompileContext, Skill, check_fields, positive_int, text_arg
+from bubblefree.skills.codec import Kind
+from bubblefree.skills.objects import ObjectListState, ObjectTables, compile_objects
+from bubblefree.skills.tokenizer import Tokenizer
 
 
 @attrs.frozen

@@ -12,13 +12,13 @@ from typing import Mapping
 
 import attrs
 
-from core.values import InvalidRequest
-from skills.base import Skill
-from skills.detect import Detect
-from skills.point import Point
-from skills.segment import Segment
-from skills.text import Caption, Query
-from skills.yesno import YesNo
+from bubblefree.core.values import InvalidRequest
+from bubblefree.skills.base import Skill
+from bubblefree.skills.detect import Detect
+from bubblefree.skills.point import Point
+from bubblefree.skills.segment import Segment
+from bubblefree.skills.text import Caption, Query
+from bubblefree.skills.yesno import YesNo
 
 
 @attrs.frozen

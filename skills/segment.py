@@ -17,13 +17,13 @@ from typing import Any, Mapping
 
 import attrs
 
-from skills.base import (CompileContext, Skill, SkillError, SkillState, check_fields,
+from bubblefree.skills.base import (CompileContext, Skill, SkillError, SkillState, check_fields,
                          text_arg)
-from skills.codec import Kind, SpatialCodec, box_from_centre
-from skills.detect import BOX_SLOTS
-from skills.objects import ObjectTables, compile_objects
-from skills.path_grammar import Command, PathTables, compile_path, whole_commands
-from skills.tokenizer import Tokenizer
+from bubblefree.skills.codec import Kind, SpatialCodec, box_from_centre
+from bubblefree.skills.detect import BOX_SLOTS
+from bubblefree.skills.objects import ObjectTables, compile_objects
+from bubblefree.skills.path_grammar import Command, PathTables, compile_path, whole_commands
+from bubblefree.skills.tokenizer import Tokenizer
 
 MIN_TOKENS = len(BOX_SLOTS) + 3  # a bbox and "M x y": the least worth starting
 

@@ -20,11 +20,11 @@ from typing import Any, Callable
 
 import attrs
 
-from core.values import GREEDY, Request, SamplingParams
-from skills.base import Skill, SkillError, SkillState, StateFactory, invalid
-from skills.codec import CodecError, LocationCodec, SpatialCodec
-from skills.registry import BUILTIN, Registry
-from skills.tokenizer import Tokenizer
+from bubblefree.core.values import GREEDY, Request, SamplingParams
+from bubblefree.skills.base import Skill, SkillError, SkillState, StateFactory, invalid
+from bubblefree.skills.codec import CodecError, LocationCodec, SpatialCodec
+from bubblefree.skills.registry import BUILTIN, Registry
+from bubblefree.skills.tokenizer import Tokenizer
 
 
 @attrs.define

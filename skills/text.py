@@ -11,9 +11,9 @@ from typing import Any, Mapping, Sequence
 
 import attrs
 
-from skills.base import (CompileContext, Skill, SkillError, SkillState, check_fields,
+from bubblefree.skills.base import (CompileContext, Skill, SkillError, SkillState, check_fields,
                          choice_arg, text_arg)
-from skills.tokenizer import Tokenizer
+from bubblefree.skills.tokenizer import Tokenizer
 
 
 @attrs.frozen

@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import attrs
 
-from skills.codec import location_tokens
+from bubblefree.skills.codec import location_tokens
 
 DEMO_WORDS = (
     "Question:", "Answer:", "Answer", "Describe", "this", "image", "image.", "in", "one",

@@ -10,8 +10,8 @@ from typing import Any, Mapping
 
 import attrs
 
-from skills.base import CompileContext, Skill, SkillError, SkillState, check_fields, text_arg
-from skills.tokenizer import Tokenizer
+from bubblefree.skills.base import CompileContext, Skill, SkillError, SkillState, check_fields, text_arg
+from bubblefree.skills.tokenizer import Tokenizer
 
 
 @attrs.frozen

@@ -33,8 +33,8 @@ import time
 
 import attrs
 
-from core import InvariantViolation
-from fake_backend import Fault
+from bubblefree.core import InvariantViolation
+from bubblefree.fake_backend import Fault
 
 if __package__:  # python -m tests.exhaustive
     from tests.exhaustive_workload import EVENS, ODDS, TIMINGS, Bounds

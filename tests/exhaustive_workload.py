@@ -13,8 +13,8 @@ import functools
 
 import attrs
 
-from core import InvariantViolation, Request
-from fake_backend import FakeModel, Timing
+from bubblefree.core import InvariantViolation, Request
+from bubblefree.fake_backend import FakeModel, Timing
 
 EOS = 0
 VOCAB = 8  # small: the fake model scores every token of the vocabulary per row

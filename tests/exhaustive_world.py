@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import attrs
 
-from core import Engine, InvariantViolation, Phase, Request, SlotState, Status
-from fake_backend import FakeBackend, FakeModel
+from bubblefree.core import Engine, InvariantViolation, Phase, Request, SlotState, Status
+from bubblefree.fake_backend import FakeBackend, FakeModel
 
 if __package__:  # python -m tests.exhaustive
     from tests.exhaustive_workload import DONE_AFTER, TIMINGS, VOCAB, Bounds, expected_tokens

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from bubblefree import Engine, InvalidRequest
-from core import Status
+from bubblefree.core import Status
 
 
 @pytest.fixture(scope="module")

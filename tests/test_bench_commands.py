@@ -1,6 +1,6 @@
 """The CPU benchmark commands run end to end, so they cannot rot."""
 
-from bench import bookkeeping, fake_pipeline
+from bubblefree.bench import bookkeeping, fake_pipeline
 
 
 def test_fake_pipeline_demo_runs_and_modes_agree(capsys):

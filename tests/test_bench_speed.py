@@ -7,8 +7,8 @@ the docs entry and the JSON lines are written, and the seed's model is run.
 
 import json
 
-from bench import speed
-from bench.speed_cells import Cycle, bin_masks, zombie_stats
+from bubblefree.bench import speed
+from bubblefree.bench.speed_cells import Cycle, bin_masks, zombie_stats
 
 
 def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
@@ -24,7 +24,7 @@ def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     for peer in ("hf generate (static cache)", "hf continuous batching"):
         assert f"| text | 1 | {peer} |" in table and "n/a: needs CUDA" in table
     doc = out.read_text()
-    assert "## Speed, " in doc and table in doc and "python -m bench.speed --tiny --quick" in doc
+    assert "## Speed, " in doc and table in doc and "python -m bubblefree.bench.speed --tiny --quick" in doc
     assert "The seed's model on the detect workload" in doc
     # what ran is recorded: the fused step (compile is CUDA-only), padded prefill
     assert "decode step: fused phi; prefill: transformers;" in doc

@@ -3,8 +3,8 @@ docstring says what was wrong."""
 
 from __future__ import annotations
 
-from core import Engine, Request, Status
-from fake_backend import FakeBackend
+from bubblefree.core import Engine, Request, Status
+from bubblefree.fake_backend import FakeBackend
 
 
 def test_the_trace_records_the_ending_the_caller_got():

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from core import (
+from bubblefree.core import (
     Capacity, DecodeSlot, DoubleRelease, Engine, IdPool, IllegalTransition, InvalidRequest,
     InvariantViolation, Phase, Request, Scheduler, Sequence, SlotState, StepOutput,
 )
-from fake_backend import FakeBackend
+from bubblefree.fake_backend import FakeBackend
 
 CAP = Capacity(num_pages=16, page_size=2, max_rows=4, max_seqs=4, max_prefill_tokens=8, max_context=16)
 

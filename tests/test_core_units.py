@@ -7,12 +7,12 @@ illegal move raises and leaves state unchanged (h11's rule).
 
 import pytest
 
-from core import (
+from bubblefree.core import (
     Capacity, DecodeSlot, DoubleRelease, IdPool, IllegalTransition, InvalidRequest, Phase,
     Request, SamplingParams, Sequence, SlotState, pages_needed,
 )
-from core.sequence import TRANSITIONS
-from core.slots import SLOT_TRANSITIONS
+from bubblefree.core.sequence import TRANSITIONS
+from bubblefree.core.slots import SLOT_TRANSITIONS
 
 
 def test_sequence_illegal_move_raises_and_leaves_phase():
@@ -106,8 +106,8 @@ def test_sampling_params_validation(kw, field):
 
 def test_abort_fails_every_live_request_and_returns_everything():
     # A lost device: nothing in flight will commit. I7 and I6 still hold.
-    from core import Engine, Status
-    from fake_backend import FakeBackend
+    from bubblefree.core import Engine, Status
+    from bubblefree.fake_backend import FakeBackend
     engine = Engine(FakeBackend(num_pages=8, page_size=4))
     handles = [engine.submit(Request(prompt=(0, 1, 2), max_tokens=9)) for _ in range(4)]
     for _ in range(3):
@@ -121,8 +121,8 @@ def test_abort_fails_every_live_request_and_returns_everything():
 
 
 def test_a_broken_skill_fails_only_its_own_request():
-    from core import Engine, Status
-    from fake_backend import FakeBackend
+    from bubblefree.core import Engine, Status
+    from bubblefree.fake_backend import FakeBackend
 
     def bad_state():
         raise RuntimeError("boom")
@@ -145,8 +145,8 @@ def test_a_broken_skill_fails_only_its_own_request():
 def test_a_listener_may_cancel_its_request_mid_commit():
     # Re-entrancy: a token listener runs inside the commit; cancelling there
     # must end the request once, as cancelled, with I3/I6 intact.
-    from core import Engine, Status
-    from fake_backend import FakeBackend
+    from bubblefree.core import Engine, Status
+    from bubblefree.fake_backend import FakeBackend
     engine = Engine(FakeBackend())
     handle = engine.submit(Request(prompt=(0, 1), max_tokens=2, stop_ids={0}))  # cancelled on its last token
     other = engine.submit(Request(prompt=(0, 2), max_tokens=8, stop_ids={0}))
@@ -168,8 +168,8 @@ def test_a_listener_may_cancel_its_request_mid_commit():
 
 def test_a_bounded_trace_keeps_the_newest_entries():
     # A serving engine runs for days: its event log must not grow forever.
-    from core import Engine
-    from fake_backend import FakeBackend
+    from bubblefree.core import Engine
+    from bubblefree.fake_backend import FakeBackend
     engine = Engine(FakeBackend(zero_cost=True), trace_limit=10)
     for _ in range(12):
         engine.submit(Request(prompt=(0, 1), max_tokens=3))

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from core.backend import Capacity
-from core.values import StepKind, StepPlan, StepRow
-from cuda_backend.attention import CONTEXT_KWARG, paged_attention_forward
-from cuda_backend.drive import scattered_pages
-from cuda_backend.kv_cache import PagedKVCache
-from cuda_backend.runner import ModelRunner, staging_size
+from bubblefree.core.backend import Capacity
+from bubblefree.core.values import StepKind, StepPlan, StepRow
+from bubblefree.cuda_backend.attention import CONTEXT_KWARG, paged_attention_forward
+from bubblefree.cuda_backend.drive import scattered_pages
+from bubblefree.cuda_backend.kv_cache import PagedKVCache
+from bubblefree.cuda_backend.runner import ModelRunner, staging_size
 
 H, KVH, D, PS, PAGES = 6, 2, 8, 4, 64
 

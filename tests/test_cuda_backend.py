@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.backend import Backend
-from core.engine import Engine
-from core.values import Request, SamplePlan, SamplingParams, Status, StepFailed, StepKind, StepPlan
-from core.values import StepRow
-from cuda_backend.backend import CudaBackend
-from cuda_backend.slots import SlotState
-from cuda_backend.tiny import tiny_model
+from bubblefree.core.backend import Backend
+from bubblefree.core.engine import Engine
+from bubblefree.core.values import Request, SamplePlan, SamplingParams, Status, StepFailed, StepKind, StepPlan
+from bubblefree.core.values import StepRow
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.slots import SlotState
+from bubblefree.cuda_backend.tiny import tiny_model
 
 PROMPTS = [[5, 9, 17, 33, 4], [7, 8], [100, 3, 3, 3, 3, 3, 3, 3, 3, 2], [11, 12, 13] * 7, [42],
            [60, 61]]

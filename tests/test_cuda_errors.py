@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from transformers import T5Config, ViTConfig
 
-from core.values import InvalidRequest, SamplePlan, StepFailed, StepKind, StepPlan, StepRow
-from cuda_backend.backend import CudaBackend
-from cuda_backend.errors import CacheTooSmall, ModelLoadError, PlanRejected, UnsupportedModel
-from cuda_backend.kv_cache import pages_that_fit
-from cuda_backend.loader import load_model
-from cuda_backend.tiny import tiny_model
+from bubblefree.core.values import InvalidRequest, SamplePlan, StepFailed, StepKind, StepPlan, StepRow
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.errors import CacheTooSmall, ModelLoadError, PlanRejected, UnsupportedModel
+from bubblefree.cuda_backend.kv_cache import pages_that_fit
+from bubblefree.cuda_backend.loader import load_model
+from bubblefree.cuda_backend.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")

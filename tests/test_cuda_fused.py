@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from core.values import SamplePlan, StepKind, StepPlan, StepRow
-from cuda_backend import paged_decode
-from cuda_backend.backend import CudaBackend
-from cuda_backend.drive import generate, scattered_pages
-from cuda_backend.fused_decode import FusedDecoder, TransformersDecoder, make_decoder
-from cuda_backend.runner import staging_size
-from cuda_backend.tiny import tiny_model
+from bubblefree.core.values import SamplePlan, StepKind, StepPlan, StepRow
+from bubblefree.cuda_backend import paged_decode
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.drive import generate, scattered_pages
+from bubblefree.cuda_backend.fused_decode import FusedDecoder, TransformersDecoder, make_decoder
+from bubblefree.cuda_backend.runner import staging_size
+from bubblefree.cuda_backend.tiny import tiny_model
 
 ARCHS = ["llama", "phi", "qwen2"]
 PROMPTS = [[5, 9, 17, 33, 4], [7, 8], [11, 12, 13] * 7]
@@ -148,7 +148,7 @@ def test_unsupported_models_fall_back_to_transformers_and_say_why():
 @pytest.fixture
 def token_steps(monkeypatch):
     """Counts prefills that took the token-row path."""
-    from cuda_backend.token_prefill import TokenPrefill
+    from bubblefree.cuda_backend.token_prefill import TokenPrefill
     calls = []
     forward = TokenPrefill.forward
     monkeypatch.setattr(TokenPrefill, "forward",

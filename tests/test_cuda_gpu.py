@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import PhiForCausalLM
 
-from core.values import SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
-from cuda_backend.backend import CudaBackend
-from cuda_backend.drive import generate, scattered_pages
-from cuda_backend.errors import CacheTooSmall
-from cuda_backend.tiny import phi15_config, tiny_model
+from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.drive import generate, scattered_pages
+from bubblefree.cuda_backend.errors import CacheTooSmall
+from bubblefree.cuda_backend.tiny import phi15_config, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs CUDA: streams, events, pinned memory and graphs")
@@ -170,8 +170,8 @@ def test_phi15_shape_bf16_agrees_with_transformers():
 
 
 def test_engine_on_gpu_pipelined_equals_blocking_equals_generate():
-    from core.engine import Engine
-    from core.values import Request
+    from bubblefree.core.engine import Engine
+    from bubblefree.core.values import Request
 
     model = tiny_model("llama", device="cuda", seed=11)
     want = reference(model, PROMPTS, 12)
@@ -195,8 +195,8 @@ def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, 
     (8 is cut to the 4 heads there are), pipelined and not. Split: 2 pages
     (32 keys) are one program's chunk, 8 pages give four programs of one
     block, 160 (2,560 keys) forty of two blocks."""
-    from cuda_backend import paged_decode as pd
-    from cuda_backend.attention import _decode_attention, _gather
+    from bubblefree.cuda_backend import paged_decode as pd
+    from bubblefree.cuda_backend.attention import _decode_attention, _gather
     assert pd.available(torch.zeros(1, device="cuda")), "Triton must be present on a CUDA machine"
     torch.manual_seed(kv_heads)
     rows, heads, dim, ps, total = 6, 4, 64, 16, 2 * 160
@@ -237,9 +237,9 @@ def test_rotary_and_kv_write_in_the_kernel_match_the_portable_op(kv_heads, windo
     disjoint pages (I6), positions start a page (16), end one (15), and sit
     at 0 (the own key alone); a window of 1 sees only the own key; full and
     partial rotary; raw q/k/v as strided views of one projection output."""
-    from cuda_backend import paged_decode as pd
-    from cuda_backend.kv_cache import PagedKVCache
-    from cuda_backend.rope_attention import _portable, rope_attend
+    from bubblefree.cuda_backend import paged_decode as pd
+    from bubblefree.cuda_backend.kv_cache import PagedKVCache
+    from bubblefree.cuda_backend.rope_attention import _portable, rope_attend
     torch.manual_seed(kv_heads * 7 + rot)
     rows, heads, dim, ps = 6, 4, 64, 16
     total = rows * pages + 3
@@ -279,9 +279,9 @@ def test_the_mlp_activation_rides_on_the_attention_kernels(kernel, act, dtype, i
     """With a parallel block's fc1 output the op returns ``[attention |
     act(fc1)]``, the activation shared among each row's programs (shares
     that do not divide evenly, fewer columns than programs, Phi's 8,192)."""
-    from cuda_backend import paged_decode as pd
-    from cuda_backend.kv_cache import PagedKVCache
-    from cuda_backend.rope_attention import _torch_act, rope_attend
+    from bubblefree.cuda_backend import paged_decode as pd
+    from bubblefree.cuda_backend.kv_cache import PagedKVCache
+    from bubblefree.cuda_backend.rope_attention import _torch_act, rope_attend
     torch.manual_seed(inter)
     rows, heads, kv_heads, dim, ps, pages = 6, 8, 2, 64, 16, 8
     cache = PagedKVCache(layers=1, kv_heads=kv_heads, head_dim=dim, num_pages=rows * pages,
@@ -316,7 +316,7 @@ def test_the_mlp_activation_rides_on_the_attention_kernels(kernel, act, dtype, i
 def test_skinny_gemm_matches_cublas(m, k, n, tile, dtype):
     """Our decode-sized GEMM against F.linear: columns past a block (N=100,
     96), rows padded to the tile, K split or not, with and without bias."""
-    from cuda_backend import skinny_gemm
+    from bubblefree.cuda_backend import skinny_gemm
     torch.manual_seed(m)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
@@ -333,7 +333,7 @@ def test_our_gemm_in_the_decode_step_keeps_tokens(arch, compiled, monkeypatch):
     """With tiles for every fused weight shape (whole K at one row, K split
     in two up to 8 rows, cuBLAS beyond), the step runs our GEMM, compiled as
     an opaque op or not, and greedy tokens do not change."""
-    from cuda_backend import skinny_gemm
+    from bubblefree.cuda_backend import skinny_gemm
     model = tiny_model(arch, device="cuda", seed=4)
     want = generate(small(model), PROMPTS, 10)
     shapes = {"phi": [(64, 320), (192, 64)],

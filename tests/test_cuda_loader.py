@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_backend.backend import CudaBackend
-from cuda_backend.drive import generate
-from cuda_backend.loader import default_model_path, load_model
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.drive import generate
+from bubblefree.cuda_backend.loader import default_model_path, load_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 NEW = 8

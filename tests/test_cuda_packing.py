@@ -11,12 +11,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.backend import Capacity
-from core.values import StepKind, StepPlan, StepRow
-from cuda_backend.graphs import batch_buckets, bucket, page_buckets
-from cuda_backend.kv_cache import PagedKVCache
-from cuda_backend.runner import ModelRunner, staging_size
-from cuda_backend.token_prefill import TokenPrefill
+from bubblefree.core.backend import Capacity
+from bubblefree.core.values import StepKind, StepPlan, StepRow
+from bubblefree.cuda_backend.graphs import batch_buckets, bucket, page_buckets
+from bubblefree.cuda_backend.kv_cache import PagedKVCache
+from bubblefree.cuda_backend.runner import ModelRunner, staging_size
+from bubblefree.cuda_backend.token_prefill import TokenPrefill
 
 CAP = Capacity(num_pages=40, page_size=4, max_rows=6, max_seqs=8, max_prefill_tokens=48,
                max_context=32)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.values import SamplePlan, StepKind, StepPlan, StepRow
-from cuda_backend.backend import CudaBackend
-from cuda_backend.drive import generate, scattered_pages
-from cuda_backend.tiny import tiny_model
+from bubblefree.core.values import SamplePlan, StepKind, StepPlan, StepRow
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.drive import generate, scattered_pages
+from bubblefree.cuda_backend.tiny import tiny_model
 
 PROMPTS = [[5, 9, 17, 33, 4], [7, 8], [100, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2],
            [11, 12, 13] * 11, [42]]

@@ -9,11 +9,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.values import SamplingParams
-from cuda_backend.backend import CudaBackend
-from cuda_backend.drive import generate
-from cuda_backend.sampling import MaskTable, mix32, sample_tokens, uniforms, vocab_hash
-from cuda_backend.tiny import tiny_model
+from bubblefree.core.values import SamplingParams
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.drive import generate
+from bubblefree.cuda_backend.sampling import MaskTable, mix32, sample_tokens, uniforms, vocab_hash
+from bubblefree.cuda_backend.tiny import tiny_model
 
 V = 64
 SALT = vocab_hash(V, torch.device("cpu"))

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from core import Engine, Request, Status, StepFailed
-from core.engine import Handle
-from fake_backend import FakeBackend, FakeModel, Fault
+from bubblefree.core import Engine, Request, Status, StepFailed
+from bubblefree.core.engine import Handle
+from bubblefree.fake_backend import FakeBackend, FakeModel, Fault
 
 MODEL = FakeModel()
 PROMPT = (2, 5)  # EOS is the 2nd generated token

@@ -14,8 +14,8 @@ from typing import Callable
 import attrs
 import pytest
 
-from core import Engine, InvariantViolation, Request, Status
-from fake_backend import FakeBackend, FakeModel
+from bubblefree.core import Engine, InvariantViolation, Request, Status
+from bubblefree.fake_backend import FakeBackend, FakeModel
 
 MODEL = FakeModel()
 PROMPT = (2, 5)  # EOS is the 2nd generated token

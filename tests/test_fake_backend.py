@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.backend import Backend
-from core.values import GREEDY, SamplePlan, SamplingParams, StepFailed, StepKind, StepPlan, StepRow
-from fake_backend import (
+from bubblefree.core.backend import Backend
+from bubblefree.core.values import GREEDY, SamplePlan, SamplingParams, StepFailed, StepKind, StepPlan, StepRow
+from bubblefree.fake_backend import (
     FakeBackend, FakeModel, Fault, HardwareMisuse, KVCorruption, Timing, by_step, stable_hash,
 )
-from fake_backend.model import sample
-from fake_backend.slots import TRANSITIONS, SlotState
+from bubblefree.fake_backend.model import sample
+from bubblefree.fake_backend.slots import TRANSITIONS, SlotState
 
 PAGE = 4
 

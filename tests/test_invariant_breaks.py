@@ -25,7 +25,7 @@ import textwrap
 import attrs
 import pytest
 
-from core import engine, pages, scheduler, sequence, slots
+from bubblefree.core import engine, pages, scheduler, sequence, slots
 from exhaustive import BOUNDS, search
 
 Engine, Scheduler = engine.Engine, scheduler.Scheduler

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuda_backend.paged_decode import DISPATCH, Dispatch, Launch, forced, split_chunk
+from bubblefree.cuda_backend.paged_decode import DISPATCH, Dispatch, Launch, forced, split_chunk
 
 
 @pytest.mark.parametrize("text", ["1x32w2s1", "4x32w4s3", "8x16w2s1", str(DISPATCH.plain)])

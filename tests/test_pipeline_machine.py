@@ -23,8 +23,8 @@ from hypothesis.stateful import (
     Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test,
 )
 
-from core import Engine, InvalidRequest, Request, SamplingParams, Status
-from fake_backend import FakeBackend, FakeModel, Fault, Timing, by_step
+from bubblefree.core import Engine, InvalidRequest, Request, SamplingParams, Status
+from bubblefree.fake_backend import FakeBackend, FakeModel, Fault, Timing, by_step
 
 VOCAB = 16
 EOS = 0

@@ -21,11 +21,11 @@ from pathlib import Path
 import attrs
 import pytest
 
-from core import Engine, Request, SamplingParams, Status
-from core.values import GREEDY
+from bubblefree.core import Engine, Request, SamplingParams, Status
+from bubblefree.core.values import GREEDY
 from exhaustive_workload import EOS, EVENS, ODDS, VOCAB, Cycle2Factory, cycle2_finish, expected_tokens
-from fake_backend import FakeBackend, FakeModel, Fault, Timing, by_step
-from fake_backend.timing import FAULT_KINDS
+from bubblefree.fake_backend import FakeBackend, FakeModel, Fault, Timing, by_step
+from bubblefree.fake_backend.timing import FAULT_KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = range(12)

@@ -11,9 +11,9 @@ import re
 import pytest
 import torch
 
-from cuda_backend.attention import decode_attention, decode_context, store_kv
-from cuda_backend.kv_cache import PagedKVCache
-from cuda_backend.rope_attention import rope_attend, rotate
+from bubblefree.cuda_backend.attention import decode_attention, decode_context, store_kv
+from bubblefree.cuda_backend.kv_cache import PagedKVCache
+from bubblefree.cuda_backend.rope_attention import rope_attend, rotate
 
 PS, PAGES, D = 4, 48, 16
 

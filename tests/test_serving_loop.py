@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from bubblefree.loop import EngineStopped, ServingLoop
-from core import Engine, Request, Status
-from fake_backend import FakeBackend, FakeModel
+from bubblefree.core import Engine, Request, Status
+from bubblefree.fake_backend import FakeBackend, FakeModel
 
 
 def wait_result(loop: ServingLoop, request: Request):

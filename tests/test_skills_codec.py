@@ -7,8 +7,8 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
-from skills import Kind, LocationCodec, RegionHeadCodec, WordTokenizer, demo_tokenizer
-from skills.codec import CodecError, box_from_centre, location_tokens
+from bubblefree.skills import Kind, LocationCodec, RegionHeadCodec, WordTokenizer, demo_tokenizer
+from bubblefree.skills.codec import CodecError, box_from_centre, location_tokens
 
 TOK = demo_tokenizer()
 CODEC = LocationCodec.for_tokenizer(TOK)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from core import Engine, SamplingParams, Status
-from fake_backend import FakeBackend, FakeModel, stable_hash
-from skills import Kind, LocationCodec, RegionHeadCodec, SkillSet, demo_tokenizer
-from skills.driver import MaskRecorder, drive
+from bubblefree.core import Engine, SamplingParams, Status
+from bubblefree.fake_backend import FakeBackend, FakeModel, stable_hash
+from bubblefree.skills import Kind, LocationCodec, RegionHeadCodec, SkillSet, demo_tokenizer
+from bubblefree.skills.driver import MaskRecorder, drive
 
 TOK = demo_tokenizer(coord_bins=64, size_bins=16)
 CODEC = LocationCodec.for_tokenizer(TOK, coord_bins=64, size_bins=16)

@@ -15,8 +15,8 @@ import attrs
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from skills import Kind, RegionHeadCodec, SkillError, SkillSet, demo_tokenizer
-from skills.driver import MaskRecorder, drive
+from bubblefree.skills import Kind, RegionHeadCodec, SkillError, SkillSet, demo_tokenizer
+from bubblefree.skills.driver import MaskRecorder, drive
 
 TOK = demo_tokenizer()
 EOS = TOK.eos_id

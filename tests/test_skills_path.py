@@ -7,10 +7,10 @@ import re
 
 from hypothesis import example, given, strategies as st
 
-from skills import Kind, LocationCodec, SkillSet, WordTokenizer, demo_tokenizer, location_tokens
-from skills.driver import MaskRecorder
-from skills.path_grammar import NUM, PATH_DFA, Command
-from skills.segment import render_path
+from bubblefree.skills import Kind, LocationCodec, SkillSet, WordTokenizer, demo_tokenizer, location_tokens
+from bubblefree.skills.driver import MaskRecorder
+from bubblefree.skills.path_grammar import NUM, PATH_DFA, Command
+from bubblefree.skills.segment import render_path
 
 TOK = demo_tokenizer()
 MASKS = MaskRecorder()

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from core.decode_state import DecodeState
-from core.values import InvalidRequest, Request, SamplingParams
-from skills import (BUILTIN, HFTokenizer, Kind, LocationCodec, SkillSet, Tokenizer,
+from bubblefree.core.decode_state import DecodeState
+from bubblefree.core.values import InvalidRequest, Request, SamplingParams
+from bubblefree.skills import (BUILTIN, HFTokenizer, Kind, LocationCodec, SkillSet, Tokenizer,
                     build_request, demo_tokenizer, location_tokens)
-from skills.driver import MaskRecorder, drive
-from skills.point import Point
+from bubblefree.skills.driver import MaskRecorder, drive
+from bubblefree.skills.point import Point
 
 TOK = demo_tokenizer()
 MASKS = MaskRecorder()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from skills import HFTokenizer, SkillSet, TextStream, demo_tokenizer
-from skills.driver import MaskRecorder, drive
+from bubblefree.skills import HFTokenizer, SkillSet, TextStream, demo_tokenizer
+from bubblefree.skills.driver import MaskRecorder, drive
 
 TOK = demo_tokenizer()
 MASKS = MaskRecorder()

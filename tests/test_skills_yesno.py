@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from core import Engine, SamplingParams
-from fake_backend import FakeBackend, FakeModel
-from skills import (BUILTIN, LocationCodec, SkillError, SkillSet, WordTokenizer, demo_tokenizer,
+from bubblefree.core import Engine, SamplingParams
+from bubblefree.fake_backend import FakeBackend, FakeModel
+from bubblefree.skills import (BUILTIN, LocationCodec, SkillError, SkillSet, WordTokenizer, demo_tokenizer,
                     location_tokens)
-from skills.driver import MaskRecorder, drive
-from skills.yesno import YesNo
+from bubblefree.skills.driver import MaskRecorder, drive
+from bubblefree.skills.yesno import YesNo
 
 TOK = demo_tokenizer(coord_bins=16, size_bins=4)
 CODEC_ARGS = {"coord_bins": 16, "size_bins": 4}

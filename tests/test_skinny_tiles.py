@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuda_backend import skinny_gemm as sg
+from bubblefree.cuda_backend import skinny_gemm as sg
 
 
 def test_a_tile_reads_back_as_written_and_names_bad_input():
