@@ -1,7 +1,9 @@
 """bubblefree: a serving engine whose decode loop never leaves the GPU waiting."""
 
-from bubblefree.engine import Engine, RequestFailed
+from bubblefree.core import InvalidRequest, Result, SamplingParams, Status
+from bubblefree.engine import Engine
+from bubblefree.handle import Handle, RequestFailed
 from bubblefree.loop import EngineStopped
-from bubblefree.core import InvalidRequest, SamplingParams
 
-__all__ = ["Engine", "EngineStopped", "InvalidRequest", "RequestFailed", "SamplingParams"]
+__all__ = ["Engine", "EngineStopped", "Handle", "InvalidRequest", "RequestFailed", "Result",
+           "SamplingParams", "Status"]

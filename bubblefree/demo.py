@@ -1,9 +1,10 @@
 """`make run`: real questions to the embedded model, answered concurrently.
 
 Loads SmolLM2-135M-Instruct (converted from its GGUF once, then cached),
-streams the first answer as it is decoded while the others share its
-batches, prints every answer, then runs the same questions in blocking mode
-— the same engine, one flag flipped — and prints a summary table.
+submits six questions together and streams the first answer as it is
+decoded while the others share its batches, prints every answer, then times
+the same questions in both modes (pipelined and blocking: the same engine,
+one flag flipped), alternating after a warm-up, and prints a summary table.
 
     python -m bubblefree.demo [--max-tokens 64] [--model PATH]
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 
 from bubblefree.engine import Engine
+from bubblefree.skills import TextStream
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -28,36 +29,43 @@ QUESTIONS = (
 
 
 def ask_all(engine: Engine, max_tokens: int, stream_first: bool) -> tuple[list, float]:
-    """Submit every question at once; returns (results, seconds)."""
-    done = threading.Semaphore(0)
-    first_tokens: list[int] = []
-    printed = [0]
+    """Submit every question at once (one hand-over, so they share their
+    first prefill and every decode step); returns (results, seconds)."""
+    tok = engine.skills.tokenizer
+    shown = TextStream(tok, frozenset({tok.eos_id}))
 
-    def listener(index: int):
-        def on(handle, token):
-            if token is None:
-                done.release()
-            elif index == 0 and stream_first:
-                first_tokens.append(token)
-                text = engine.skills.tokenizer.decode(first_tokens)
-                if not text.endswith("\ufffd"):
-                    print(text[printed[0]:], end="", flush=True)
-                    printed[0] = len(text)
-        return on
+    def show(handle, token):  # on the decode thread: print, never block
+        if token is not None:
+            print(shown.push([token]), end="", flush=True)
 
     start = time.perf_counter()
-    handles = [engine.submit("query", question=q, max_tokens=max_tokens, listener=listener(i))
-               for i, q in enumerate(QUESTIONS)]
-    for _ in handles:
-        done.acquire()
-    elapsed = time.perf_counter() - start
-    return [h.result for h in handles], elapsed
+    handles = engine.submit_many(
+        ("query", dict(question=q, max_tokens=max_tokens, listener=show if i == 0 and stream_first else None))
+        for i, q in enumerate(QUESTIONS))
+    results = [h.result() for h in handles]
+    return results, time.perf_counter() - start
+
+
+def timed_modes(engine: Engine, max_tokens: int, rounds: int) -> dict[str, tuple[list, float]]:
+    """Each mode ``rounds`` times, alternating, after one warm-up round, so
+    neither gets the cold caches or the other's luck; the best time each."""
+    ask_all(engine, max_tokens, stream_first=False)
+    best: dict[str, tuple[list, float]] = {}
+    for _ in range(rounds):
+        for mode in ("pipelined", "blocking"):
+            engine.pipelined = mode == "pipelined"
+            results, secs = ask_all(engine, max_tokens, stream_first=False)
+            if mode not in best or secs < best[mode][1]:
+                best[mode] = (results, secs)
+    engine.pipelined = True
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default=None, help="a model directory or .gguf (default: embedded)")
+    ap.add_argument("--rounds", type=int, default=2, help="timed rounds per mode")
     args = ap.parse_args(argv)
     print("loading the model (the first run converts the GGUF and caches it)...", flush=True)
     t = time.perf_counter()
@@ -68,25 +76,26 @@ def main(argv: list[str] | None = None) -> int:
           f"({backend.dtype}); {len(QUESTIONS)} questions at once\n", flush=True)
     try:
         print(f"Q: {QUESTIONS[0]}\nA: ", end="", flush=True)
-        piped, t_pipe = ask_all(engine, args.max_tokens, stream_first=True)
+        answers, _ = ask_all(engine, args.max_tokens, stream_first=True)
         print("\n")
-        for q, r in zip(QUESTIONS[1:], piped[1:]):
+        for q, r in zip(QUESTIONS[1:], answers[1:]):
             print(f"Q: {q}\nA: {r.output['answer']}\n")
-        engine.core.pipelined = False  # the baseline: same engine, one flag away
-        blocked, t_block = ask_all(engine, args.max_tokens, stream_first=False)
+        modes = timed_modes(engine, args.max_tokens, args.rounds)
     finally:
         engine.close()
-    same = [a.tokens for a in piped] == [b.tokens for b in blocked]
-    tokens = sum(len(r.tokens) for r in piped)
+    same = len({tuple(r.tokens for r in results) for results, _ in modes.values()}) == 1
+    tokens = sum(len(r.tokens) for r in modes["pipelined"][0])
+    print(f"Both modes, {len(QUESTIONS)} questions submitted together, best of {args.rounds} "
+          "alternating rounds after a warm-up:\n")
     print("| mode | requests | tokens | seconds | tokens/s | identical answers |")
     print("|---|---:|---:|---:|---:|---|")
-    for mode, secs in (("pipelined", t_pipe), ("blocking", t_block)):
+    for mode, (_, secs) in modes.items():
         print(f"| {mode} | {len(QUESTIONS)} | {tokens} | {secs:.2f} | {tokens / secs:.1f} | "
               f"{'yes' if same else 'no'} |")
     print(f"\n(device: {backend.device}; on a CPU the forward dominates, so the modes are "
-          "close — the bubble pipelining removes is a GPU effect)")
+          "close: the bubble pipelining removes is a GPU effect. The embedded model is a "
+          "4-bit 135M model: its wrong answers are its own.)")
     return 0 if same else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

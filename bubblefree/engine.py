@@ -8,29 +8,27 @@
 
 Every call may come from any thread; concurrent calls batch together in the
 same decode steps. Bad arguments raise ``InvalidRequest`` naming the field,
-and the engine keeps serving.
+and the engine keeps serving. A call that does not complete raises
+``RequestFailed`` (streams too, at their end), so a cut answer never passes
+for a whole one. Whatever stops waiting for a request cancels it: an
+awaiting task that is cancelled, a stream closed or dropped half-read, a
+``KeyboardInterrupt`` in a blocking call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
-from typing import Any, AsyncIterator, Iterator
+import weakref
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from bubblefree.core import Engine as CoreEngine
-from bubblefree.core import Handle, Result, SamplingParams, Status
-from bubblefree.skills import SkillSet, TextStream
+from bubblefree.core import InvalidRequest, SamplingParams
+from bubblefree.handle import Handle, RequestFailed
+from bubblefree.loop import EngineStopped, ServingLoop
+from bubblefree.skills import SkillSet
+from bubblefree.streams import AsyncTextStream, TextPieces
 
-from bubblefree.loop import ServingLoop
-
-_END = object()
-
-
-class RequestFailed(RuntimeError):
-    def __init__(self, result: Result):
-        super().__init__(f"request {result.request_id} {result.status.value}: {result.finish_reason}")
-        self.result = result
+__all__ = ["Engine", "EngineStopped", "Handle", "RequestFailed"]
 
 
 class Engine:
@@ -39,32 +37,65 @@ class Engine:
         self.skills = skills
         self.backend = backend
         self.loop = ServingLoop(core)
+        # Dropped without close(), the engine still ends its thread, and with
+        # it the model and the KV cache: the loop holds no reference back here.
+        self._finalizer = weakref.finalize(self, self.loop.close, False)
 
     @classmethod
     def from_pretrained(cls, path_or_default: str | None = None, *, device: str | None = None,
                         pipelined: bool = True, dtype: Any = None, **backend_options: Any) -> "Engine":
         """Load a decoder (a directory, a ``.gguf`` file, or ``None`` for the
-        embedded SmolLM2-135M-Instruct), add the skills' location tokens,
-        build the CUDA backend (CPU without a GPU), compile the skills."""
+        embedded SmolLM2-135M-Instruct), build the CUDA backend (CPU without a
+        GPU), compile the skills."""
         from bubblefree.build import build_engine  # torch is imported only here
 
         return build_engine(cls, path_or_default, device=device, pipelined=pipelined,
                             dtype=dtype, **backend_options)
 
     # ------------------------------------------------------------ submitting
-    def submit(self, skill: str, *, sampling: SamplingParams | None = None,
-               max_tokens: int | None = None, listener=None, **args: Any) -> Handle:
-        request = self.skills.request(skill, max_tokens=max_tokens,
-                                      sampling=sampling or SamplingParams(),
-                                      max_context=self.core.backend.capacity.max_context, **args)
-        return self.loop.submit(request, listener)
+    def submit(self, skill: str, *, sampling: SamplingParams | dict | None = None,
+               max_tokens: int | None = None, listener: Callable[[Handle, int | None], None] | None = None,
+               **args: Any) -> Handle:
+        """Accept a request and return its ``Handle`` at once. ``listener(handle,
+        token)`` runs on the decode thread after each tick that committed a
+        token for it, then once with ``None``; it must not block, and if it
+        raises, its request fails (with the error named) and nothing else."""
+        return self.submit_many([(skill, dict(args, sampling=sampling, max_tokens=max_tokens,
+                                              listener=listener))])[0]
+
+    def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]]) -> list[Handle]:
+        """``submit`` for several ``(skill, arguments)`` at once: all are checked
+        first (one bad call refuses them all, naming it), then handed to the
+        decode thread together, so they share their first prefill."""
+        items = []
+        for skill, args in calls:
+            args = dict(args)
+            listener, sampling = args.pop("listener", None), args.pop("sampling", None)
+            if listener is not None and not callable(listener):
+                raise InvalidRequest(f"listener: must be callable, got {type(listener).__name__}")
+            items.append((self._request(skill, SamplingParams.of(sampling), args), listener))
+        return self.loop.submit_all(items)
+
+    def _request(self, skill: str, sampling: SamplingParams, args: dict[str, Any]):
+        cap = self.core.backend.capacity
+        return self.skills.request(skill, sampling=sampling, max_context=cap.max_context,
+                                   max_positions=cap.num_pages * cap.page_size, **args)
+
+    def cancel(self, request: Handle) -> bool:
+        """Cancel ``request`` (its Handle) from any thread; see ``Handle.cancel``."""
+        if not isinstance(request, Handle):
+            raise TypeError(f"cancel takes the Handle that submit returned, not {type(request).__name__}")
+        return request.cancel()
 
     def run(self, skill: str, **args: Any) -> dict:
         """Blocking: the skill's result (``{"answer": ...}``, ``{"points": ...}``...)."""
-        done = threading.Event()
-        handle = self.submit(skill, listener=lambda h, t: done.set() if t is None else None, **args)
-        done.wait()
-        return _output(handle.result)
+        self.loop.refuse_wait_on_loop_thread(f"Engine.run({skill!r})")
+        handle = self.submit(skill, **args)
+        try:
+            return handle.output()
+        except BaseException:  # KeyboardInterrupt, or RequestFailed: stop its work either way
+            handle.cancel()
+            raise
 
     def query(self, question: str, **kw: Any) -> dict:
         return self.run("query", question=question, **kw)
@@ -82,47 +113,59 @@ class Engine:
         return self.run("segment", object=object, **kw)
 
     # -------------------------------------------------------------- streaming
-    def stream(self, skill: str = "query", **args: Any) -> Iterator[str]:
-        """Text pieces as tokens are committed (query, caption)."""
-        pieces: queue.Queue = queue.Queue()
-        self.submit(skill, listener=lambda h, t: pieces.put(_END if t is None else t), **args)
-        text = TextStream(self.skills.tokenizer, self._stop_ids())
-        while (item := pieces.get()) is not _END:
-            piece = text.push([item])
-            if piece:
-                yield piece
+    def stream(self, skill: str = "query", **args: Any) -> TextPieces:
+        """Text pieces as tokens are committed (query, caption). The request is
+        submitted now (bad arguments raise here); closing or dropping the
+        stream cancels it; ``RequestFailed`` ends a stream that did not complete."""
+        self.loop.refuse_wait_on_loop_thread("Engine.stream")
+        return TextPieces(self.submit(skill, **args), self.skills.tokenizer)
 
-    def stream_query(self, question: str, **kw: Any) -> Iterator[str]:
+    def stream_query(self, question: str, **kw: Any) -> TextPieces:
         return self.stream("query", question=question, **kw)
 
     # ---------------------------------------------------------------- asyncio
     async def arun(self, skill: str, **args: Any) -> dict:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
+        done: asyncio.Future = loop.create_future()
 
-        def listener(handle: Handle, token: int | None) -> None:
+        def on_event(handle: Handle, token: int | None) -> None:
             if token is None:
-                loop.call_soon_threadsafe(_settle, future, handle.result)
+                _call_soon(loop, _settle, done, handle)
+            elif loop.is_closed():  # nobody can await the answer any more
+                handle.cancel()
 
-        self.submit(skill, listener=listener, **args)
-        return _output(await future)
+        handle = self.submit(skill, listener=on_event, **args)
+        try:
+            await done
+        finally:  # cancelled, or the event loop went away: stop the request's work
+            if not handle.done:
+                handle.cancel()
+        return handle.output(0)
 
     async def aquery(self, question: str, **kw: Any) -> dict:
         return await self.arun("query", question=question, **kw)
 
     async def astream(self, skill: str = "query", **args: Any) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue = asyncio.Queue()
-        self.submit(skill, listener=lambda h, t: loop.call_soon_threadsafe(
-            pieces.put_nowait, _END if t is None else t), **args)
-        text = TextStream(self.skills.tokenizer, self._stop_ids())
-        while (item := await pieces.get()) is not _END:
-            piece = text.push([item])
-            if piece:
-                yield piece
+        """``stream`` for asyncio: an async iterator of text pieces; closing it,
+        or cancelling the task iterating it, cancels the request."""
+        pieces = AsyncTextStream(asyncio.get_running_loop(), self.skills.tokenizer)
+        handle = self.submit(skill, listener=pieces.listener, **args)
+        async for piece in pieces.run(handle):
+            yield piece
 
     # ------------------------------------------------------------------ misc
+    @property
+    def pipelined(self) -> bool:
+        """Pipelined ticks (the default) or the blocking baseline."""
+        return self.core.pipelined
+
+    @pipelined.setter
+    def pipelined(self, value: bool) -> None:
+        self.loop.set_pipelined(value)
+
     def close(self) -> None:
+        """Cancel what is live, let in-flight steps finish, end the decode
+        thread. From a listener it only asks; the thread ends after it."""
         self.loop.close()
 
     def __enter__(self) -> "Engine":
@@ -131,16 +174,17 @@ class Engine:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _stop_ids(self) -> frozenset[int]:
-        return frozenset({self.skills.tokenizer.eos_id})
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> bool:
+    """``call_soon_threadsafe``, False when the event loop is closed (its
+    awaiting code is gone; the caller's cleanup cancels the request)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
 
 
-def _settle(future: asyncio.Future, result: Result) -> None:
+def _settle(future: asyncio.Future, handle: Handle) -> None:
     if not future.done():
-        future.set_result(result)
-
-
-def _output(result: Result) -> dict:
-    if result.status is not Status.COMPLETED:
-        raise RequestFailed(result)
-    return result.output
+        future.set_result(None)

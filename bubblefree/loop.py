@@ -1,82 +1,207 @@
-"""The decode loop in a background thread, and thread-safe submission.
+"""The decode loop in its own thread, and the one door into it.
 
-The core Engine is single-threaded by design (sans-I/O). ``ServingLoop``
-owns it: one thread ticks it while there is work and sleeps on a condition
-when there is none; callers in any thread (or an asyncio loop) submit under
-the same lock and are woken by the handle's listeners. A submit waits at
-most one tick for the lock.
+The core is single-threaded by design (sans-I/O). ``ServingLoop`` owns it:
+only the decode thread ever calls it. Callers in any thread hand requests
+and cancels over through an inbox (a deque behind a lock held for an append
+or a swap, never for a step), and the loop drains the whole inbox before
+each tick, so requests that arrive together are prefilled together and a
+submit never waits for a step to finish.
+
+Results come back through the core's listeners, which run after each tick on
+the decode thread: they update the caller's ``Handle`` and call the caller's
+own listener. A listener that raises fails its own request and nothing else.
 
 If a tick raises something other than a backend fault (``StepFailed`` is
-handled inside the core), that is a bug or a dead device: every live
-request is failed with the error named, so no caller waits forever, and the
-loop refuses new work with the same message.
+handled inside the core), that is a bug or a lost device: every accepted
+request ends, failed with the error named, so no caller waits forever, and
+the loop refuses new work with the same message. ``close`` cancels what is
+live, lets in-flight steps commit, and ends the thread.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import threading
 from typing import Callable
 
 from bubblefree.core import Engine as CoreEngine
-from bubblefree.core import Handle, Request
+from bubblefree.core import Request, Result, Status
+from bubblefree.handle import Handle
+
+Listener = Callable[[Handle, "int | None"], None]
 
 
 class EngineStopped(RuntimeError):
-    pass
+    """The engine was closed, or stopped on an error it names."""
 
 
 class ServingLoop:
     def __init__(self, core: CoreEngine):
         self.core = core
-        self._lock = threading.Condition()
+        self._wake = threading.Condition(threading.Lock())
+        # ("submit", handle, listener) | ("cancel", handle, None) | ("pipelined", flag, made event)
+        self._inbox: collections.deque = collections.deque()
+        self._ids = itertools.count()
+        self._live: dict[int, Handle] = {}  # accepted and not ended; decode thread only
+        self._taking: collections.deque = collections.deque()  # inbox items being taken
         self._closed = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="bubblefree-decode", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request,
-               listener: Callable[[Handle, int | None], None] | None = None) -> Handle:
-        """Accept ``request`` (or raise ``InvalidRequest``); ``listener(handle,
-        token)`` is called from the loop thread per committed token and once
-        with ``None`` when the result is final."""
-        with self._lock:
-            if self._error is not None or self._closed:
-                raise EngineStopped(f"the engine has stopped: {self._error or 'closed'}")
-            handle = self.core.submit(request)
-            if listener is not None:
-                handle.listeners.append(listener)
-            self._lock.notify()
-        return handle
+    # ----------------------------------------------------------- any thread
+    def submit(self, request: Request, listener: Listener | None = None) -> Handle:
+        """Accept ``request`` (or raise ``InvalidRequest`` naming the field, or
+        ``EngineStopped``). ``listener(handle, token)`` runs on the decode
+        thread after each tick that committed a token for it, then once with
+        ``None`` when the Result is final."""
+        return self.submit_all([(request, listener)])[0]
 
-    def cancel(self, request_id: int) -> bool:
-        with self._lock:
-            return self.core.cancel(request_id)
+    def submit_all(self, items: list[tuple[Request, Listener | None]]) -> list[Handle]:
+        """Accept all (each validated first: all or none), handed over at once,
+        so they start in the same prefill where capacity allows."""
+        for request, _ in items:
+            self.core.validate(request)  # pure: the same checks the core applies
+        with self._wake:
+            self._check_running()
+            handles = [Handle(next(self._ids), request, self) for request, _ in items]
+            self._inbox.extend(("submit", h, listener) for h, (_, listener) in zip(handles, items))
+            self._wake.notify()
+        return handles
 
-    def close(self) -> None:
-        with self._lock:
+    def cancel(self, handle: Handle) -> bool:
+        if handle.done:
+            return False
+        if self.on_loop_thread and handle.request_id in self.core.handles:
+            # From a listener: the core is between ticks, so cancel at once.
+            return self.core.cancel(handle.request_id)
+        with self._wake:
+            self._inbox.append(("cancel", handle, None))
+            self._wake.notify()
+        return True
+
+    def set_pipelined(self, pipelined: bool) -> None:
+        """Switch between pipelined and blocking ticks. The decode thread owns
+        the core, so the switch is made there, between two ticks; a caller
+        on another thread returns once it is made."""
+        if not isinstance(pipelined, bool):
+            raise TypeError(f"pipelined must be a bool, got {pipelined!r}")
+        if self.on_loop_thread:
+            self.core.pipelined = pipelined
+            return
+        made = threading.Event()
+        with self._wake:
+            self._check_running()
+            self._inbox.append(("pipelined", pipelined, made))
+            self._wake.notify()
+        made.wait()
+
+    def close(self, wait: bool = True) -> None:
+        """Stop taking work, cancel what is live, and end the thread. From the
+        decode thread (a listener) it only asks: the loop ends after the
+        current delivery."""
+        with self._wake:
             self._closed = True
-            self._lock.notify()
-        self._thread.join(timeout=30)
+            self._wake.notify()
+        if wait and not self.on_loop_thread:
+            self._thread.join(timeout=60)
 
+    @property
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._closed and self._error is None
+
+    def refuse_wait_on_loop_thread(self, what: str) -> None:
+        if self.on_loop_thread:
+            raise RuntimeError(f"{what} was called from a listener, on the decode thread: it would wait "
+                               "for the thread running it. Listeners must not block; keep state and "
+                               "return, or wait from another thread.")
+
+    def _check_running(self) -> None:
+        if self._error is not None:
+            raise EngineStopped(f"the engine has stopped: {type(self._error).__name__}: {self._error}")
+        if self._closed:
+            raise EngineStopped("the engine is closed")
+
+    # -------------------------------------------------------- decode thread
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._closed and not self.core.has_work():
-                    self._lock.wait()
-                if self._closed:
-                    for request_id in list(self.core.handles):
-                        self.core.cancel(request_id)
-                    self._drain()
-                    return
-                try:
-                    self.core.tick()
-                except BaseException as err:  # noqa: BLE001 - fail everyone, name the error
-                    self._error = err
-                    self.core.abort(f"engine error: {type(err).__name__}: {err}")
-                    return
-
-    def _drain(self) -> None:
         try:
-            self.core.run_until_idle(max_ticks=10_000)
-        except BaseException as err:  # noqa: BLE001
+            while True:
+                with self._wake:
+                    while not (self._inbox or self._closed or self.core.has_work()):
+                        self._wake.wait()
+                    self._taking.extend(self._inbox)
+                    self._inbox.clear()
+                    closing = self._closed
+                while self._taking:
+                    self._take(*self._taking.popleft())
+                if closing:
+                    self._shut_down()
+                    return
+                if self.core.has_work():
+                    self.core.tick()
+        except BaseException as err:  # noqa: BLE001 - a bug or a lost device: end everyone, name it
+            self._stop(err)
+
+    def _take(self, kind: str, handle, listener: Listener | None) -> None:
+        if kind == "cancel":
+            self.core.cancel(handle.request_id)
+            return
+        if kind == "pipelined":
+            self.core.pipelined = handle
+            listener.set()
+            return
+        self._live[handle.request_id] = handle
+        try:
+            core_handle = self.core.submit(handle.request, request_id=handle.request_id)
+        except Exception as err:  # noqa: BLE001 - validated at the door; if the core still refuses, say so
+            self._end_stragglers(f"refused: {type(err).__name__}: {err}", (handle,))
+            return
+        core_handle.listeners.append(self._forward(handle))
+        if listener is not None:
+            core_handle.listeners.append(lambda _, token: listener(handle, token))
+
+    def _forward(self, handle: Handle) -> Callable:
+        def forward(core_handle, token: int | None) -> None:
+            if token is None:
+                self._live.pop(handle.request_id, None)
+            handle._push(token, core_handle.result if token is None else None)
+        return forward
+
+    def _shut_down(self) -> None:
+        """Everything accepted ends (cancelled), in-flight steps commit, and
+        every page and row slot comes back before the thread ends."""
+        for request_id in list(self.core.handles):
+            self.core.cancel(request_id)
+        self.core.run_until_idle(max_ticks=10_000)
+        self._end_stragglers("the engine closed before this request ended")
+
+    def _stop(self, err: BaseException) -> None:
+        with self._wake:
             self._error = err
+            late = [*self._taking, *self._inbox]
+            self._inbox.clear()
+        reason = f"engine error: {type(err).__name__}: {err}"
+        for kind, handle, made in late:
+            if kind == "submit":  # accepted: it ends, failed, like every live one
+                self._live[handle.request_id] = handle
+            elif kind == "pipelined":
+                made.set()  # nothing waits forever
+        try:
+            self.core.abort(reason)
+        except BaseException:  # noqa: BLE001 - the core is broken; end the handles directly
+            pass
+        self._end_stragglers(reason)
+
+    def _end_stragglers(self, reason: str, handles=None) -> None:
+        """I7 at the edge: a handle the core could not end gets its Result here."""
+        for handle in list(self._live.values()) if handles is None else handles:
+            self._live.pop(handle.request_id, None)
+            if not handle.done:
+                handle._push(None, Result(request_id=handle.request_id, status=Status.FAILED,
+                                          tokens=handle.tokens, finish_reason=reason,
+                                          tag=handle.request.tag))

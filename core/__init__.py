@@ -1,6 +1,24 @@
 """bubblefree's core: the pipelined-decoding state machine, free of torch.
 
 Everything that decides what runs, when, and what is committed lives here.
+
+The bubble, and why the tick is split (the seed)::
+
+    blocking   GPU  [fwd t][smp t]......................[fwd t+1][smp t+1]....
+               CPU                 [wait][commit t][plan]
+    pipelined  GPU  [fwd t][smp t][fwd t+1]......[smp t+1][fwd t+2]...
+               CPU        [launch t+1][wait][commit t][finalize t+1][launch t+2]
+
+Glossary. "finalize" names two things, both from the seed: the *finalize
+phase* of a tick (masks, sampling and the host copy enqueued for the newest
+step; ``SlotState.FINALIZED``, ``Scheduler.finalized``), and a *finalized
+sequence* (its request has ended; ``Phase.FINALIZED``, ``Sequence.finalized``).
+A finalized sequence that a launched step still includes is a *zombie*.
+
+Where things are: ``scheduler.py`` keeps the invariants (DESIGN.md I2-I9),
+``policy.py`` chooses each step's rows, ``integrity.py`` checks,
+``events.py`` is what the scheduler reports, ``engine.py`` drives a backend
+(``backend.py``'s protocol) and delivers results to callers.
 """
 
 from bubblefree.core.backend import Backend, Capacity

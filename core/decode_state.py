@@ -14,7 +14,7 @@ sampled token lies in the set it registered under that id.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -27,3 +27,27 @@ class DecodeState(Protocol):
         """Consume one committed token (and its spatial value, if the model
         decoded one). Return True when the output is complete."""
         ...
+
+
+# -- calls into a skill, guarded: a skill's bug fails its own request only ---
+
+def who(request: Any) -> str:
+    return f"skill {request.skill!r}" if getattr(request, "skill", None) else "decode state"
+
+
+def guarded(request: Any, call: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+    """``(fn(*args), None)``, or ``(None, reason)`` when the skill raised; the
+    reason names the skill and keeps its own exception's type and message."""
+    try:
+        return fn(*args), None
+    except Exception as err:  # noqa: BLE001 - the caller fails this request only
+        return None, f"{who(request)} raised {type(err).__name__} in {call}: {err}"
+
+
+def bad_mask(request: Any, mask: Any, masks: Mapping[int, frozenset[int]]) -> str | None:
+    """Why ``mask`` (from ``mask_id()``) cannot go to sampling, or None. Checked
+    before the backend sees it: an unknown id would fail every row sharing
+    the step, a non-int would stop the engine."""
+    if mask is None or (type(mask) is int and mask in masks):
+        return None
+    return f"{who(request)}: mask_id() returned {mask!r}, not a registered mask id"

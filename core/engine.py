@@ -12,20 +12,34 @@ is one flag away (``pipelined=False``): the baseline for every comparison.
 
 A backend fault (``StepFailed``) fails the rows of the step it hit; their
 resources come back and the engine keeps serving (I7).
+
+Delivery. The scheduler reports committed tokens and ends as events; after
+each phase the Engine applies them to the handles (tokens, then the one
+Result), and at the end of the tick, of ``cancel`` or of ``abort`` it runs
+the listeners, outside the state machine. A listener may cancel or submit;
+one that raises fails its own request (if it has not ended yet) and nothing
+else; a raise on a request that already ended is kept in
+``listener_errors``.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import attrs
 
 from bubblefree.core.backend import Backend
+from bubblefree.core.decode_state import guarded
+from bubblefree.core.events import TokenCommitted
+from bubblefree.core.integrity import InvariantViolation
 from bubblefree.core.pages import pages_needed
 from bubblefree.core.scheduler import Scheduler
 from bubblefree.core.sequence import Sequence
-from bubblefree.core.values import InvalidRequest, Request, Result, Status, StepFailed
+from bubblefree.core.values import InvalidRequest, Request, Result, SamplingParams, Status, StepFailed
+
+Listener = Callable[["Handle", "int | None"], None]
 
 
 @attrs.define(eq=False)
@@ -37,7 +51,7 @@ class Handle:
     _engine: "Engine"
     tokens: list[int] = attrs.Factory(list)
     result: Result | None = None
-    listeners: list[Callable[["Handle", int | None], None]] = attrs.Factory(list)
+    listeners: list[Listener] = attrs.Factory(list)
 
     @property
     def done(self) -> bool:
@@ -79,42 +93,56 @@ class Engine:
     # A long-lived server must not keep every step forever: past twice this
     # many entries the oldest half is dropped (None keeps everything).
     trace_limit: int | None = None
-    _masks: list[frozenset[int]] = attrs.Factory(list)
-    _mask_ids: dict[int, int] = attrs.Factory(dict)  # backend id -> index in _masks
+    # Registered masks by backend id: the one registry, shared with the
+    # scheduler, which checks a skill's mask ids and the sampled tokens (I9).
+    masks: dict[int, frozenset[int]] = attrs.Factory(dict)
+    # Listener raises that could fail no request (it had already ended); the
+    # newest ``LISTENER_ERRORS_KEPT``.
+    listener_errors: collections.deque[str] = attrs.Factory(
+        lambda: collections.deque(maxlen=LISTENER_ERRORS_KEPT))
     _ids: Iterator[int] = attrs.Factory(itertools.count)
+    _outbox: collections.deque = attrs.Factory(collections.deque)  # (handle, token | None)
+    _delivering: bool = False
 
     def __attrs_post_init__(self) -> None:
-        self.scheduler = Scheduler(self.backend.capacity, probe=self.probe, on_finish=self._finished)
+        self.scheduler = Scheduler(self.backend.capacity, probe=self.probe, masks=self.masks)
 
     # ------------------------------------------------------------------ public
     def register_mask(self, allowed: Iterable[int]) -> int:
         """Store an allowed-token set with the backend, off the hot path."""
         allowed = frozenset(allowed)
-        bad = [t for t in allowed if not 0 <= t < self.backend.vocab_size]
-        if not allowed or bad:
-            raise ValueError(f"mask must be a non-empty set of token ids < {self.backend.vocab_size}")
+        vocab = self.backend.vocab_size
+        if not allowed or any(type(t) is not int or not 0 <= t < vocab for t in allowed):
+            raise ValueError(f"mask must be a non-empty set of int token ids < {vocab}")
         mask_id = self.backend.register_mask(allowed)
-        self._mask_ids[mask_id] = len(self._masks)
-        self._masks.append(allowed)
+        self.masks[mask_id] = allowed
         return mask_id
 
     def allowed(self, mask_id: int) -> frozenset[int]:
-        return self._masks[self._mask_ids[mask_id]]
+        return self.masks[mask_id]
 
-    def submit(self, request: Request) -> Handle:
-        """Accept a request or raise ``InvalidRequest`` naming what is wrong."""
-        self._validate(request)
-        seq_id = next(self._ids)
+    def submit(self, request: Request, request_id: int | None = None) -> Handle:
+        """Accept a request or raise ``InvalidRequest`` naming what is wrong.
+        ``request_id`` lets a caller that hands ids out itself choose one."""
+        self.validate(request)
+        seq_id = next(self._ids) if request_id is None else request_id
+        if seq_id in self.handles or seq_id in self.scheduler.seqs:
+            raise ValueError(f"request id {seq_id} is in use")
         handle = Handle(seq_id, request, self)
         self.handles[seq_id] = handle
         self.scheduler.add(Sequence(seq_id, request))
         self._log(("submit", seq_id))
         return handle
 
-    def cancel(self, request_id: int) -> bool:
-        ok = self.scheduler.cancel(request_id)
+    def cancel(self, request_id: int, reason: str | None = None) -> bool:
+        """End a live request: cancelled, or failed with ``reason`` when given.
+        False when it had already ended (or never existed)."""
+        status = Status.CANCELLED if reason is None else Status.FAILED
+        ok = self.scheduler.cancel(request_id, status, reason or "cancelled")
         if ok:
             self._log(("cancel", request_id))
+            self._absorb()
+            self._deliver()
         return ok
 
     def has_work(self) -> bool:
@@ -123,14 +151,13 @@ class Engine:
     def tick(self) -> bool:
         """One launch / commit / finalize (or its blocking order). Returns
         False when there was nothing to do."""
-        if self.pipelined:
-            progress = self._launch()
-            progress = self._commit() or progress
-            progress = self._finalize() or progress
-        else:
-            progress = self._launch()
-            progress = self._finalize() or progress
-            progress = self._commit() or progress
+        phases = ((self._launch, self._commit, self._finalize) if self.pipelined
+                  else (self._launch, self._finalize, self._commit))
+        progress = False
+        for phase in phases:
+            progress = phase() or progress
+            self._absorb()
+        self._deliver()
         return progress
 
     def run_until_idle(self, max_ticks: int | None = None) -> None:
@@ -144,6 +171,8 @@ class Engine:
         """Fail every live request with ``reason``; for a lost device."""
         self.scheduler.abort(reason)
         self._log(("abort", reason))
+        self._absorb()
+        self._deliver()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -189,7 +218,7 @@ class Engine:
                 output = self.backend.wait(step.slot)
             except StepFailed as fault:
                 failed = fault.reason
-        self.scheduler.commit(step, output, failed, self.allowed, self._emit)
+        self.scheduler.commit(step, output, failed)
         self.backend.release(step.slot)
         self._log(("commit", step.step_id, output.tokens if output else None, failed))
         return True
@@ -199,42 +228,79 @@ class Engine:
         if self.trace_limit is not None and len(self.trace) > 2 * self.trace_limit:
             del self.trace[:len(self.trace) - self.trace_limit]
 
-    # --------------------------------------------------------------- callbacks
-    def _emit(self, seq: Sequence, token: int) -> None:
-        handle = self.handles[seq.seq_id]
-        handle.tokens.append(token)
-        for listener in handle.listeners:
-            listener(handle, token)
+    # ---------------------------------------------------------------- delivery
+    def _absorb(self) -> None:
+        """Apply the scheduler's events to the handles: the state a caller
+        reads is current after every phase; listeners run later."""
+        for event in self.scheduler.take_events():
+            if isinstance(event, TokenCommitted):
+                handle = self.handles[event.seq_id]
+                handle.tokens.append(event.token)
+                self._outbox.append((handle, event.token))
+                continue
+            handle = self.handles.pop(event.seq_id, None)
+            if handle is None or handle.result is not None:
+                raise InvariantViolation(f"I7: request {event.seq_id} answered twice")
+            handle.result = self._result(event.seq)
+            self._log(("end", event.seq_id, handle.result.status.value, handle.result.finish_reason))
+            self._outbox.append((handle, None))
 
-    def _finished(self, seq: Sequence) -> None:
-        handle = self.handles.pop(seq.seq_id)
-        if handle.result is not None:
-            raise AssertionError(f"I7: request {seq.seq_id} answered twice")
-        req = seq.request
-        status, reason, output = seq.status, seq.finish_reason, None
+    def _result(self, seq: Sequence) -> Result:
+        req, output = seq.request, None
+        status, reason = seq.status, seq.finish_reason
         if req.finisher is not None:
-            try:
-                output = req.finisher(tuple(seq.tokens), seq.state)
-            except Exception as err:  # noqa: BLE001 - a skill's bug fails its request only
-                status, reason = Status.FAILED, f"finisher raised {type(err).__name__}: {err}"
-        handle.result = Result(request_id=seq.seq_id, status=status, tokens=tuple(seq.tokens),
-                               finish_reason=reason, output=output, tag=req.tag)
-        self._log(("end", seq.seq_id, status.value, reason))
-        for listener in handle.listeners:
-            listener(handle, None)
+            output, error = guarded(req, "finish", req.finisher, tuple(seq.tokens), seq.state)
+            if error is not None:
+                status, reason = Status.FAILED, error
+        return Result(request_id=seq.seq_id, status=status, tokens=tuple(seq.tokens),
+                      finish_reason=reason, output=output, tag=req.tag)
+
+    def _deliver(self) -> None:
+        """Run listeners for what was absorbed, in order. Reentrant calls (a
+        listener that cancels) only queue: the outermost loop delivers."""
+        if self._delivering:
+            return
+        self._delivering = True
+        try:
+            while self._outbox:
+                handle, token = self._outbox.popleft()
+                for listener in tuple(handle.listeners):
+                    try:
+                        listener(handle, token)
+                    except Exception as err:  # noqa: BLE001 - fails its own request only
+                        self._listener_raised(handle, err)
+        finally:
+            self._delivering = False
+
+    def _listener_raised(self, handle: Handle, err: Exception) -> None:
+        reason = f"a listener raised {type(err).__name__}: {err}"
+        if handle.result is None and self.scheduler.cancel(handle.request_id, Status.FAILED, reason):
+            self._log(("cancel", handle.request_id))
+            self._absorb()
+        else:
+            self.listener_errors.append(f"request {handle.request_id}: {reason}")
 
     # -------------------------------------------------------------- validation
-    def _validate(self, req: Request) -> None:
+    def validate(self, req: Request) -> None:
+        """Raise ``InvalidRequest`` naming the field if this engine cannot take
+        ``req``; pure (no state changes), so any thread may call it."""
         cap, vocab = self.backend.capacity, self.backend.vocab_size
+        if not isinstance(req, Request):
+            raise InvalidRequest(f"request: must be a Request, got {type(req).__name__}")
         n = len(req.prompt)
         if n == 0:
             raise InvalidRequest("prompt: must hold at least one token")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in req.prompt):
+        if any(type(t) is not int or not 0 <= t < vocab for t in req.prompt):
             raise InvalidRequest(f"prompt: token ids must be ints in [0, {vocab})")
-        if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+        if type(req.max_tokens) is not int or req.max_tokens < 1:
             raise InvalidRequest(f"max_tokens: must be an int >= 1, got {req.max_tokens!r}")
-        if any(not 0 <= t < vocab for t in req.stop_ids):
-            raise InvalidRequest(f"stop_ids: token ids must be in [0, {vocab})")
+        if any(type(t) is not int or not 0 <= t < vocab for t in req.stop_ids):
+            raise InvalidRequest(f"stop_ids: token ids must be ints in [0, {vocab})")
+        if not isinstance(req.sampling, SamplingParams):
+            raise InvalidRequest(f"sampling: must be SamplingParams, got {type(req.sampling).__name__}")
+        for name in ("decode_state", "finisher"):
+            if getattr(req, name) is not None and not callable(getattr(req, name)):
+                raise InvalidRequest(f"{name}: must be callable or None")
         if n > cap.max_prefill_tokens:
             raise InvalidRequest(f"prompt: {n} tokens, more than the {cap.max_prefill_tokens} one prefill takes")
         if n + req.max_tokens > cap.max_context:
@@ -245,3 +311,6 @@ class Engine:
             raise InvalidRequest(f"max_tokens: needs {need} KV pages, the cache has {cap.num_pages}")
         if req.adapter is not None and cap.num_adapter_slots == 0:
             raise InvalidRequest("adapter: this backend has no adapter slots")
+
+
+LISTENER_ERRORS_KEPT = 100

@@ -1,44 +1,35 @@
 """The pipeline state machine: what runs, when, and what is committed.
 
-Sans-I/O (h11's rule): the scheduler never calls a backend. The Engine asks
-it for a plan, hands the plan to the backend, and reports back. Everything
-that decides state lives here and in ``sequence.py`` / ``slots.py``.
+Sans-I/O (h11's rule), in calls as well as imports: the scheduler never
+calls a backend nor a caller. The Engine asks it for a plan, hands the plan
+to the backend, and reports back; what a caller must hear of (a committed
+token, an end) goes to ``events`` for the Engine to deliver afterwards.
+Everything that decides state lives here and in ``sequence.py`` /
+``slots.py``; which sequences a step takes is ``policy.py``'s choice.
 
-The bubble, and why the tick is split (the seed)::
-
-    blocking   GPU  [fwd t][smp t]......................[fwd t+1][smp t+1]....
-               CPU                 [wait][commit t][plan]
-    pipelined  GPU  [fwd t][smp t][fwd t+1]......[smp t+1][fwd t+2]...
-               CPU        [launch t+1][wait][commit t][finalize t+1][launch t+2]
-
-Invariants kept here (DESIGN.md): I2 commits go oldest first; I3
-``0 <= inflight_refs <= 2`` and equals the launched, uncommitted steps that
-include the sequence; I4 a slot is reused only after its commit finished;
-I5 nothing is appended to a finalized sequence; I6 resources are released
-exactly once, at ``finalized and inflight_refs == 0``; I7 each accepted
-request ends exactly once; I9 masks are built after the previous commit.
+The bubble this tick removes, and the invariants by id, are pictured in
+``core/__init__.py``. Kept here: I2 commits go oldest first; I3 refs count
+launched, uncommitted steps (at most 2); I4 a slot is reused only after its
+commit; I5 nothing after the end; I6 release exactly once, at
+``finalized and inflight_refs == 0``; I7 one end each; I9 masks after commit.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Callable, Iterable
+from typing import Callable, Mapping
 
 import attrs
 
 from bubblefree.core.backend import Capacity
+from bubblefree.core.decode_state import bad_mask, guarded
+from bubblefree.core.events import Event, SequenceEnded, TokenCommitted
+from bubblefree.core.integrity import InvariantViolation, check_integrity
 from bubblefree.core.pages import IdPool, pages_needed
+from bubblefree.core.policy import choose_step, shortfall
 from bubblefree.core.sequence import Phase, Sequence
 from bubblefree.core.slots import DecodeSlot, SlotPool, SlotState, Step
 from bubblefree.core.values import SamplePlan, Status, StepKind, StepOutput, StepPlan, StepRow
-
-
-class InvariantViolation(AssertionError):
-    """A DESIGN.md invariant (named by its id in the message) does not hold."""
-
-
-def _no_probe(situation: str) -> None:
-    return None
 
 
 @attrs.define(eq=False)
@@ -46,9 +37,12 @@ class Scheduler:
     capacity: Capacity
     # Called with the name of a rare situation when it happens; the proof
     # suite feeds these to hypothesis.event() to show they were reached.
-    probe: Callable[[str], None] = _no_probe
-    # Called once per sequence at its end, when its result is final (I7).
-    on_finish: Callable[[Sequence], None] = lambda seq: None
+    probe: Callable[[str], None] = lambda situation: None
+    # The registered masks, by id (the Engine's registry, shared): a skill's
+    # mask id is checked against it at finalize, the sampled token at commit (I9).
+    masks: Mapping[int, frozenset[int]] = attrs.Factory(dict)
+    # What happened since the Engine last looked (``take_events``).
+    events: list[Event] = attrs.Factory(list)
     seqs: dict[int, Sequence] = attrs.Factory(dict)
     queue: collections.deque[int] = attrs.Factory(collections.deque)
     inflight: collections.deque[Step] = attrs.Factory(collections.deque)
@@ -66,7 +60,6 @@ class Scheduler:
         self.rows = IdPool("row slots", cap.max_seqs)
         self.adapters = IdPool("adapter slots", cap.num_adapter_slots)
 
-    # ------------------------------------------------------------------ intake
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
         self.queue.append(seq.seq_id)
@@ -83,9 +76,7 @@ class Scheduler:
             req = seq.request
             need = pages_needed(len(req.prompt), req.max_tokens, self.capacity.page_size)
             want_adapter = req.adapter is not None
-            short = [name for name, ok in (
-                ("pages", self.pages.can_allocate(need)), ("rows", self.rows.can_allocate()),
-                ("adapters", not want_adapter or self.adapters.can_allocate())) if not ok]
+            short = shortfall(need, want_adapter, self.pages, self.rows, self.adapters)
             if short:
                 if seq.seq_id not in self._waited:
                     self._waited.add(seq.seq_id)
@@ -99,17 +90,15 @@ class Scheduler:
                 (seq.adapter_slot,) = self.adapters.allocate()
             seq.move("admit")
             if req.decode_state is not None:
-                try:
-                    seq.state = req.decode_state()
-                except Exception as err:  # noqa: BLE001 - a skill's bug fails its request only
-                    self._end(seq, Status.FAILED, f"decode_state raised {type(err).__name__}: {err}")
+                seq.state, error = guarded(req, "decode_state", req.decode_state)
+                if error is not None:
+                    self._end(seq, Status.FAILED, error)
                     self._maybe_teardown(seq)
                     continue
             if seq.seq_id in self._waited:
                 self._waited.discard(seq.seq_id)
                 self.probe("admitted_after_waiting")
 
-    # ------------------------------------------------------------------ launch
     def plan_launch(self) -> tuple[DecodeSlot, StepPlan] | None:
         """Choose the next step for a free slot, or None. Marks nothing yet:
         ``launched`` applies the plan once the backend has accepted it."""
@@ -117,38 +106,18 @@ class Scheduler:
         if slot is None:
             return None
         self._admit()
-        cap = self.capacity
-        prefill = [s for s in self.seqs.values() if s.phase is Phase.ADMITTED]
-        decode = [s for s in self.seqs.values()
-                  if s.phase is Phase.RUNNING and s.launched < s.request.max_tokens]
-        # Alternate when both kinds wait, so a stream of arrivals cannot
-        # starve running sequences and vice versa.
-        if prefill and (not decode or self._last_kind is not StepKind.PREFILL):
-            kind, chosen, budget = StepKind.PREFILL, [], cap.max_prefill_tokens
-            for s in sorted(prefill, key=lambda s: s.seq_id):
-                n = len(s.request.prompt)
-                if len(chosen) == cap.max_rows or (chosen and n > budget):
-                    break
-                chosen.append(s)
-                budget -= n
-        elif decode:
-            kind = StepKind.DECODE
-            chosen = sorted(decode, key=lambda s: (s.last_step, s.seq_id))[:cap.max_rows]
-            chosen.sort(key=lambda s: s.seq_id)
-        else:
+        chosen = choose_step(self.seqs.values(), self.capacity, self._last_kind)
+        if chosen is None:
             return None
-        step_id = self._next_step
-        rows = tuple(self._row(s, kind) for s in chosen)
-        return slot, StepPlan(step_id=step_id, kind=kind, rows=rows)
+        kind, seqs = chosen
+        rows = tuple(self._row(s, kind) for s in seqs)
+        return slot, StepPlan(step_id=self._next_step, kind=kind, rows=rows)
 
     def _row(self, s: Sequence, kind: StepKind) -> StepRow:
-        req = s.request
-        if kind is StepKind.PREFILL:
-            tokens, position = req.prompt, 0
-        else:
-            tokens, position = (), s.kv_len
-        return StepRow(seq_id=s.seq_id, row_slot=s.row_slot, tokens=tokens, position=position,
-                       pages=s.pages, sampling=req.sampling, adapter_slot=s.adapter_slot)
+        prefill = kind is StepKind.PREFILL  # a decode row's input is read on the device
+        return StepRow(seq_id=s.seq_id, row_slot=s.row_slot, tokens=s.request.prompt if prefill else (),
+                       position=0 if prefill else s.kv_len, pages=s.pages,
+                       sampling=s.request.sampling, adapter_slot=s.adapter_slot)
 
     def launched(self, slot: DecodeSlot, plan: StepPlan) -> Step:
         """The backend accepted ``plan``: every row's sequence gains a ref (I3)."""
@@ -186,7 +155,6 @@ class Scheduler:
                 self._end(s, Status.FAILED, reason)
             self._maybe_teardown(s)
 
-    # ---------------------------------------------------------------- finalize
     def plan_finalize(self) -> tuple[Step, SamplePlan] | None:
         """Masks for the newest launched step, from skill states as they are
         *now* — after the previous step's commit (I9)."""
@@ -198,11 +166,13 @@ class Scheduler:
             s = self.seqs[sid]
             mask = None
             if s.state is not None and not s.finalized:
-                try:
-                    mask = s.state.mask_id()
-                except Exception as err:  # noqa: BLE001 - a skill's bug fails its request only
-                    # Ended here, it is a zombie of this step: skipped at commit.
-                    self._end(s, Status.FAILED, f"decode_state.mask_id raised {type(err).__name__}: {err}")
+                # A skill's bad mask fails its own request only: ended here,
+                # it is a zombie of this step, skipped at commit.
+                mask, error = guarded(s.request, "mask_id", s.state.mask_id)
+                error = error or bad_mask(s.request, mask, self.masks)
+                if error is not None:
+                    mask = None
+                    self._end(s, Status.FAILED, error)
             masks.append(mask)
         step.mask_ids = tuple(masks)
         return step, SamplePlan(step_id=step.step_id, mask_ids=step.mask_ids)
@@ -211,7 +181,6 @@ class Scheduler:
         self.pool.slots[step.slot].move("finalize")
         step.failed = failed
 
-    # ------------------------------------------------------------------ commit
     def next_commit(self) -> Step | None:
         """The oldest in-flight step, if its sampling was issued (I2)."""
         if not self.inflight:
@@ -221,11 +190,9 @@ class Scheduler:
             return None
         return step
 
-    def commit(self, step: Step, output: StepOutput | None, failed: str | None,
-               allowed: Callable[[int], frozenset[int]],
-               emit: Callable[[Sequence, int], None]) -> None:
+    def commit(self, step: Step, output: StepOutput | None, failed: str | None) -> None:
         """Apply a step's host copy row by row; ``output`` is None when the step
-        failed. ``emit`` streams a committed token to its caller."""
+        failed. Each appended token becomes a ``TokenCommitted`` event."""
         if self.inflight[0] is not step:
             raise InvariantViolation(f"I2: step {step.step_id} committed out of order")
         self.inflight.popleft()
@@ -246,41 +213,34 @@ class Scheduler:
                 self._end(s, Status.FAILED, failed)
             else:
                 value = output.values[row] if output.values is not None else None
-                self._append(s, output.tokens[row], value, step.mask_ids[row], allowed, emit)
+                self._append(s, output.tokens[row], value, step.mask_ids[row])
                 if s.finalized and sid in others:
                     # The seed's zombie: it ended here, but a later step already includes it.
                     self.probe(f"{s.finish_reason}_with_successor_launched")
             self._maybe_teardown(s)
         self.pool.slots[step.slot].move("release")  # I4: only now, after reading
 
-    def _append(self, s: Sequence, token: int, value: float | None, mask_id: int | None,
-                allowed: Callable[[int], frozenset[int]], emit: Callable[[Sequence, int], None]) -> None:
+    def _append(self, s: Sequence, token: int, value: float | None, mask_id: int | None) -> None:
         req = s.request
         if len(s.tokens) >= req.max_tokens:
             raise InvariantViolation(f"I5: sequence {s.seq_id} past max_tokens")
-        if mask_id is not None and token not in allowed(mask_id):
+        if mask_id is not None and token not in self.masks[mask_id]:
             raise InvariantViolation(
                 f"I9: sequence {s.seq_id} sampled {token}, not allowed by mask {mask_id}")
         s.tokens.append(token)
-        emit(s, token)
-        if s.finalized:  # a listener cancelled it while this token streamed
-            return
-        try:
-            done = s.state.advance(token, value) if s.state is not None else False
-        except Exception as err:  # noqa: BLE001 - a skill's bug fails its request only
-            self._end(s, Status.FAILED, f"decode_state.advance raised {type(err).__name__}: {err}")
-            return
-        if token in req.stop_ids:
-            self._end(s, Status.COMPLETED, "stop")
-        elif done:
-            self._end(s, Status.COMPLETED, "done")
-        elif len(s.tokens) >= req.max_tokens:
-            self._end(s, Status.COMPLETED, "length")
+        self.events.append(TokenCommitted(s.seq_id, token))
+        done, error = (False, None) if s.state is None else guarded(req, "advance", s.state.advance, token, value)
+        reason = ("stop" if token in req.stop_ids else "done" if done
+                  else "length" if len(s.tokens) >= req.max_tokens else None)
+        if error is not None:
+            self._end(s, Status.FAILED, error)
+        elif reason is not None:
+            self._end(s, Status.COMPLETED, reason)
 
-    # ----------------------------------------------------------- ends, cancels
-    def cancel(self, seq_id: int) -> bool:
-        """Cancel at any moment. In flight, it becomes a zombie (I7): ended now,
-        torn down when its last step commits."""
+    def cancel(self, seq_id: int, status: Status = Status.CANCELLED, reason: str = "cancelled") -> bool:
+        """End a live sequence at any moment (a caller's cancel, or a failure
+        found outside the step, such as a raising listener). In flight, it
+        becomes a zombie (I7): ended now, torn down when its last step commits."""
         s = self.seqs.get(seq_id)
         if s is None or s.finalized:
             return False
@@ -288,14 +248,19 @@ class Scheduler:
             self.queue.remove(seq_id)
         if s.inflight_refs > 0:
             self.probe("cancel_in_flight")
-        self._end(s, Status.CANCELLED, "cancelled")
+        self._end(s, status, reason)
         self._maybe_teardown(s)
         return True
+
+    def take_events(self) -> list[Event]:
+        """What happened since the last call, in order; the outbox is emptied."""
+        events, self.events = self.events, []
+        return events
 
     def _end(self, s: Sequence, status: Status, reason: str) -> None:
         s.finish(status, reason)
         self._waited.discard(s.seq_id)
-        self.on_finish(s)
+        self.events.append(SequenceEnded(s))
 
     def _maybe_teardown(self, s: Sequence) -> None:
         """I6: release exactly once, only at finalized and inflight_refs == 0."""
@@ -316,7 +281,8 @@ class Scheduler:
         ``reason`` (I7) and every resource comes back (I6)."""
         self.inflight.clear()
         for slot in self.pool.slots:
-            slot.state = SlotState.FREE
+            if slot.state is not SlotState.FREE:
+                slot.move("abort")
         for s in list(self.seqs.values()):
             s.inflight_refs = 0
             if s.phase is Phase.QUEUED:
@@ -325,28 +291,7 @@ class Scheduler:
                 self._end(s, Status.FAILED, reason)
             self._maybe_teardown(s)
 
-    # ------------------------------------------------------------------- checks
     def check_integrity(self) -> None:
-        self.pages.check_integrity()
-        self.rows.check_integrity()
-        self.adapters.check_integrity()
-        owned = sum(len(s.pages) for s in self.seqs.values())
-        if owned != self.pages.num_owned:
-            raise InvariantViolation(f"I6: sequences own {owned} pages, allocator says {self.pages.num_owned}")
-        for s in self.seqs.values():
-            refs = sum(s.seq_id in st.seq_ids for st in self.inflight)
-            if s.inflight_refs != refs or not 0 <= refs <= 2:
-                raise InvariantViolation(
-                    f"I3: sequence {s.seq_id} inflight_refs={s.inflight_refs}, in {refs} steps")
-            if len(s.tokens) > s.request.max_tokens:
-                raise InvariantViolation(f"I5: sequence {s.seq_id} has {len(s.tokens)} tokens")
-        ids = [st.step_id for st in self.inflight]
-        if ids != sorted(ids) or len(ids) > len(self.pool.slots):
-            raise InvariantViolation(f"I2/I4: in-flight steps {ids}")
-        held = sorted(st.slot for st in self.inflight)
-        busy = sorted(s.index for s in self.pool.slots if s.state is not SlotState.FREE)
-        if held != busy:
-            raise InvariantViolation(f"I4: steps hold slots {held}, busy slots {busy}")
+        """I2-I6 as bookkeeping, in any state between calls (``integrity.py``)."""
+        check_integrity(self)
 
-    def live(self) -> Iterable[Sequence]:
-        return self.seqs.values()

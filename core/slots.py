@@ -34,6 +34,9 @@ SLOT_TRANSITIONS: dict[tuple[SlotState, str], SlotState] = {
     (SlotState.FREE, "launch"): SlotState.LAUNCHED,
     (SlotState.LAUNCHED, "finalize"): SlotState.FINALIZED,
     (SlotState.FINALIZED, "release"): SlotState.FREE,
+    # A lost device: no launched step will ever commit (``Scheduler.abort``).
+    (SlotState.LAUNCHED, "abort"): SlotState.FREE,
+    (SlotState.FINALIZED, "abort"): SlotState.FREE,
 }
 
 

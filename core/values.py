@@ -8,7 +8,7 @@ caller cannot be edited by the engine afterwards.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import attrs
 
@@ -46,20 +46,56 @@ class StepFailed(RuntimeError):
         self.reason = reason
 
 
+def _number(field: str, low: float, high: float, zero_ok: bool = False):
+    """An attrs converter: a real number (bool refused) in [low, high], as a
+    float, so an int temperature samples exactly like the same float does."""
+    def convert(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequest(f"sampling.{field}: must be a number, got {value!r}")
+        value = float(value)
+        if not (low <= value <= high or (zero_ok and value == 0.0)):
+            allowed = f"0 or in [{low:g}, {high:g}]" if zero_ok else f"in [{low:g}, {high:g}]"
+            raise InvalidRequest(f"sampling.{field}: must be {allowed}, got {value!r}")
+        return value
+    return convert
+
+
+def _seed(value):
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+        raise InvalidRequest(f"sampling.seed: must be an int in [0, 2**64), got {value!r}")
+    return value
+
+
 @attrs.frozen
 class SamplingParams:
     """Greedy when ``temperature == 0``. Seeded per request and position, so a
-    row's token never depends on who shares its batch (I8 with sampling on)."""
+    row's token never depends on who shares its batch (I8 with sampling on).
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    Values are checked and normalized here, where they enter: a backend
+    computes in float32, so an infinite, NaN or denormal-small temperature
+    (or top_p) would turn into inf, NaN or 0 on the device and sample
+    something the mask does not allow (I9), or differ between backends.
+    """
 
-    def __attrs_post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise InvalidRequest(f"sampling.temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {self.top_p!r}")
+    temperature: float = attrs.field(default=0.0, converter=_number("temperature", 1e-5, 100.0, True))
+    top_p: float = attrs.field(default=1.0, converter=_number("top_p", 1e-5, 1.0))
+    seed: int = attrs.field(default=0, converter=_seed)
+
+    @classmethod
+    def of(cls, value: Any) -> "SamplingParams":
+        """``value`` as SamplingParams: itself, a mapping of its fields, or None
+        (greedy); anything else is refused naming ``sampling``."""
+        if value is None:
+            return GREEDY
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            unknown = sorted(map(str, set(value) - {"temperature", "top_p", "seed"}))
+            if unknown:
+                raise InvalidRequest(f"sampling: unknown field(s) {', '.join(unknown)}; "
+                                     "expected temperature, top_p, seed")
+            return cls(**value)
+        raise InvalidRequest(f"sampling: must be SamplingParams or a mapping, got {type(value).__name__}")
 
 
 GREEDY = SamplingParams()
@@ -84,6 +120,7 @@ class Request:
     finisher: Callable[[tuple[int, ...], Any], Any] | None = None
     adapter: str | None = None
     tag: Any = None  # caller's own label, carried into the result untouched
+    skill: str | None = None  # the skill that built it: named in the reasons of its own errors
 
 
 @attrs.frozen

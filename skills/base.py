@@ -130,6 +130,10 @@ def text_arg(skill: str, args: Mapping[str, Any], field: str) -> str:
     value = args[field]
     if not isinstance(value, str):
         raise invalid(skill, field, f"must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer can encode it
+        raise invalid(skill, field, f"is not valid text ({err.reason} at position {err.start})") from None
     if not value.strip():
         raise invalid(skill, field, "must not be empty")
     return value.strip()

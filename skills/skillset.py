@@ -91,26 +91,45 @@ class SkillSet:
 
     def request(self, name: str, *, max_tokens: int | None = None,
                 sampling: SamplingParams = GREEDY, max_context: int | None = None,
-                adapter: str | None = None, tag: Any = None, **args: Any) -> Request:
+                max_positions: int | None = None, adapter: str | None = None,
+                tag: Any = None, **args: Any) -> Request:
+        """A request for skill ``name``. ``max_context`` (the model's longest
+        sequence) and ``max_positions`` (KV positions the cache holds) bound
+        the output: a ``max_tokens`` the caller gave that does not fit is
+        refused naming it; a default that does not fit is cut to what fits,
+        unless the caller's own ``max_objects`` asked for more (named then)."""
         skill = self.registry.get(name)
         parsed = skill.parse_args(args)
-        if max_tokens is None:
-            max_tokens = skill.default_max_tokens(parsed)
-        elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 1):
             raise invalid(name, "max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
         prompt = tuple(skill.prompt(self.tokenizer, parsed))
-        if max_context is not None:
-            if len(prompt) >= max_context:
-                raise invalid(name, "prompt", f"is {len(prompt)} tokens; the model's "
-                              f"max_context is {max_context}")
-            if len(prompt) + max_tokens > max_context:
-                raise invalid(name, "max_tokens", f"{max_tokens} after a {len(prompt)}-token "
-                              f"prompt exceeds max_context {max_context}")
+        room = _room(len(prompt), max_context, max_positions)
+        if room is not None and room < 1:
+            raise invalid(name, "prompt", f"is {len(prompt)} tokens; the model's max_context is {max_context}")
+        if max_tokens is None:
+            max_tokens = skill.default_max_tokens(parsed)
+            if room is not None and max_tokens > room:
+                if "max_objects" in args:
+                    raise invalid(name, "max_objects", f"{args['max_objects']} objects need up to {max_tokens} "
+                                  f"tokens; after a {len(prompt)}-token prompt the model has room for {room}")
+                max_tokens = room
+        elif room is not None and max_tokens > room:
+            raise invalid(name, "max_tokens", f"{max_tokens} after a {len(prompt)}-token prompt exceeds the "
+                          f"room of {room} tokens (max_context {max_context})")
         factory = functools.partial(skill.start, self.tables(name), parsed, max_tokens)
         return Request(prompt=prompt, max_tokens=max_tokens, stop_ids=skill.stop_ids(self),
                        sampling=sampling, decode_state=factory,
                        finisher=functools.partial(finish_request, skill, factory),
-                       adapter=adapter, tag=tag)
+                       adapter=adapter, tag=tag, skill=name)
+
+
+def _room(prompt_len: int, max_context: int | None, max_positions: int | None) -> int | None:
+    """Output tokens that fit after the prompt: the context, and the KV cache
+    (the last output token is never written back, hence the + 1)."""
+    bounds = [b for b in (None if max_context is None else max_context - prompt_len,
+                          None if max_positions is None else max_positions - prompt_len + 1) if b is not None]
+    return min(bounds) if bounds else None
 
 
 def build_request(skills: SkillSet, name: str, **kwargs: Any) -> Request:

@@ -92,7 +92,7 @@ def two_steps_in_flight(max_tokens: int = 4) -> tuple[Scheduler, list]:
 
 
 def commit(sched, step, token=5):
-    sched.commit(step, StepOutput(step.step_id, (token,)), None, lambda m: frozenset(), lambda s, t: None)
+    sched.commit(step, StepOutput(step.step_id, (token,)), None)
 
 
 def test_mid_tick_a_sequence_in_two_steps_is_sound_I3():
@@ -179,7 +179,7 @@ def engine(**kw) -> Engine:
     (dict(prompt=()), "prompt: must hold at least one token"),
     (dict(prompt=(1, 32)), r"prompt: token ids must be ints in \[0, 32\)"),
     (dict(max_tokens=0), "max_tokens: must be an int >= 1, got 0"),
-    (dict(stop_ids={32}), r"stop_ids: token ids must be in \[0, 32\)"),
+    (dict(stop_ids={32}), r"stop_ids: token ids must be ints in \[0, 32\)"),
     (dict(prompt=(1,) * 5), "prompt: 5 tokens, more than the 4 one prefill takes"),
     (dict(prompt=(1, 2), max_tokens=7), r"max_tokens: prompt \(2\) \+ max_tokens \(7\) exceeds the context \(8\)"),
     (dict(adapter="lora"), "adapter: this backend has no adapter slots"),

@@ -135,34 +135,42 @@ def test_a_broken_skill_fails_only_its_own_request():
     unfinished = engine.submit(Request(prompt=(2, 1), max_tokens=3, finisher=bad_finisher))
     fine = engine.submit(Request(prompt=(2, 1), max_tokens=3, stop_ids={0}))
     engine.run_until_idle(max_ticks=50)
-    assert broken.result.status is Status.FAILED and "decode_state raised RuntimeError" in broken.result.finish_reason
-    assert unfinished.result.status is Status.FAILED and "finisher raised KeyError" in unfinished.result.finish_reason
+    assert broken.result.status is Status.FAILED and broken.result.finish_reason == "decode state raised RuntimeError in decode_state: boom"
+    assert unfinished.result.status is Status.FAILED and unfinished.result.finish_reason == "decode state raised KeyError in finish: 'nope'"
     assert fine.result.status is Status.COMPLETED and fine.result.tokens == (fine.result.tokens[0], 0)
     engine.check_integrity()
     assert engine.scheduler.pages.num_free == engine.scheduler.pages.size
 
 
-def test_a_listener_may_cancel_its_request_mid_commit():
-    # Re-entrancy: a token listener runs inside the commit; cancelling there
-    # must end the request once, as cancelled, with I3/I6 intact.
+@pytest.mark.parametrize("cancel_on", [1, 2])
+def test_a_listener_runs_after_the_tick_and_may_cancel(cancel_on):
+    # Listeners run after the tick, outside the state machine: they see
+    # committed facts. Cancelling on the first token ends the request once,
+    # cancelled; on its last token the request has already completed, so the
+    # cancel is refused and the result stands. I3/I6 intact either way.
     from bubblefree.core import Engine, Status
     from bubblefree.fake_backend import FakeBackend
     engine = Engine(FakeBackend())
-    handle = engine.submit(Request(prompt=(0, 1), max_tokens=2, stop_ids={0}))  # cancelled on its last token
+    handle = engine.submit(Request(prompt=(0, 1), max_tokens=2, stop_ids={0}))
     other = engine.submit(Request(prompt=(0, 2), max_tokens=8, stop_ids={0}))
-    ends = []
+    ends, refused = [], []
 
     def listener(h, token):
         if token is None:
             ends.append(h.result.status)
-        elif len(h.tokens) == 2:
-            assert engine.cancel(h.request_id)
+        elif len(h.tokens) == cancel_on:
+            if not engine.cancel(h.request_id):
+                refused.append(len(h.tokens))
 
     handle.listeners.append(listener)
     engine.run_until_idle(max_ticks=50)
     engine.check_integrity()
-    assert ends == [Status.CANCELLED] and handle.result.tokens == tuple(handle.tokens)
-    assert len(handle.tokens) == 2 and other.result.status is Status.COMPLETED
+    if cancel_on == 1:
+        assert ends == [Status.CANCELLED] and refused == [] and len(handle.tokens) == 1
+    else:
+        assert ends == [Status.COMPLETED] and refused == [2] and len(handle.tokens) == 2
+    assert handle.result.tokens == tuple(handle.tokens) and not engine.listener_errors
+    assert other.result.status is Status.COMPLETED
     assert engine.scheduler.pages.num_free == engine.scheduler.pages.size
 
 

@@ -39,7 +39,7 @@ def test_the_pipelined_trace_launches_t_plus_1_before_committing_t():
         ("launch", 0, "prefill", 0, (0,)), ("finalize", 0, (None,), None),
         ("launch", 1, "decode", 1, (0,)), ("commit", 0, (t0,), None), ("finalize", 1, (None,), None),
         # EOS at step 1's commit: step 2 already runs, so it is a zombie (the seed).
-        ("launch", 2, "decode", 0, (0,)), ("end", 0, "completed", "stop"), ("commit", 1, (t1,), None),
+        ("launch", 2, "decode", 0, (0,)), ("commit", 1, (t1,), None), ("end", 0, "completed", "stop"),
         ("finalize", 2, (None,), None),
         ("commit", 2, (t2,), None),
     ]
@@ -54,7 +54,7 @@ def test_the_blocking_trace_runs_each_step_to_its_commit():
         ("submit", 0),
         ("launch", 0, "prefill", 0, (0,)), ("finalize", 0, (None,), None), ("commit", 0, (t0,), None),
         ("launch", 1, "decode", 0, (0,)), ("finalize", 1, (None,), None),
-        ("end", 0, "completed", "stop"), ("commit", 1, (t1,), None),
+        ("commit", 1, (t1,), None), ("end", 0, "completed", "stop"),
     ]
 
 
@@ -74,11 +74,11 @@ def test_cancel_abort_and_refused_launch_are_traced():
     assert engine.trace == [
         ("submit", 0), ("submit", 1),
         ("launch_failed", 0, "no memory"), ("end", 0, "failed", "no memory"), ("end", 1, "failed", "no memory"),
-        ("submit", 2), ("end", 2, "cancelled", "cancelled"), ("cancel", 2),
+        ("submit", 2), ("cancel", 2), ("end", 2, "cancelled", "cancelled"),
         ("submit", 3),
         ("launch", 1, "prefill", 0, (3,)), ("finalize", 1, (None,), None),
         ("commit", 1, tuple(tokens_of(PROMPT, 1)), None),
-        ("end", 3, "failed", "device lost"), ("abort", "device lost"),
+        ("abort", "device lost"), ("end", 3, "failed", "device lost"),
     ]
 
 
@@ -141,7 +141,7 @@ def test_register_mask_takes_only_token_ids_of_the_vocabulary():
     mask = engine.register_mask([0, last])
     assert engine.allowed(mask) == {0, last}
     for bad in ([], [MODEL.vocab_size], [-1]):
-        with pytest.raises(ValueError, match="non-empty set of token ids"):
+        with pytest.raises(ValueError, match="non-empty set of int token ids"):
             engine.register_mask(bad)
 
 

@@ -15,7 +15,7 @@ def wait_result(loop: ServingLoop, request: Request):
     done = threading.Event()
     handle = loop.submit(request, lambda h, t: done.set() if t is None else None)
     assert done.wait(30)
-    return handle.result
+    return handle.result(0)
 
 
 def test_threads_submit_concurrently_and_get_the_model_tokens():

@@ -1,0 +1,106 @@
+"""A submitted request as a caller holds it: safe from any thread.
+
+The core's ``Handle`` belongs to the decode thread. This one is what
+``Engine.submit`` returns: its state is written only by the decode thread
+(through the core's listeners, after each tick) and read by anyone, under a
+condition variable; cancelling goes through the serving loop's one door.
+
+A wait (``result()``, iteration) from the decode thread itself, that is
+from inside a listener, would wait for the thread that is running it: it
+raises ``RuntimeError`` at once instead of deadlocking.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Iterator
+
+from bubblefree.core import Request, Result, Status
+
+if TYPE_CHECKING:
+    from bubblefree.loop import ServingLoop
+
+
+class RequestFailed(RuntimeError):
+    """A request ended without completing: cancelled, or failed with a reason.
+    ``result`` holds what was committed before the end."""
+
+    def __init__(self, result: Result):
+        super().__init__(f"request {result.request_id} {result.status.value}: {result.finish_reason}")
+        self.result = result
+
+
+class Handle:
+    def __init__(self, request_id: int, request: Request, loop: "ServingLoop"):
+        self.request_id = request_id
+        self.request = request
+        self._loop = loop
+        self._tokens: list[int] = []
+        self._result: Result | None = None
+        self._changed = threading.Condition(threading.Lock())
+
+    def __repr__(self) -> str:
+        state = "live" if self._result is None else self._result.status.value
+        return f"<Handle {self.request_id} {state}, {len(self._tokens)} tokens>"
+
+    # -------------------------------------------------------------- reading
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The tokens committed so far."""
+        with self._changed:
+            return tuple(self._tokens)
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Wait for the one Result (I7). ``TimeoutError`` if it is not there
+        within ``timeout`` seconds (the request goes on)."""
+        with self._changed:
+            if self._result is None:
+                self._loop.refuse_wait_on_loop_thread("Handle.result()")
+                if not self._changed.wait_for(lambda: self._result is not None, timeout):
+                    raise TimeoutError(f"request {self.request_id}: no result within {timeout} s")
+            return self._result
+
+    def output(self, timeout: float | None = None) -> Any:
+        """The skill's result, or ``RequestFailed`` if the request did not complete."""
+        result = self.result(timeout)
+        if result.status is not Status.COMPLETED:
+            raise RequestFailed(result)
+        return result.output
+
+    def __iter__(self) -> Iterator[int]:
+        """Tokens as they are committed; ``RequestFailed`` at the end if the
+        request was cancelled or failed, so a cut answer never passes for a
+        whole one."""
+        seen = 0
+        while True:
+            with self._changed:
+                if seen == len(self._tokens) and self._result is None:
+                    self._loop.refuse_wait_on_loop_thread("iterating a Handle")
+                    self._changed.wait_for(lambda: seen < len(self._tokens) or self._result is not None)
+                fresh, result = self._tokens[seen:], self._result
+            seen += len(fresh)
+            yield from fresh
+            if result is not None and seen == len(result.tokens):
+                if result.status is not Status.COMPLETED:
+                    raise RequestFailed(result)
+                return
+
+    # ------------------------------------------------------------- control
+    def cancel(self) -> bool:
+        """Cancel from any thread. False when the request had already ended;
+        True means the cancel was taken, and the Result says how it ended
+        (a request may still complete if its last token was already out)."""
+        return self._loop.cancel(self)
+
+    # ---------------------------------------- written by the decode thread
+    def _push(self, token: int | None, result: Result | None) -> None:
+        with self._changed:
+            if token is not None:
+                self._tokens.append(token)
+            if result is not None and self._result is None:
+                self._result = result
+            self._changed.notify_all()

@@ -1,0 +1,86 @@
+"""Streams of text pieces over a Handle: blocking and asyncio.
+
+Both own their request: whoever stops reading cancels it. A blocking
+stream cancels on ``close()``, on leaving a ``with`` block, or when it is
+garbage-collected half-read (even never started); an async stream cancels
+when it is closed, when the task iterating it is cancelled, or when its
+event loop is gone. Both raise ``RequestFailed`` at the end when the
+request was cancelled by someone else or failed: a cut answer never passes
+for a whole one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any, AsyncIterator, Iterator
+
+from bubblefree.core import Status
+from bubblefree.handle import Handle, RequestFailed
+from bubblefree.skills import TextStream
+
+
+class TextPieces:
+    """An iterator of text pieces; a context manager too."""
+
+    def __init__(self, handle: Handle, tokenizer: Any):
+        self.handle = handle
+        self._tokens: Iterator[int] = iter(handle)
+        self._text = TextStream(tokenizer, handle.request.stop_ids)
+        self._cancel = weakref.finalize(self, handle.cancel)
+
+    def __iter__(self) -> "TextPieces":
+        return self
+
+    def __next__(self) -> str:
+        try:
+            for token in self._tokens:
+                piece = self._text.push([token])
+                if piece:
+                    return piece
+        except BaseException:  # RequestFailed, or an interrupt while waiting
+            self.close()
+            raise
+        self._cancel.detach()  # completed: nothing to cancel
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop reading: the request is cancelled if it is still running."""
+        self._cancel()
+
+    def __enter__(self) -> "TextPieces":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncTextStream:
+    """Tokens handed from the decode thread to one asyncio event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tokenizer: Any):
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tokenizer = tokenizer
+
+    def listener(self, handle: Handle, token: int | None) -> None:
+        """Runs on the decode thread. With the event loop closed nobody can
+        read any more: the request is cancelled rather than left running."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, token)
+        except RuntimeError:
+            handle.cancel()
+
+    async def run(self, handle: Handle) -> AsyncIterator[str]:
+        text = TextStream(self._tokenizer, handle.request.stop_ids)
+        try:
+            while (token := await self._queue.get()) is not None:
+                piece = text.push([token])
+                if piece:
+                    yield piece
+        finally:  # closed, cancelled, or raised: stop the request's work
+            if not handle.done:
+                handle.cancel()
+        result = handle.result(0)
+        if result.status is not Status.COMPLETED:
+            raise RequestFailed(result)

@@ -1,0 +1,52 @@
+"""Scheduling policy: which sequences a step takes. Pure functions, no state.
+
+The scheduler (``scheduler.py``) keeps the invariants; this module only
+chooses, so fairness rules can change without touching I2-I7 code. Both
+choices are deterministic in sequence ids, which the replay tests rely on.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from bubblefree.core.backend import Capacity
+from bubblefree.core.pages import IdPool
+from bubblefree.core.sequence import Phase, Sequence
+from bubblefree.core.values import StepKind
+
+
+def choose_step(seqs: Iterable[Sequence], capacity: Capacity,
+                last_kind: StepKind | None) -> tuple[StepKind, list[Sequence]] | None:
+    """The next step's kind and rows, or None when nothing can run.
+
+    Prefill and decode alternate when both wait, so a stream of arrivals
+    cannot starve running sequences and vice versa. A prefill takes admitted
+    sequences in arrival order within the token budget (the first always
+    fits: ``submit`` refused longer prompts); a decode takes the rows that
+    waited longest, up to ``max_rows``, in id order."""
+    seqs = list(seqs)
+    prefill = [s for s in seqs if s.phase is Phase.ADMITTED]
+    decode = [s for s in seqs if s.phase is Phase.RUNNING and s.launched < s.request.max_tokens]
+    if prefill and (not decode or last_kind is not StepKind.PREFILL):
+        chosen, budget = [], capacity.max_prefill_tokens
+        for s in sorted(prefill, key=lambda s: s.seq_id):
+            n = len(s.request.prompt)
+            if len(chosen) == capacity.max_rows or (chosen and n > budget):
+                break
+            chosen.append(s)
+            budget -= n
+        return StepKind.PREFILL, chosen
+    if decode:
+        chosen = sorted(decode, key=lambda s: (s.last_step, s.seq_id))[:capacity.max_rows]
+        return StepKind.DECODE, sorted(chosen, key=lambda s: s.seq_id)
+    return None
+
+
+def shortfall(pages_needed: int, wants_adapter: bool, pages: IdPool, rows: IdPool,
+              adapters: IdPool) -> list[str]:
+    """What a queued sequence still waits for ("pages", "rows", "adapters");
+    empty when it can be admitted. Admission is FIFO: the head waits until it
+    has all of them, and nothing behind it overtakes (no starvation)."""
+    return [name for name, ok in (
+        ("pages", pages.can_allocate(pages_needed)), ("rows", rows.can_allocate()),
+        ("adapters", not wants_adapter or adapters.can_allocate())) if not ok]
