@@ -1,0 +1,30 @@
+"""What an install claims: only the ``bubblefree`` name, and a torch-free core."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _run(code: str, cwd) -> subprocess.CompletedProcess:
+    # From a folder outside the repository: only what the install provides.
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_the_layers_install_under_bubblefree_and_claim_no_top_level_name(tmp_path):
+    out = _run("import bubblefree.core, bubblefree.skills, bubblefree.fake_backend, bubblefree.bench\n"
+               "import importlib.util as u\n"
+               "print([n for n in ('core', 'skills', 'fake_backend', 'cuda_backend', 'bench')"
+               " if u.find_spec(n) is not None])", tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_core_the_skills_and_the_serving_layer_import_no_torch(tmp_path):
+    # DESIGN.md: core/ is the sans-I/O heart; the fake backend and the serving
+    # layer run where torch is not installed.
+    out = _run("import sys, bubblefree, bubblefree.core, bubblefree.skills, bubblefree.fake_backend\n"
+               "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'numpy'}))",
+               tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
