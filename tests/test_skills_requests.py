@@ -88,6 +88,33 @@ def test_compiling_is_lazy_cached_and_registers_each_set_once():
     assert skills.tables("segment") is skills.tables("segment")
 
 
+def test_without_a_spatial_codec_only_the_text_skills_serve():
+    masks = MaskRecorder()
+    skills = SkillSet(TOK, masks.register, codec=None).compile_all()
+    assert {n for n in BUILTIN.names if skills.serves(n)} == {"query", "caption", "yesno"}
+    for name in ("point", "detect", "segment"):
+        with pytest.raises(InvalidRequest, match=f"^skill: .*no location tokens.*'{name}'"):
+            skills.request(name, object="cat")
+        with pytest.raises(InvalidRequest, match="no location tokens"):
+            skills.tables(name)
+    before = list(masks.masks)
+    query = skills.request("query", question="what is the cat?")
+    assert masks.masks == before  # compile_all compiled the text skills, and nothing spatial
+    # With no spatial tokens, free text may use every id.
+    assert masks.allowed(skills.tables("query").mask) == frozenset(range(len(TOK)))
+    tokens, output = drive(query, masks, lambda allowed, step: (TOK.eos_id, None))
+    assert output == {"answer": ""}
+    assert skills.request("yesno", question="is it a cat?").max_tokens >= 1
+
+
+def test_the_default_codec_needs_the_location_tokens():
+    from bubblefree.skills import WordTokenizer
+    from bubblefree.skills.codec import CodecError
+
+    with pytest.raises(CodecError, match="location tokens"):
+        SkillSet(WordTokenizer.build(["a", "b"]), MaskRecorder().register)
+
+
 def test_a_registry_takes_new_skills_without_changing_the_old():
     with pytest.raises(ValueError, match="already registered"):
         BUILTIN.with_skill(Point())
