@@ -9,6 +9,7 @@ import inspect
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from bubblefree import Engine, InvalidRequest
@@ -16,30 +17,16 @@ from bubblefree.cuda_backend import CudaBackend
 from bubblefree.cuda_backend.options import BACKEND_OPTIONS
 from bubblefree.cuda_backend.tiny import tiny_model
 from bubblefree.skills import location_tokens
+from small_tokenizer import small_bpe_tokenizer
 
 SMALL = dict(max_rows=4, max_seqs=8, num_pages=64, max_prefill_tokens=128, max_context=256,
              device="cpu")
 
 
-def _tokenizer():
-    import transformers
-    from tokenizers import Tokenizer as Raw, decoders, models, pre_tokenizers, trainers
-
-    raw = Raw(models.BPE(unk_token=None))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    corpus = ["Question: what is the cat? Answer: a cat on a mat. yes no",
-              "Point: Detect: Segment: Describe this image. M L Z 0 1 2"] * 20
-    raw.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    tok = _tokenizer()
+    tok = small_bpe_tokenizer()
     model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -66,10 +53,11 @@ def test_a_load_prints_no_warning_or_progress_bar(model_dir, capfd):
 
 def test_a_text_model_gets_no_location_tokens_by_default(text_engine, model_dir):
     assert text_engine.skills.codec is None
-    assert text_engine.backend.vocab_size == len(text_engine.skills.tokenizer) == 300
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    assert text_engine.backend.vocab_size == len(text_engine.skills.tokenizer) == vocab
     # Free text may use the whole vocabulary: nothing is set aside for locations.
     mask = text_engine.skills.tables("query").mask
-    assert text_engine.skills.allowed(mask) == frozenset(range(300))
+    assert text_engine.skills.allowed(mask) == frozenset(range(vocab))
 
 
 @pytest.mark.parametrize("skill", ["point", "detect", "segment"])
@@ -91,7 +79,8 @@ def test_location_tokens_on_request(model_dir):
     with Engine.from_pretrained(str(model_dir), location_tokens=True, **SMALL) as engine:
         added = len(location_tokens())
         assert added == 1088
-        assert engine.backend.vocab_size == len(engine.skills.tokenizer) == 300 + added
+        vocab = len(AutoTokenizer.from_pretrained(model_dir))
+        assert engine.backend.vocab_size == len(engine.skills.tokenizer) == vocab + added
         assert engine.skills.codec is not None
         points = engine.point("the cat", max_tokens=5)["points"]
         assert all(0 <= p["x"] <= 1 and 0 <= p["y"] <= 1 for p in points)

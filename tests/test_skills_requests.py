@@ -11,6 +11,7 @@ from bubblefree.skills import (BUILTIN, HFTokenizer, Kind, LocationCodec, SkillS
                     build_request, demo_tokenizer, location_tokens)
 from bubblefree.skills.driver import MaskRecorder, drive
 from bubblefree.skills.point import Point
+from small_tokenizer import small_bpe_tokenizer
 
 TOK = demo_tokenizer()
 MASKS = MaskRecorder()
@@ -125,18 +126,8 @@ def test_a_registry_takes_new_skills_without_changing_the_old():
 
 
 def _hf_tokenizer():
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer as Raw, decoders, models, pre_tokenizers, trainers
-
-    raw = Raw(models.BPE(unk_token=None))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    corpus = ["Question: what is the cat? Answer: a cat on a mat.",
-              "M L C Z M 0 L Z yes no Point: Detect: Segment: Describe this image."] * 20
-    raw.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
+    pytest.importorskip("transformers")
+    return small_bpe_tokenizer()
 
 
 def test_a_transformers_tokenizer_works_through_the_adapter():
