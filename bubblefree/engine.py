@@ -46,7 +46,9 @@ class Engine:
                         pipelined: bool = True, dtype: Any = None, **backend_options: Any) -> "Engine":
         """Load a decoder (a directory, a ``.gguf`` file, or ``None`` for the
         embedded SmolLM2-135M-Instruct), build the CUDA backend (CPU without a
-        GPU), compile the skills."""
+        GPU), compile the skills. ``location_tokens=True`` adds the spatial
+        skills' location tokens to a text model (point, detect and segment
+        need them, or a region head); options are checked before loading."""
         from bubblefree.build import build_engine  # torch is imported only here
 
         return build_engine(cls, path_or_default, device=device, pipelined=pipelined,

@@ -28,10 +28,11 @@ import torch
 
 from bubblefree.core.backend import Capacity
 from bubblefree.core.values import SamplePlan, StepFailed, StepKind, StepOutput, StepPlan
-from bubblefree.cuda_backend.errors import CacheTooSmall, PlanRejected
+from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.loader import LoadedModel, use_paged_attention
+from bubblefree.cuda_backend.options import check_backend_options
 from bubblefree.cuda_backend.runner import ModelRunner, check_plan, staging_size
 from bubblefree.cuda_backend.sampling import MaskTable, pack_sampling, sample_inputs, vocab_hash
 from bubblefree.cuda_backend.sizing import ModelDims, context_length, num_pages_for
@@ -50,6 +51,12 @@ class CudaBackend:
                  compile_decode: bool | None = None, fused_decode: bool = True,
                  token_prefill: int | None = None,
                  min_graph_context: int = 256, mask_capacity: int = 16):
+        check_backend_options(dict(
+            page_size=page_size, num_pages=num_pages, kv_memory_fraction=kv_memory_fraction,
+            max_rows=max_rows, max_seqs=max_seqs, max_prefill_tokens=max_prefill_tokens,
+            max_context=max_context, use_graphs=use_graphs, compile_decode=compile_decode,
+            fused_decode=fused_decode, token_prefill=token_prefill,
+            min_graph_context=min_graph_context, mask_capacity=mask_capacity))
         self.loaded = model if isinstance(model, LoadedModel) else None
         self.model = module = self.loaded.model if self.loaded else model
         use_paged_attention(module)
@@ -59,8 +66,6 @@ class CudaBackend:
         dims = ModelDims.of(module)
         self._vocab = dims.vocab
         context = context_length(dims, max_context)
-        if num_pages is not None and num_pages < 1:
-            raise CacheTooSmall(f"KV cache: num_pages must be >= 1, got {num_pages}")
         if num_pages is None:
             num_pages = num_pages_for(dims, device=self.device, dtype=self.dtype,
                                       page_size=page_size, fraction=kv_memory_fraction,

@@ -1,6 +1,8 @@
 """Errors the CUDA backend raises, each naming the problem in its message.
 
-Loading and sizing problems are ``ValueError``s raised before anything runs.
+Loading and sizing problems are ``ValueError``s raised before anything runs;
+a bad option (``options.py``) or a cache too small for one page is an
+``InvalidRequest`` too, since the caller's configuration is what must change.
 A plan the backend cannot execute is both ``StepFailed`` (so the engine fails
 that step's rows and keeps serving) and ``InvalidRequest`` (so a caller that
 drives the backend directly can catch it as a bad input).
@@ -19,8 +21,9 @@ class UnsupportedModel(ModelLoadError):
     """The model is not a decoder-only causal LM whose attention we can own."""
 
 
-class CacheTooSmall(ValueError):
-    """Not enough memory (or too few configured pages) for the KV cache."""
+class CacheTooSmall(InvalidRequest):
+    """Not enough memory (or too few configured pages) for the KV cache: a
+    configuration the caller must change, refused before anything runs."""
 
 
 class PlanRejected(StepFailed, InvalidRequest):

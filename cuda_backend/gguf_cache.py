@@ -1,9 +1,17 @@
 """GGUF files, dequantized once by transformers and cached as safetensors.
 
-The cache key is the file's name, size, modification time and a digest of
-its first MiB, so a replaced file is converted again. A conversion is
-written to a temporary folder and renamed into place, so an interrupted
-one never leaves a half-written entry that a later load would trust.
+An entry is keyed by the SHA-256 of the file's bytes, so a reinstall, a copy
+at another path or a touched file reuses the entry, and only changed content
+converts again. Hashing a few hundred MB on every load would cost more than
+the memory-mapped load itself, so the digest is remembered in a small memo
+keyed by the file's identity (path, size, inode, modification and change
+times). Any write to the file changes its change time, which no caller can
+set back, so a stale memo is never trusted.
+
+A conversion is written to a temporary folder and renamed into place, so an
+interrupted one never leaves a half-written entry that a later load would
+trust. Entries written under an earlier key scheme (``<stem>-<hex>``) are
+left alone: another installation sharing the cache may still read them.
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from bubblefree.cuda_backend.errors import ModelLoadError
+from bubblefree.cuda_backend.quiet import quiet_transformers
+
+_CHUNK = 8 << 20
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -28,22 +38,53 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(env) if env else Path.home() / ".cache" / "bubblefree"
 
 
-def cache_key(path: Path) -> str:
-    st = path.stat()
-    h = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode())
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
     with path.open("rb") as f:
-        h.update(f.read(1 << 20))
-    return f"{path.stem}-{h.hexdigest()[:16]}"
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _identity(path: Path) -> tuple:
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def content_digest(path: Path, root: Path) -> str:
+    """SHA-256 of ``path``'s bytes, from the memo under ``root`` when the
+    file is unchanged since it was hashed."""
+    before = _identity(path)
+    memo = root / "digests" / hashlib.sha256(repr(before).encode()).hexdigest()[:32]
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest):
+            return digest
+    except OSError:
+        pass
+    digest = file_sha256(path)
+    if _identity(path) == before:  # written to while hashing: hash again next time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".memo-", dir=memo.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(digest)
+        os.replace(tmp, memo)
+    return digest
+
+
+def cache_key(path: Path, root: Path) -> str:
+    return f"sha256-{content_digest(path, root)[:32]}"
 
 
 def converted_dir(path: Path, cache_dir: str | os.PathLike | None = None) -> Path:
     """The cached safetensors directory for GGUF ``path``, converting if needed."""
-    root = cache_root(cache_dir) / "gguf"
-    target = root / cache_key(path)
+    root = cache_root(cache_dir)
+    entries = root / "gguf"
+    target = entries / cache_key(path, root)
     if (target / "config.json").is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+    entries.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=entries))
     try:
         _convert(path, tmp)
         try:
@@ -58,20 +99,18 @@ def converted_dir(path: Path, cache_dir: str | os.PathLike | None = None) -> Pat
 
 def _convert(path: Path, out: Path) -> None:
     folder, name = str(path.parent), path.name
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the per-tensor progress is noise here
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                     local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        with quiet_transformers():  # the per-tensor progress is noise here
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                         dtype=torch.float32, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except Exception as ex:  # noqa: BLE001 - corrupt or unsupported GGUF
         raise ModelLoadError(f"GGUF file {path}: cannot load it: {ex}") from ex
-    finally:
-        hf_logging.set_verbosity(verbosity)
     # The weights are dequantized float32 now; drop the GGUF quantization
     # marker so transformers saves (and later loads) them as plain weights.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    with quiet_transformers():
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)

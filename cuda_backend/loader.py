@@ -24,6 +24,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from bubblefree.cuda_backend.attention import ATTN_IMPLEMENTATION
 from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
 from bubblefree.cuda_backend.gguf_cache import converted_dir
+from bubblefree.cuda_backend.quiet import quiet_transformers
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -56,7 +57,8 @@ class LoadedModel:
         self.tokenizer.add_tokens(list(tokens))
         ids = [self.tokenizer.convert_tokens_to_ids(t) for t in tokens]
         if len(self.tokenizer) > self.model.get_input_embeddings().weight.shape[0]:
-            self.model.resize_token_embeddings(len(self.tokenizer))
+            with quiet_transformers():  # its note on how new rows start is not for users
+                self.model.resize_token_embeddings(len(self.tokenizer))
         return ids
 
 
@@ -130,8 +132,9 @@ def load_dir(path: Path, *, device=None, dtype=None) -> LoadedModel:
         raise ModelLoadError(f"model directory {path}: cannot read config.json: {ex}") from ex
     check_decoder(config, str(path))
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
-                                                     local_files_only=True)
+        with quiet_transformers():  # a progress bar per load is noise in a server's log
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                         local_files_only=True)
     except Exception as ex:  # noqa: BLE001
         raise ModelLoadError(f"model directory {path}: cannot load weights: {ex}") from ex
     model.eval().to(device)
@@ -139,7 +142,8 @@ def load_dir(path: Path, *, device=None, dtype=None) -> LoadedModel:
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
                                           "tokenizer.model", "vocab.json")):
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            with quiet_transformers():
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as ex:  # noqa: BLE001
             raise ModelLoadError(f"model directory {path}: cannot load tokenizer: {ex}") from ex
     return LoadedModel(model, tokenizer, stop_ids_of(model, tokenizer), str(path))

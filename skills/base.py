@@ -28,7 +28,7 @@ a result only ever holds whole objects.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, ClassVar, Mapping, Protocol
 
 from bubblefree.core.values import InvalidRequest
 from bubblefree.skills.codec import SpatialCodec
@@ -44,7 +44,7 @@ class CompileContext(Protocol):
     """What a skill may use to compile (``skills.skillset.SkillSet``)."""
 
     tokenizer: Tokenizer
-    codec: SpatialCodec
+    codec: SpatialCodec | None  # None: the model has no location tokens or region head
 
     @property
     def eos_id(self) -> int: ...
@@ -83,9 +83,12 @@ class SkillState(abc.ABC):
 
 class Skill(abc.ABC):
     """See the module docstring. Subclasses are ``@attrs.frozen`` values
-    carrying a ``name``; they hold no per-request or per-tokenizer state."""
+    carrying a ``name``; they hold no per-request or per-tokenizer state.
+    A ``spatial`` skill compiles against ``ctx.codec``, so a model without a
+    spatial codec cannot serve it."""
 
     name: str
+    spatial: ClassVar[bool] = False
 
     @abc.abstractmethod
     def parse_args(self, args: Mapping[str, Any]) -> Any: ...

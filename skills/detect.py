@@ -7,7 +7,7 @@ delivers each as one ``value``). A box is centre ± size/2, clamped to [0, 1].
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import attrs
 
@@ -23,6 +23,7 @@ BOX_SLOTS = (Kind.X, Kind.Y, Kind.SIZE, Kind.SIZE)
 @attrs.frozen
 class Detect(Skill):
     name: str = "detect"
+    spatial: ClassVar[bool] = True
 
     def parse_args(self, args: Mapping[str, Any]) -> ObjectArgs:
         return parse_object_args(self.name, args)

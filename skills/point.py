@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import attrs
 
@@ -27,6 +27,7 @@ def parse_object_args(skill: str, args: Mapping[str, Any]) -> ObjectArgs:
 @attrs.frozen
 class Point(Skill):
     name: str = "point"
+    spatial: ClassVar[bool] = True
 
     def parse_args(self, args: Mapping[str, Any]) -> ObjectArgs:
         return parse_object_args(self.name, args)

@@ -13,7 +13,7 @@ survives formatting. A command cut short by the budget is dropped.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import attrs
 
@@ -117,6 +117,7 @@ class SegmentArgs:
 @attrs.frozen
 class Segment(Skill):
     name: str = "segment"
+    spatial: ClassVar[bool] = True
     max_tokens: int = 512
 
     def parse_args(self, args: Mapping[str, Any]) -> SegmentArgs:

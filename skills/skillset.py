@@ -7,6 +7,11 @@ distinct allowed set is registered with the engine exactly once, however
 many skills or states share it. After that a request's decode state only
 looks up mask ids: the hot path never walks the vocabulary.
 
+Without a spatial codec (``codec=None``: a text model loaded without
+location tokens) the spatial skills (point, detect, segment) are not
+compiled, and a request for one is refused with ``InvalidRequest``; the
+text skills serve as before, over the whole vocabulary.
+
 ``request(name, **args)`` validates arguments (``InvalidRequest`` naming the
 field), encodes the prompt, and returns a ``core.values.Request`` whose
 ``decode_state`` factory starts the skill's machine and whose ``finisher``
@@ -31,16 +36,15 @@ from bubblefree.skills.tokenizer import Tokenizer
 class SkillSet:
     tokenizer: Tokenizer
     register_mask: Callable[[frozenset[int]], int]
-    codec: SpatialCodec = attrs.field(default=None)
+    # Default: the location tokens the tokenizer holds (CodecError if it
+    # lacks them). Pass None for a model with no spatial codec at all.
+    codec: SpatialCodec | None = attrs.field(default=attrs.Factory(
+        lambda self: LocationCodec.for_tokenizer(self.tokenizer), takes_self=True))
     registry: Registry = BUILTIN
     _mask_ids: dict[frozenset[int], int] = attrs.field(init=False, factory=dict)
     _allowed: dict[int, frozenset[int]] = attrs.field(init=False, factory=dict)
     _tables: dict[str, Any] = attrs.field(init=False, factory=dict)
     _text_ids: frozenset[int] | None = attrs.field(init=False, default=None)
-
-    def __attrs_post_init__(self) -> None:
-        if self.codec is None:
-            self.codec = LocationCodec.for_tokenizer(self.tokenizer)
 
     # -- the CompileContext skills see ---------------------------------------
 
@@ -62,21 +66,31 @@ class SkillSet:
 
     def text_ids(self) -> frozenset[int]:
         if self._text_ids is None:
-            self._text_ids = frozenset(range(len(self.tokenizer))) - self.codec.spatial_ids()
+            spatial = self.codec.spatial_ids() if self.codec is not None else frozenset()
+            self._text_ids = frozenset(range(len(self.tokenizer))) - spatial
         return self._text_ids
 
     # -- compile once --------------------------------------------------------
 
+    def serves(self, name: str) -> bool:
+        """Whether skill ``name`` can run here (a spatial one needs a codec)."""
+        return not self.registry.get(name).spatial or self.codec is not None
+
     def tables(self, name: str) -> Any:
         tables = self._tables.get(name)
         if tables is None:
+            if not self.serves(name):
+                raise invalid(name, "skill", "this model has no location tokens or region "
+                              "head, so it cannot give spatial answers; load a text model "
+                              "with location_tokens=True to add them")
             tables = self.registry.get(name).compile(self)
             self._tables[name] = tables
         return tables
 
     def compile_all(self) -> SkillSet:
         for name in self.registry.names:
-            self.tables(name)
+            if self.serves(name):
+                self.tables(name)
         return self
 
     def allowed(self, mask_id: int) -> frozenset[int]:
@@ -99,6 +113,7 @@ class SkillSet:
         refused naming it; a default that does not fit is cut to what fits,
         unless the caller's own ``max_objects`` asked for more (named then)."""
         skill = self.registry.get(name)
+        tables = self.tables(name)  # first: a skill this model cannot serve is refused as such
         parsed = skill.parse_args(args)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
@@ -117,7 +132,7 @@ class SkillSet:
         elif room is not None and max_tokens > room:
             raise invalid(name, "max_tokens", f"{max_tokens} after a {len(prompt)}-token prompt exceeds the "
                           f"room of {room} tokens (max_context {max_context})")
-        factory = functools.partial(skill.start, self.tables(name), parsed, max_tokens)
+        factory = functools.partial(skill.start, tables, parsed, max_tokens)
         return Request(prompt=prompt, max_tokens=max_tokens, stop_ids=skill.stop_ids(self),
                        sampling=sampling, decode_state=factory,
                        finisher=functools.partial(finish_request, skill, factory),

@@ -15,7 +15,7 @@ from bubblefree.core import Status
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine.from_pretrained(max_rows=8, max_seqs=16, num_pages=512,
+    eng = Engine.from_pretrained(location_tokens=True, max_rows=8, max_seqs=16, num_pages=512,
                                  max_prefill_tokens=512, max_context=1024)
     yield eng
     eng.close()

@@ -11,6 +11,7 @@ from bubblefree.skills import (BUILTIN, HFTokenizer, Kind, LocationCodec, SkillS
                     build_request, demo_tokenizer, location_tokens)
 from bubblefree.skills.driver import MaskRecorder, drive
 from bubblefree.skills.point import Point
+from small_tokenizer import small_bpe_tokenizer
 
 TOK = demo_tokenizer()
 MASKS = MaskRecorder()
@@ -88,6 +89,33 @@ def test_compiling_is_lazy_cached_and_registers_each_set_once():
     assert skills.tables("segment") is skills.tables("segment")
 
 
+def test_without_a_spatial_codec_only_the_text_skills_serve():
+    masks = MaskRecorder()
+    skills = SkillSet(TOK, masks.register, codec=None).compile_all()
+    assert {n for n in BUILTIN.names if skills.serves(n)} == {"query", "caption", "yesno"}
+    for name in ("point", "detect", "segment"):
+        with pytest.raises(InvalidRequest, match=f"^skill: .*no location tokens.*'{name}'"):
+            skills.request(name, object="cat")
+        with pytest.raises(InvalidRequest, match="no location tokens"):
+            skills.tables(name)
+    before = list(masks.masks)
+    query = skills.request("query", question="what is the cat?")
+    assert masks.masks == before  # compile_all compiled the text skills, and nothing spatial
+    # With no spatial tokens, free text may use every id.
+    assert masks.allowed(skills.tables("query").mask) == frozenset(range(len(TOK)))
+    tokens, output = drive(query, masks, lambda allowed, step: (TOK.eos_id, None))
+    assert output == {"answer": ""}
+    assert skills.request("yesno", question="is it a cat?").max_tokens >= 1
+
+
+def test_the_default_codec_needs_the_location_tokens():
+    from bubblefree.skills import WordTokenizer
+    from bubblefree.skills.codec import CodecError
+
+    with pytest.raises(CodecError, match="location tokens"):
+        SkillSet(WordTokenizer.build(["a", "b"]), MaskRecorder().register)
+
+
 def test_a_registry_takes_new_skills_without_changing_the_old():
     with pytest.raises(ValueError, match="already registered"):
         BUILTIN.with_skill(Point())
@@ -98,18 +126,8 @@ def test_a_registry_takes_new_skills_without_changing_the_old():
 
 
 def _hf_tokenizer():
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer as Raw, decoders, models, pre_tokenizers, trainers
-
-    raw = Raw(models.BPE(unk_token=None))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    corpus = ["Question: what is the cat? Answer: a cat on a mat.",
-              "M L C Z M 0 L Z yes no Point: Detect: Segment: Describe this image."] * 20
-    raw.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
+    pytest.importorskip("transformers")
+    return small_bpe_tokenizer()
 
 
 def test_a_transformers_tokenizer_works_through_the_adapter():
