@@ -3,7 +3,7 @@
 Everything that decides what runs, when, and what is committed lives here.
 """
 
-from bubblefree.core.backend import Backend, Capacity
+from bubblefree.core.protocol import Backend, Capacity
 from bubblefree.core.decode_state import DecodeState
 from bubblefree.core.engine import Engine, Handle
 from bubblefree.core.pages import DoubleRelease, IdPool, pages_needed
