@@ -1,13 +1,15 @@
 """Errors the CUDA backend raises, each naming the problem in its message.
 
 Loading and sizing problems are ``ValueError``s raised before anything runs.
-A plan the backend cannot execute is both ``StepFailed`` (so the engine fails
-that step's rows and keeps serving) and ``InvalidRequest`` (so a caller that
-drives the backend directly can catch it as a bad input).
+A plan ``launch`` cannot execute is the contract's ``PlanRejected``, and also
+``StepFailed`` (so the engine fails that step's rows and keeps serving: the
+launch enqueued nothing and the slot stays free) and ``InvalidRequest`` (so
+a caller that drives the backend directly can catch it as a bad input).
 """
 
 from __future__ import annotations
 
+from bubblefree.core import protocol
 from bubblefree.core.values import InvalidRequest, StepFailed
 
 
@@ -23,6 +25,7 @@ class CacheTooSmall(ValueError):
     """Not enough memory (or too few configured pages) for the KV cache."""
 
 
-class PlanRejected(StepFailed, InvalidRequest):
-    """A StepPlan that breaks the backend's capacity (too many rows or tokens,
-    a sequence past the context, a page or row slot out of range)."""
+class PlanRejected(protocol.PlanRejected, StepFailed, InvalidRequest):
+    """A StepPlan that ``core.protocol.check_plan`` refuses (too many rows or
+    tokens, a sequence past the context, a page or row slot out of range, a
+    page shared by two rows)."""
