@@ -20,6 +20,7 @@ back until the run is over, so the hook adds no synchronization.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import statistics
@@ -29,7 +30,7 @@ from collections import defaultdict
 import attrs
 import torch
 
-from bubblefree.core import Engine, Request, Status
+from bubblefree.core import Engine, Request, SamplePlan, Status, StepFailed
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.slots import SlotState
 
@@ -151,9 +152,18 @@ class TimedBackend(CudaBackend):
         return wrapped
 
     def repair(self) -> None:
-        """After a failed run: hand every busy slot back (release waits on it)."""
+        """After a failed run: take every busy slot the rest of the contract's
+        way to FREE (finalize, wait, release), so no buffer is handed back
+        while a copy may still land in it (I4). The engine that launched these
+        steps is dropped, so an unconstrained sampling is as good as any; a
+        step that fails on the way is FAILED, which release takes."""
         self.recording = False
         for s in self._slots:
+            with contextlib.suppress(StepFailed):
+                if s.state is SlotState.LAUNCHED:
+                    self.finalize(s.index, SamplePlan(s.plan.step_id, (None,) * len(s.plan.rows)))
+                if s.state is SlotState.FINALIZED:
+                    self.wait(s.index)
             if s.state is not SlotState.FREE:
                 self.release(s.index)
         self._sync()

@@ -18,10 +18,11 @@ A finalized sequence that a launched step still includes is a *zombie*.
 Where things are: ``scheduler.py`` keeps the invariants (DESIGN.md I2-I9),
 ``policy.py`` chooses each step's rows, ``integrity.py`` checks,
 ``events.py`` is what the scheduler reports, ``engine.py`` drives a backend
-(``backend.py``'s protocol) and delivers results to callers.
+(``protocol.py``: the backend contract, stated once) and delivers results to
+callers.
 """
 
-from bubblefree.core.backend import Backend, Capacity
+from bubblefree.core.protocol import Backend, Capacity
 from bubblefree.core.decode_state import DecodeState
 from bubblefree.core.engine import Engine, Handle
 from bubblefree.core.pages import DoubleRelease, IdPool, pages_needed

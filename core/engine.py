@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import attrs
 
-from bubblefree.core.backend import Backend
+from bubblefree.core.protocol import Backend
 from bubblefree.core.decode_state import guarded
 from bubblefree.core.events import TokenCommitted
 from bubblefree.core.integrity import InvariantViolation

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from bubblefree.core.backend import Capacity
+from bubblefree.core.protocol import Capacity
 from bubblefree.core.pages import IdPool
 from bubblefree.core.sequence import Phase, Sequence
 from bubblefree.core.values import StepKind

@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 
 import attrs
 
-from bubblefree.core.backend import Capacity
+from bubblefree.core.protocol import Capacity
 from bubblefree.core.decode_state import bad_mask, guarded
 from bubblefree.core.events import Event, SequenceEnded, TokenCommitted
 from bubblefree.core.integrity import InvariantViolation, check_integrity

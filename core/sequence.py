@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from bubblefree.core.protocol import IllegalTransition, transition
 from bubblefree.core.values import Request, Status
 
 
@@ -31,10 +32,6 @@ class Phase(enum.Enum):
     RUNNING = "running"  # prefill launched; decodes until finalized
     FINALIZED = "finalized"  # result emitted; a zombie while inflight_refs > 0
     RELEASED = "released"  # resources returned (I6), gone from the engine
-
-
-class IllegalTransition(RuntimeError):
-    pass
 
 
 # (phase, event) -> next phase. Anything absent is illegal.
@@ -81,9 +78,7 @@ class Sequence:
         return len(self.request.prompt) + self.launched - 1
 
     def move(self, event: str) -> None:
-        nxt = TRANSITIONS.get((self.phase, event))
-        if nxt is None:
-            raise IllegalTransition(f"sequence {self.seq_id}: {event!r} not allowed in {self.phase.name}")
+        nxt = transition(TRANSITIONS, self.phase, event, f"sequence {self.seq_id}")
         if event == "teardown" and self.inflight_refs != 0:
             # I6: a zombie's pages may still be written by a launched step.
             raise IllegalTransition(

@@ -5,11 +5,18 @@ staging, logits, sampled ids, and a pinned host landing buffer. The core
 tracks only whose turn it is::
 
     FREE ──launch──► LAUNCHED ──finalize──► FINALIZED ──release──► FREE
+      ▲                  │                      │
+      └──────abort───────┴─────────abort────────┘
 
 ``release`` happens when the commit that reads the slot has *finished*, not
 when the GPU is done with it: the host buffer is the landing site of a copy
 that may still be in flight (I4). With exactly two slots at most two steps
 are in flight, which is what bounds ``inflight_refs`` by 2 (I3).
+
+``abort`` is for a lost device only: no launched step will ever commit, so
+its slot is free again without a release. Naming it in the table keeps even
+that path a move the table allows. The backend's own, finer table (with
+``wait`` and failures) is ``core.protocol.SLOT_CALLS``.
 """
 
 from __future__ import annotations
@@ -18,10 +25,8 @@ import enum
 
 import attrs
 
-from bubblefree.core.sequence import IllegalTransition
+from bubblefree.core.protocol import NUM_SLOTS, transition
 from bubblefree.core.values import StepKind
-
-NUM_SLOTS = 2
 
 
 class SlotState(enum.Enum):
@@ -58,10 +63,7 @@ class DecodeSlot:
     state: SlotState = SlotState.FREE
 
     def move(self, event: str) -> None:
-        nxt = SLOT_TRANSITIONS.get((self.state, event))
-        if nxt is None:
-            raise IllegalTransition(f"DecodeSlot {self.index}: {event!r} not allowed in {self.state.name}")
-        self.state = nxt
+        self.state = transition(SLOT_TRANSITIONS, self.state, event, f"DecodeSlot {self.index}")
 
 
 @attrs.define

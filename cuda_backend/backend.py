@@ -1,4 +1,4 @@
-"""CudaBackend: the Backend protocol (core/backend.py) on a transformers model.
+"""CudaBackend: the Backend contract (core/protocol.py) on a transformers model.
 
 Per step, in one of two DecodeSlots:
 
@@ -9,7 +9,8 @@ Per step, in one of two DecodeSlots:
               row's token into the slot and into ``last_token[row_slot]``;
               event; device->host copy on the copy stream waiting on it
     wait      block on that copy's event only, read the landing buffer
-    release   the slot may be launched into again (I4)
+    release   the slot may be launched into again (I4); legal only after
+              wait or a reported failure, so nothing is still in flight
 
 Forwards and samplings of both slots are enqueued on one compute stream, in
 call order (I1), so a later step's forward reads the token an earlier step
@@ -26,14 +27,14 @@ import warnings
 
 import torch
 
-from bubblefree.core.backend import Capacity
+from bubblefree.core.protocol import Capacity, check_plan, check_sample, slot_index
 from bubblefree.core.values import SamplePlan, StepFailed, StepKind, StepOutput, StepPlan
 from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.loader import LoadedModel, use_paged_attention
 from bubblefree.cuda_backend.options import check_backend_options
-from bubblefree.cuda_backend.runner import ModelRunner, check_plan, staging_size
+from bubblefree.cuda_backend.runner import ModelRunner, staging_size
 from bubblefree.cuda_backend.sampling import MaskTable, pack_sampling, sample_inputs, vocab_hash
 from bubblefree.cuda_backend.sizing import ModelDims, context_length, num_pages_for
 from bubblefree.cuda_backend.slots import DecodeSlot, SlotState, make_slot
@@ -152,7 +153,7 @@ class CudaBackend:
     def launch(self, slot: int, plan: StepPlan) -> None:
         s = self._slot(slot)
         s.check("launch")
-        check_plan(plan, self._cap, self._vocab)
+        check_plan(plan, self._cap, self._vocab, error=PlanRejected)
         try:
             with self._on(self._compute):
                 n = len(plan.rows)
@@ -171,25 +172,19 @@ class CudaBackend:
                     meta = s.staging[:k].to(self.device, non_blocking=True)
                     logits = self._runner.prefill_forward(meta, shape)  # [n, V]
                 s.logits[:logits.shape[0]].copy_(logits)
-                if s.launched_event is not None:
-                    s.launched_event.record(self._compute)
         except Exception as ex:  # noqa: BLE001 - any forward failure fails the step's rows
             self._quiesce()
             raise StepFailed(f"step {plan.step_id}: forward failed: {ex!r}") from ex
         s.advance("launch")
-        s.plan, s.bucket, s.waited = plan, b, False
+        s.plan, s.bucket = plan, b
 
     def finalize(self, slot: int, sample: SamplePlan) -> None:
         s = self._slot(slot)
         s.check("finalize")
         plan, b = s.plan, s.bucket
-        if sample.step_id != plan.step_id or len(sample.mask_ids) != len(plan.rows):
-            raise ValueError(f"finalize slot {slot}: SamplePlan for step {sample.step_id} with "
-                             f"{len(sample.mask_ids)} masks, slot holds step {plan.step_id} "
-                             f"with {len(plan.rows)} rows")
-        for m in sample.mask_ids:
-            if m is not None and not 1 <= m < self._masks.count:
-                raise PlanRejected(f"step {plan.step_id}: mask id {m} was never registered")
+        # A misuse, not StepFailed: the slot stays LAUNCHED and may be finalized
+        # again with a right plan (row 0 of the table is no registered mask).
+        check_sample(sample, plan, range(1, self._masks.count))
         greedy = pack_sampling(s.sample_np, plan.rows, sample.mask_ids, b,
                                 self._runner.scratch_row)
         n = len(plan.rows)
@@ -220,29 +215,22 @@ class CudaBackend:
         except Exception as ex:  # noqa: BLE001 - an asynchronous device error surfaces here
             s.state = SlotState.FAILED
             raise StepFailed(f"step {s.plan.step_id}: device error: {ex!r}") from ex
-        s.waited = True
+        s.advance("wait")
         tokens = tuple(s.landing[:len(s.plan.rows)].tolist())
         return StepOutput(step_id=s.plan.step_id, tokens=tokens)
 
     def release(self, slot: int) -> None:
         s = self._slot(slot)
         s.check("release")
-        if not s.waited:  # I4: never hand out a slot whose buffers a transfer may still use
-            if s.state is SlotState.LAUNCHED and s.launched_event is not None:
-                s.launched_event.synchronize()
-            elif s.state is SlotState.FINALIZED and s.copied_event is not None:
-                s.copied_event.synchronize()
-            elif s.state is SlotState.FAILED:
-                self._quiesce()
+        if s.state is SlotState.FAILED:  # the failed work may still hold the slot's buffers
+            self._quiesce()
         s.advance("release")
-        s.plan, s.waited = None, False
+        s.plan = None
 
     # -- internals ------------------------------------------------------------------
 
     def _slot(self, slot: int) -> DecodeSlot:
-        if slot not in (0, 1):
-            raise ValueError(f"slot must be 0 or 1, got {slot!r}")
-        return self._slots[slot]
+        return self._slots[slot_index(slot)]
 
     def _on(self, stream):
         """no_grad, on ``stream`` when there is one."""

@@ -3,13 +3,15 @@
 Loading and sizing problems are ``ValueError``s raised before anything runs;
 a bad option (``options.py``) or a cache too small for one page is an
 ``InvalidRequest`` too, since the caller's configuration is what must change.
-A plan the backend cannot execute is both ``StepFailed`` (so the engine fails
-that step's rows and keeps serving) and ``InvalidRequest`` (so a caller that
-drives the backend directly can catch it as a bad input).
+A plan ``launch`` cannot execute is the contract's ``PlanRejected``, and also
+``StepFailed`` (so the engine fails that step's rows and keeps serving: the
+launch enqueued nothing and the slot stays free) and ``InvalidRequest`` (so
+a caller that drives the backend directly can catch it as a bad input).
 """
 
 from __future__ import annotations
 
+from bubblefree.core import protocol
 from bubblefree.core.values import InvalidRequest, StepFailed
 
 
@@ -26,6 +28,7 @@ class CacheTooSmall(InvalidRequest):
     configuration the caller must change, refused before anything runs."""
 
 
-class PlanRejected(StepFailed, InvalidRequest):
-    """A StepPlan that breaks the backend's capacity (too many rows or tokens,
-    a sequence past the context, a page or row slot out of range)."""
+class PlanRejected(protocol.PlanRejected, StepFailed, InvalidRequest):
+    """A StepPlan that ``core.protocol.check_plan`` refuses (too many rows or
+    tokens, a sequence past the context, a page or row slot out of range, a
+    page shared by two rows)."""

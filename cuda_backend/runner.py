@@ -1,4 +1,4 @@
-"""The forward side of a step: plan checks, metadata packing, and the model
+"""The forward side of a step: metadata packing, and the model
 call for decode (graph-capturable) and transformers' padded prefill (eager;
 short prefills go through token_prefill.py instead, in graphs).
 
@@ -20,48 +20,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bubblefree.core.backend import Capacity
-from bubblefree.core.values import StepKind, StepPlan
+from bubblefree.core.protocol import Capacity
+from bubblefree.core.values import StepPlan
 from bubblefree.cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_context, prefill_context
-from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.fused_decode import make_decoder
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.sizing import prefill_key_budget
 from bubblefree.cuda_backend.token_prefill import TokenPrefill
-
-
-def check_plan(plan: StepPlan, cap: Capacity, vocab_size: int) -> None:
-    """Raise ``PlanRejected`` naming the first row that breaks capacity."""
-    rows = plan.rows
-    if not 1 <= len(rows) <= cap.max_rows:
-        raise PlanRejected(f"step {plan.step_id}: {len(rows)} rows, the backend takes "
-                           f"1..{cap.max_rows}")
-    if len({r.row_slot for r in rows}) != len(rows):
-        raise PlanRejected(f"step {plan.step_id}: two rows share a row_slot")
-    prefill = plan.kind is StepKind.PREFILL
-    total = sum(len(r.tokens) for r in rows)
-    if prefill and total > cap.max_prefill_tokens:
-        raise PlanRejected(f"step {plan.step_id}: {total} prompt tokens, more than "
-                           f"max_prefill_tokens={cap.max_prefill_tokens}")
-    for r in rows:
-        where = f"step {plan.step_id}, seq {r.seq_id}"
-        if prefill != bool(r.tokens):
-            raise PlanRejected(f"{where}: a {plan.kind.value} row must "
-                               f"{'carry its prompt' if prefill else 'carry no tokens'}")
-        if not 0 <= r.row_slot < cap.max_seqs:
-            raise PlanRejected(f"{where}: row_slot {r.row_slot} outside 0..{cap.max_seqs - 1}")
-        end = r.position + r.num_tokens
-        if r.position < 0 or end > cap.max_context:
-            raise PlanRejected(f"{where}: {r.num_tokens} tokens at position {r.position} exceed "
-                               f"the model context of {cap.max_context} tokens")
-        if len(r.pages) * cap.page_size < end:
-            raise PlanRejected(f"{where}: {len(r.pages)} pages of {cap.page_size} cannot hold "
-                               f"{end} positions")
-        if r.pages and (min(r.pages) < 0 or max(r.pages) >= cap.num_pages):
-            raise PlanRejected(f"{where}: a page id is outside 0..{cap.num_pages - 1}")
-        if prefill and (min(r.tokens) < 0 or max(r.tokens) >= vocab_size):
-            raise PlanRejected(f"{where}: a prompt token is outside the vocabulary "
-                               f"0..{vocab_size - 1}")
 
 
 def staging_size(cap: Capacity) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from bubblefree.core.protocol import check_mask
 from bubblefree.core.values import StepRow
 
 M32 = 0xFFFFFFFF
@@ -126,12 +127,7 @@ class MaskTable:
         allowed = frozenset(allowed)
         if allowed in self._ids:
             return self._ids[allowed], False
-        if not allowed:
-            raise ValueError("register_mask: an empty allowed-token set can never be sampled")
-        bad = [t for t in allowed if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(f"register_mask: tokens {sorted(bad)[:5]} are outside the "
-                             f"vocabulary 0..{self.vocab_size - 1}")
+        allowed = check_mask(allowed, self.vocab_size)
         grew = self.count == self.table.shape[0]
         if grew:
             bigger = torch.ones(2 * self.count, self.vocab_size, dtype=torch.bool,

@@ -13,39 +13,23 @@ the device, a pinned host landing buffer, and two events:
   on it alone.
 
 I4: the slot's staging and landing buffers are reused only after
-``release``, which the engine calls when its commit finished reading the
-landing buffer; ``release`` of a slot whose copy was never waited for
-blocks on the slot's last event first, so a transfer still in flight is
-never overwritten. Calls out of order raise and leave the slot unchanged.
+``release``, which the contract allows only once ``wait`` has blocked on
+``copied`` (or a failure was reported), so no transfer can still be in
+flight into a released slot. The call order is the contract's table
+(``core.protocol.SLOT_CALLS``); calls out of order raise ``ProtocolMisuse``
+and leave the slot unchanged.
 """
 
 from __future__ import annotations
-
-import enum
 
 import attrs
 import numpy as np
 import torch
 
+from bubblefree.core.protocol import SlotState, slot_call
 from bubblefree.core.values import StepPlan
 
-
-class SlotState(enum.Enum):
-    FREE = "free"
-    LAUNCHED = "launched"  # forward enqueued
-    FINALIZED = "finalized"  # sampling and host copy enqueued
-    FAILED = "failed"  # a call raised StepFailed; only release is legal
-
-
-# (state, call) -> next state. A pair not in the table is a misuse.
-TRANSITIONS: dict[tuple[SlotState, str], SlotState] = {
-    (SlotState.FREE, "launch"): SlotState.LAUNCHED,
-    (SlotState.LAUNCHED, "finalize"): SlotState.FINALIZED,
-    (SlotState.FINALIZED, "wait"): SlotState.FINALIZED,
-    (SlotState.LAUNCHED, "release"): SlotState.FREE,
-    (SlotState.FINALIZED, "release"): SlotState.FREE,
-    (SlotState.FAILED, "release"): SlotState.FREE,
-}
+__all__ = ["DecodeSlot", "SlotState", "make_slot"]
 
 
 @attrs.define(eq=False)
@@ -59,26 +43,18 @@ class DecodeSlot:
     logits: torch.Tensor  # [max_rows, V] float32 device
     sampled: torch.Tensor  # [max_rows] int64 device
     landing: torch.Tensor  # [max_rows] int64 host (pinned): where the copy lands
-    launched_event: torch.cuda.Event | None  # after the forward: release of an unfinalized slot
     sampled_event: torch.cuda.Event | None
     copied_event: torch.cuda.Event | None
     state: SlotState = SlotState.FREE
     plan: StepPlan | None = None
     bucket: int = 0  # padded row count the step runs at
-    waited: bool = False
 
     def advance(self, call: str) -> None:
-        nxt = TRANSITIONS.get((self.state, call))
-        if nxt is None:
-            raise RuntimeError(f"DecodeSlot {self.index}: '{call}' is not allowed while "
-                               f"{self.state.value}")
-        self.state = nxt
+        self.state = slot_call(self.state, call, self.index)
 
     def check(self, call: str) -> None:
         """Raise if ``call`` is illegal now, without changing anything."""
-        if (self.state, call) not in TRANSITIONS:
-            raise RuntimeError(f"DecodeSlot {self.index}: '{call}' is not allowed while "
-                               f"{self.state.value}")
+        slot_call(self.state, call, self.index)
 
 
 def make_slot(index: int, *, staging_size: int, max_rows: int, vocab_size: int,
@@ -97,7 +73,6 @@ def make_slot(index: int, *, staging_size: int, max_rows: int, vocab_size: int,
         logits=torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device),
         sampled=torch.zeros(max_rows, dtype=torch.long, device=device),
         landing=host(max_rows),
-        launched_event=torch.cuda.Event() if cuda else None,
         sampled_event=torch.cuda.Event() if cuda else None,
         copied_event=torch.cuda.Event() if cuda else None,
     )

@@ -1,4 +1,4 @@
-"""A deterministic simulated GPU that satisfies ``core.backend.Backend``.
+"""A deterministic simulated GPU that satisfies ``core.protocol.Backend``.
 
 Pure Python, virtual time, no randomness of its own: what it computes is
 fixed by ``FakeModel``, how long it takes and where it fails by ``Timing``

@@ -1,9 +1,9 @@
-"""``FakeBackend``: the ``core.backend.Backend`` protocol on a simulated GPU.
+"""``FakeBackend``: the ``core.protocol.Backend`` contract on a simulated GPU.
 
 Each call does what the CUDA backend does, in virtual time (``clock``), on
-simulated memory (``kv``), through the slot lifecycle table (``slots``):
+simulated memory (``kv``), through the contract's slot table (``slots``):
 
-    launch    check the plan; run the forward's KV writes and read-back
+    launch    check the plan (the contract's checks, then step order); run the forward's KV writes and read-back
               (compute order, I1); enqueue it on the compute queue
     finalize  sample each row (``model``) under its mask; write the token to
               the row's device slot; record an event; enqueue the host copy
@@ -27,9 +27,9 @@ from typing import Mapping
 
 import attrs
 
-from bubblefree.core.backend import Capacity
+from bubblefree.core.protocol import NUM_SLOTS, Capacity, check_mask, check_plan, check_sample, slot_index
 from bubblefree.core.values import SamplePlan, StepFailed, StepOutput, StepPlan
-from bubblefree.fake_backend.checks import check_plan, check_sample
+from bubblefree.fake_backend.checks import check_step_order
 from bubblefree.fake_backend.clock import Clock
 from bubblefree.fake_backend.errors import HardwareMisuse
 from bubblefree.fake_backend.kv import DeviceMemory
@@ -37,8 +37,6 @@ from bubblefree.fake_backend.model import FakeModel
 from bubblefree.fake_backend.slots import Slot, SlotState
 from bubblefree.fake_backend.stats import Stats, measure
 from bubblefree.fake_backend.timing import Fault, Timing, Work
-
-NUM_SLOTS = 2
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -93,11 +91,7 @@ class FakeBackend:
         return self.model.vocab_size
 
     def register_mask(self, allowed: frozenset[int]) -> int:
-        allowed = frozenset(allowed)
-        if not allowed:
-            raise ValueError("a mask must allow at least one token")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in allowed):
-            raise ValueError(f"mask token ids must be ints in [0, {self.vocab_size})")
+        allowed = check_mask(allowed, self.vocab_size)
         if allowed not in self._mask_ids:
             self._mask_ids[allowed] = len(self._masks)
             self._masks[len(self._masks)] = allowed
@@ -106,7 +100,8 @@ class FakeBackend:
     def launch(self, slot: int, plan: StepPlan) -> None:
         s = self._slot(slot)
         nxt = s.check("launch")
-        check_plan(plan, self._capacity, self.vocab_size, self._last_step_id)
+        check_plan(plan, self._capacity, self.vocab_size, error=HardwareMisuse)
+        check_step_order(plan, self._last_step_id)
         writes, contexts = self.memory.forward(plan)  # raises before any write
         work = Work(step_id=plan.step_id, index=self._launches, kind=plan.kind, rows=len(plan.rows),
                     tokens=sum(r.num_tokens for r in plan.rows))
@@ -135,7 +130,7 @@ class FakeBackend:
         s = self._slot(slot)
         nxt = s.check("finalize")
         plan, work = s.plan, self._works[slot]
-        check_sample(sample, plan, self._masks)
+        check_sample(sample, plan, self._masks, error=HardwareMisuse)
         tokens, values = [], []
         for ctx, row, mask_id in zip(s.contexts, plan.rows, sample.mask_ids):
             allowed = None if mask_id is None else self._masks[mask_id]
@@ -210,9 +205,7 @@ class FakeBackend:
 
     # -------------------------------------------------------------- internal
     def _slot(self, slot: int) -> Slot:
-        if not isinstance(slot, int) or not 0 <= slot < NUM_SLOTS:
-            raise HardwareMisuse(f"slot must be 0 or 1, got {slot!r}")
-        return self.slots[slot]
+        return self.slots[slot_index(slot, HardwareMisuse)]
 
     def _fire(self, kind: str, step_id: int, slot: int) -> None:
         self._fired.add(step_id)

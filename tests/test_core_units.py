@@ -25,18 +25,25 @@ def test_sequence_illegal_move_raises_and_leaves_phase():
     assert seq.phase is Phase.ADMITTED
 
 
-def test_every_phase_event_pair_is_in_the_table_or_illegal():
-    events = {e for (_, e) in TRANSITIONS}
-    for phase in Phase:
+def check_table(table, states, events, make, state_of):
+    """Every (state, event) pair: the table's move, or IllegalTransition with
+    the state unchanged (h11's rule)."""
+    for state in states:
         for event in events:
-            seq = Sequence(0, Request(prompt=(1,), max_tokens=2), phase=phase)
-            if (phase, event) in TRANSITIONS:
-                seq.move(event)
-                assert seq.phase is TRANSITIONS[(phase, event)]
+            thing = make(state)
+            if (state, event) in table:
+                thing.move(event)
+                assert state_of(thing) is table[(state, event)]
             else:
-                with pytest.raises(IllegalTransition):
-                    seq.move(event)
-                assert seq.phase is phase
+                with pytest.raises(IllegalTransition, match=f"{event!r} not allowed in {state.name}"):
+                    thing.move(event)
+                assert state_of(thing) is state
+
+
+def test_every_phase_event_pair_is_in_the_table_or_illegal():
+    check_table(TRANSITIONS, Phase, {e for (_, e) in TRANSITIONS},
+                lambda phase: Sequence(0, Request(prompt=(1,), max_tokens=2), phase=phase),
+                lambda seq: seq.phase)
 
 
 def test_teardown_refused_while_a_step_references_the_zombie():
@@ -51,16 +58,18 @@ def test_teardown_refused_while_a_step_references_the_zombie():
 
 
 def test_slot_table():
-    for state in SlotState:
-        for event in ("launch", "finalize", "release"):
-            slot = DecodeSlot(0, state=state)
-            if (state, event) in SLOT_TRANSITIONS:
-                slot.move(event)
-                assert slot.state is SLOT_TRANSITIONS[(state, event)]
-            else:
-                with pytest.raises(IllegalTransition):
-                    slot.move(event)
-                assert slot.state is state
+    check_table(SLOT_TRANSITIONS, SlotState, ("launch", "finalize", "release", "abort"),
+                lambda state: DecodeSlot(0, state=state), lambda slot: slot.state)
+
+
+def test_abort_frees_a_busy_slot_and_only_a_busy_one():
+    # A lost device's abort goes through the table: any busy slot to FREE.
+    for state in (SlotState.LAUNCHED, SlotState.FINALIZED):
+        slot = DecodeSlot(1, state=state)
+        slot.move("abort")
+        assert slot.state is SlotState.FREE
+    with pytest.raises(IllegalTransition, match="DecodeSlot 1: 'abort' not allowed in FREE"):
+        DecodeSlot(1).move("abort")
 
 
 def test_id_pool_release_exactly_once():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from bubblefree.core.backend import Capacity
+from bubblefree.core.protocol import Capacity
 from bubblefree.core.values import StepKind, StepPlan, StepRow
 from bubblefree.cuda_backend.attention import CONTEXT_KWARG, paged_attention_forward
 from bubblefree.cuda_backend.drive import scattered_pages

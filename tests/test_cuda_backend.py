@@ -1,14 +1,14 @@
-"""The CUDA backend as the core sees it: the Backend protocol, DecodeSlot
-discipline (I4: calls out of order raise and change nothing), failures as
+"""The CUDA backend as the core sees it: the Backend protocol, failures as
 StepFailed, and the whole Engine on real models — pipelined equals blocking
-(I8, greedy and seeded sampling) equals transformers' ``generate``."""
+(I8, greedy and seeded sampling) equals transformers' ``generate``. The slot
+call order and plan checks are the contract's (test_backend_contract.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bubblefree.core.backend import Backend
+from bubblefree.core.protocol import Backend
 from bubblefree.core.engine import Engine
 from bubblefree.core.values import Request, SamplePlan, SamplingParams, Status, StepFailed, StepKind, StepPlan
 from bubblefree.core.values import StepRow
@@ -37,27 +37,6 @@ def test_satisfies_the_backend_protocol():
     cap = be.capacity
     assert (cap.num_pages, cap.page_size, cap.max_rows, cap.max_seqs) == (128, 4, 3, 8)
     assert cap.max_context == 256 and be.vocab_size == 128
-
-
-def test_slot_calls_out_of_order_raise_and_change_nothing():
-    be = make(tiny_model("llama"))
-    plan = StepPlan(0, StepKind.PREFILL, (prefill(),))
-    for call in (lambda: be.finalize(0, SamplePlan(0, (None,))), lambda: be.wait(0),
-                 lambda: be.release(0)):
-        with pytest.raises(RuntimeError, match="not allowed while free"):
-            call()
-        assert be._slots[0].state is SlotState.FREE
-    be.launch(0, plan)
-    with pytest.raises(RuntimeError, match="not allowed while launched"):
-        be.launch(0, plan)
-    with pytest.raises(RuntimeError, match="not allowed while launched"):
-        be.wait(0)
-    with pytest.raises(ValueError, match="step 5"):
-        be.finalize(0, SamplePlan(5, (None,)))
-    assert be._slots[0].state is SlotState.LAUNCHED
-    be.release(0)  # a launched, never finalized slot may be given back (a failed step)
-    with pytest.raises(ValueError, match="slot must be 0 or 1"):
-        be.launch(2, plan)
 
 
 def test_a_failing_forward_is_step_failed_and_the_slot_stays_free(monkeypatch):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bubblefree.core.backend import Capacity
+from bubblefree.core.protocol import Capacity
 from bubblefree.core.values import StepKind, StepPlan, StepRow
 from bubblefree.cuda_backend.graphs import batch_buckets, bucket, page_buckets
 from bubblefree.cuda_backend.kv_cache import PagedKVCache

@@ -1,0 +1,106 @@
+"""The simulated GPU's own misuse checks, beyond the contract that
+test_backend_contract.py runs against both backends: a copy in flight, step
+order, decode inputs read on the device, and the paged KV (I4, I6). Each
+raises and changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from bubblefree.core.values import StepRow
+from bubblefree.fake_backend import FakeBackend, HardwareMisuse, KVCorruption, Timing
+from fake_plans import SlotState, blocking_step, decode, drow, finalize, prefill, prow, to_state
+
+
+def test_launch_into_a_slot_whose_copy_is_in_flight_names_the_hazard():
+    b = FakeBackend(timing=Timing(copy=10.0))
+    to_state(b, SlotState.FINALIZED)
+    assert b.slots[0].host_buffer is None  # the copy has not landed
+    with pytest.raises(HardwareMisuse, match="in flight"):
+        b.launch(0, prefill(1, prow(1, (1,), (1,))))
+
+
+def test_host_buffer_is_written_only_when_the_copy_lands():
+    b = FakeBackend(timing=Timing(launch_cost=0.0, finalize_cost=0.0, forward=1.0, sampling=0.5,
+                                  copy=4.0, commit_cost_per_row=0.0))
+    to_state(b, SlotState.FINALIZED)
+    assert b.slots[0].copy_end == pytest.approx(5.5)
+    b.launch(1, prefill(1, prow(1, (1,), (1,))))
+    assert b.slots[0].host_buffer is None and b.clock.host < 5.5
+    out = b.wait(0)
+    assert b.clock.host == pytest.approx(5.5) and b.slots[0].host_buffer is out
+
+
+def test_a_decode_with_nothing_sampled_is_refused_and_changes_nothing():
+    b = FakeBackend()
+    with pytest.raises(HardwareMisuse, match="no token was ever sampled"):
+        b.launch(0, decode(0, drow(0, 3, (0,))))
+    assert b.slots[0].state is SlotState.FREE and b.log == [] and b.memory.kv == {}
+    blocking_step(b, 0, prefill(0, prow(0, (1,), (0,))))  # still serves
+
+
+def test_step_ids_must_increase_and_slot_ids_are_0_and_1():
+    b = FakeBackend()
+    blocking_step(b, 0, prefill(5, prow(0, (1,), (0,))))
+    with pytest.raises(HardwareMisuse, match="increase"):
+        b.launch(1, prefill(5, prow(1, (1,), (1,))))
+    with pytest.raises(HardwareMisuse):
+        b.launch(2, prefill(6, prow(1, (1,), (1,))))
+
+
+def test_decode_input_must_come_from_an_enqueued_sampling():
+    # Launching t+1 before finalizing t would read a stale row slot on a GPU.
+    b = FakeBackend()
+    pages = (0, 1)
+    blocking_step(b, 0, prefill(0, prow(0, (0, 4, 4), pages)))
+    b.launch(0, decode(1, drow(0, 3, pages)))
+    with pytest.raises(HardwareMisuse, match="not enqueued"):
+        b.launch(1, decode(2, drow(0, 4, pages)))
+    finalize(b, 0, decode(1, drow(0, 3, pages)))
+    b.launch(1, decode(2, drow(0, 4, pages)))  # now its input exists
+
+
+def test_row_slot_handed_to_another_sequence_is_detected():
+    b = FakeBackend()
+    blocking_step(b, 0, prefill(0, prow(0, (0, 4), (0,), row_slot=3)))
+    blocking_step(b, 1, prefill(1, prow(1, (0, 5), (1,), row_slot=3)))
+    with pytest.raises(HardwareMisuse, match="another sequence"):
+        b.launch(0, decode(2, drow(0, 2, (0,), row_slot=3)))
+
+
+# ----------------------------------------------------------------------- KV
+@pytest.mark.parametrize("thief_pages, where", [
+    ((1, 2), "position 4"),  # another sequence's entries at other positions
+    ((0, 2), "position 0"),  # another sequence's entries at the very same positions
+])
+def test_page_reused_while_owned_is_detected_and_changes_nothing(thief_pages, where):
+    b = FakeBackend()
+    blocking_step(b, 0, prefill(0, prow(0, (0, 1, 2, 3, 4), (0, 1))))
+    blocking_step(b, 1, prefill(1, prow(1, (0, 9, 9), thief_pages)))  # a page still seq 0's
+    kv = dict(b.memory.kv)
+    with pytest.raises(KVCorruption, match=where):
+        b.launch(0, decode(2, drow(0, 5, (0, 1))))
+    assert b.memory.kv == kv and b.slots[0].state is SlotState.FREE
+    blocking_step(b, 0, decode(2, drow(1, 3, thief_pages)))  # seq 1 reads its own KV fine
+
+
+def test_wrong_page_table_is_detected():
+    # Full pages: every position holds seq 0's KV, only at the wrong place.
+    b = FakeBackend()
+    blocking_step(b, 0, prefill(0, prow(0, (0, 1, 2, 3, 4, 5, 6, 7), (0, 1))))
+    with pytest.raises(KVCorruption, match="holds seq 0 position 4"):
+        b.launch(1, decode(1, drow(0, 8, (1, 0, 2))))
+    blocking_step(b, 1, decode(1, drow(0, 8, (0, 1, 2))))
+
+
+def test_model_reads_its_prompt_back_from_the_kv():
+    # Chunked prefill: the second chunk's tokens depend on the first chunk's KV.
+    b = FakeBackend()
+    blocking_step(b, 0, prefill(0, prow(0, (0, 5, 6, 7), (0, 1))))
+    out = blocking_step(b, 1, prefill(1, StepRow(0, 0, (8, 9), 4, (0, 1))))
+    prompt = (0, 5, 6, 7, 8, 9)
+    assert out.tokens == (b.model.pick(prompt, 6, 9),)
+    # Prompt KV may not follow generated KV: a chunk after a decode is refused.
+    blocking_step(b, 0, decode(2, drow(0, 6, (0, 1))))
+    with pytest.raises(KVCorruption, match="after generated"):
+        b.launch(1, prefill(3, StepRow(0, 0, (1,), 7, (0, 1))))
