@@ -173,6 +173,8 @@ def check_plan(plan: StepPlan, cap: Capacity, vocab_size: int, *,
 
     if not isinstance(plan, StepPlan) or not isinstance(plan.kind, StepKind):
         raise error(f"launch takes a StepPlan, got {plan!r}")
+    if _plan_ok(plan, cap, vocab_size):
+        return  # the common case: one pass, no messages built
     rows = plan.rows
     if not rows:
         raise bad("a step with no rows")
@@ -219,6 +221,38 @@ def check_plan(plan: StepPlan, cap: Capacity, vocab_size: int, *,
     if len(set(pages)) != len(pages):
         shared = sorted({p for p in pages if pages.count(p) > 1})  # only on the error path
         raise bad(f"pages {shared} shared with another row")
+    raise bad("refused by the contract's checks")  # _plan_ok and the checks above disagree
+
+
+def _plan_ok(plan: StepPlan, cap: Capacity, vocab_size: int) -> bool:
+    """Every check of ``check_plan`` at once, without naming the culprit: a
+    valid plan costs one pass over its rows (this runs on every launch, on
+    the host's share of the step). False sends ``check_plan`` through its
+    row-by-row checks, which name what is wrong."""
+    rows = plan.rows
+    n = len(rows)
+    if not 0 < n <= cap.max_rows:
+        return False
+    prefill = plan.kind is StepKind.PREFILL
+    total, pages = 0, []
+    for r in rows:
+        tokens, row_pages = r.tokens, r.pages
+        if (bool(tokens) is not prefill or r.position < 0
+                or r.position + (len(tokens) or 1) > min(cap.max_context, len(row_pages) * cap.page_size)
+                or (r.adapter_slot is not None and not 0 <= r.adapter_slot < cap.num_adapter_slots)
+                or type(r.sampling) is not SamplingParams):
+            return False
+        if tokens:
+            total += len(tokens)
+            if min(tokens) < 0 or max(tokens) >= vocab_size:
+                return False
+        pages.extend(row_pages)
+    slots = {r.row_slot for r in rows}
+    return (len({r.seq_id for r in rows}) == n and len(slots) == n
+            and min(slots) >= 0 and max(slots) < cap.max_seqs
+            and (not prefill or total <= cap.max_prefill_tokens)
+            and (not pages or (min(pages) >= 0 and max(pages) < cap.num_pages))
+            and len(set(pages)) == len(pages))
 
 
 def check_sample(sample: SamplePlan, plan: StepPlan, known_masks: Container[int], *,
