@@ -95,9 +95,9 @@ def _tensor_files(directory: Path) -> list[Path]:
     return files
 
 
-def _read_state(directory: Path) -> dict[str, torch.Tensor]:
+def _read_state(files: list[Path]) -> dict[str, torch.Tensor]:
     state = {}
-    for file in _tensor_files(directory):
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 key = name.removeprefix("model.")
@@ -135,6 +135,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float16,
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory")
+    files = _tensor_files(directory)       # before allocating a model
     config = MOONDREAM2
     config_file = directory / "config.json"
     if config_file.is_file():
@@ -144,7 +145,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float16,
     # Allocated once, in the target dtype: a float32 copy of moondream2
     # would be 7.5 GB. The checkpoint's tensors are cast as they copy in.
     model = model.to_empty(device=device).to(dtype)
-    load_state(model, _read_state(directory))
+    load_state(model, _read_state(files))
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
