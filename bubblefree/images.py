@@ -1,0 +1,150 @@
+"""Image input: whatever a caller hands us -> one RGB ``PIL.Image``.
+
+Accepted: a ``PIL.Image.Image``, a path (``str`` or ``os.PathLike``),
+encoded bytes (``bytes``, ``bytearray``, ``memoryview``), or an array with
+``__array_interface__`` (numpy): ``[H, W]``, ``[H, W, 1|3|4]`` of uint8,
+``[H, W]`` of bool, uint16 or float32.
+
+Normalized: EXIF orientation applied (a photo taken sideways is seen the
+way its viewer shows it); the first frame of an animation; transparency
+composited over white (what a viewer shows, not the colour hidden under
+transparent pixels); 16-bit grey scaled to 8 bits; 32-bit integer and
+float grey stretched from their range to 0..255; palette, CMYK and the
+other 8-bit modes converted by Pillow.
+
+Refused, with ``InvalidRequest`` naming ``image``: anything that is not an
+image, an empty or truncated file, a zero-size image, more than
+``max_pixels`` pixels (checked from the header, before decoding, so a
+decompression bomb costs nothing), a mode with no RGB meaning, non-finite
+float pixels. Pillow is imported here and nowhere in the core, and this
+module imports no numpy: arrays are read through their interface.
+"""
+
+from __future__ import annotations
+
+import array
+import io
+import math
+import os
+import warnings
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from bubblefree.core import InvalidRequest
+
+DEFAULT_MAX_PIXELS = 50_000_000
+
+_WHITE = (255, 255, 255)
+# Modes Pillow converts to RGB with their ordinary meaning.
+_DIRECT = {"RGB", "L", "1", "P", "CMYK", "YCbCr", "RGBX"}
+_ALPHA = {"RGBA", "LA", "PA", "RGBa", "La"}
+_SIXTEEN = {"I;16", "I;16L", "I;16B", "I;16N"}
+_WIDE = {"I", "F"}
+_ARRAY_KINDS = {("u1", 2), ("u1", 3), ("b1", 2), ("u2", 2), ("f4", 2)}
+
+
+def _refuse(reason: str, cause: BaseException | None = None) -> InvalidRequest:
+    error = InvalidRequest(f"image: {reason}")
+    error.__cause__ = cause
+    return error
+
+
+def _open_encoded(source, what: str) -> Image.Image:
+    try:
+        with warnings.catch_warnings():
+            # Our own max_pixels check replaces Pillow's warning threshold.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return Image.open(source)
+    except Image.DecompressionBombError as ex:
+        raise _refuse(f"{what} is too large to decode safely ({ex})", ex) from ex
+    except (UnidentifiedImageError, ValueError, SyntaxError) as ex:
+        raise _refuse(f"{what} is not an image Pillow can read", ex) from ex
+
+
+def _from_path(path) -> Image.Image:
+    name = os.fspath(path)
+    if not os.path.exists(name):
+        raise _refuse(f"no file at {name!r}")
+    if not os.path.isfile(name):
+        raise _refuse(f"{name!r} is not a file")
+    if os.path.getsize(name) == 0:
+        raise _refuse(f"{name!r} is empty")
+    with open(name, "rb") as f:
+        # Read whole, so the returned image holds no open file.
+        return _open_encoded(io.BytesIO(f.read()), f"the file {name!r}")
+
+
+def _from_bytes(data) -> Image.Image:
+    data = bytes(data)
+    if not data:
+        raise _refuse("empty bytes")
+    return _open_encoded(io.BytesIO(data), "the bytes")
+
+
+def _from_array(array) -> Image.Image:
+    face = array.__array_interface__
+    shape, kind = tuple(face["shape"]), face["typestr"][1:]
+    if len(shape) == 3 and shape[2] == 1:
+        array, shape = array.reshape(shape[:2]), shape[:2]
+    if (kind, len(shape)) not in _ARRAY_KINDS or (len(shape) == 3 and shape[2] not in (3, 4)):
+        raise _refuse(f"an array of shape {shape} and dtype {face['typestr']!r} is not an image; "
+                      "expected [H, W] or [H, W, 1|3|4] uint8, or [H, W] bool, uint16 or float32")
+    if 0 in shape:
+        raise _refuse(f"zero-size array {shape}")
+    try:
+        return Image.fromarray(array)
+    except (TypeError, ValueError) as ex:
+        raise _refuse(f"the array cannot be read as an image ({ex})", ex) from ex
+
+
+def _stretch(image: Image.Image) -> Image.Image:
+    """32-bit int or float grey -> L, mapping [min, max] onto [0, 255]."""
+    # getextrema skips NaN, so floats are checked one by one (F images are
+    # rare, and a linear pass costs far less than the model's forward).
+    if image.mode == "F" and not all(map(math.isfinite, array.array("f", image.tobytes()))):
+        raise _refuse("float pixels must be finite")
+    low, high = image.getextrema()
+    if high == low:
+        return Image.new("L", image.size, int(min(max(low, 0), 255)))
+    scale = 255.0 / (high - low)
+    return image.point(lambda v: v * scale - low * scale).convert("L")
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    mode = image.mode
+    if mode in _ALPHA or (mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", image.size, _WHITE + (255,))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if mode in _DIRECT:
+        return image.convert("RGB")
+    if mode in _SIXTEEN:
+        return image.convert("I").point(lambda v: v / 256).convert("L").convert("RGB")
+    if mode in _WIDE:
+        return _stretch(image).convert("RGB")
+    raise _refuse(f"unsupported image mode {mode!r}")
+
+
+def load_image(image, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """``image`` (see the module's docstring) -> a decoded RGB image."""
+    if isinstance(image, Image.Image):
+        opened = image
+    elif isinstance(image, (str, os.PathLike)):
+        opened = _from_path(image)
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        opened = _from_bytes(image)
+    elif hasattr(image, "__array_interface__"):
+        opened = _from_array(image)
+    else:
+        raise _refuse(f"expected a PIL image, a path, bytes or an array, got {type(image).__name__}")
+    width, height = opened.size
+    if width <= 0 or height <= 0:
+        raise _refuse(f"zero-size image {width}x{height}")
+    if width * height > max_pixels:
+        raise _refuse(f"{width}x{height} is {width * height} pixels, over the limit of {max_pixels}")
+    try:
+        opened.load()                       # decode now: a truncated file fails here
+        oriented = ImageOps.exif_transpose(opened)
+    except (OSError, SyntaxError, ValueError) as ex:
+        raise _refuse(f"cannot decode the image ({ex})", ex) from ex
+    return _to_rgb(oriented)

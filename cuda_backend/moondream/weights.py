@@ -1,0 +1,154 @@
+"""moondream2 from a local checkpoint directory, or with random weights.
+
+A checkpoint directory holds ``model.safetensors`` (or shards listed by
+``model.safetensors.index.json``), optionally ``config.json`` and
+``tokenizer.json``. Tensor names are this package's module paths, e.g.
+``vision.blocks.0.attn.qkv.weight``, ``text.wte``,
+``region.coord_features``, optionally under a ``model.`` prefix (the
+layout of the transformers-hosted moondream2, whose wrapper holds the
+network as ``model``). Every tensor must be present with its expected
+shape; a mismatch raises and names the tensor, rather than leaving random
+weights in a model that would then answer nonsense.
+
+``config.json`` may override shapes under ``"config"``, in moondream's own
+field names (``enc_dim``, ``enc_n_layers``, ...), which ``config_to_json``
+also writes. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from bubblefree.cuda_backend.moondream.config import (MOONDREAM2, MoondreamConfig, RegionConfig,
+                                                      TextConfig, TokenizerConfig, VisionConfig)
+from bubblefree.cuda_backend.moondream.model import Moondream
+
+# moondream's config field -> ours, per part; fields not listed are the same.
+_RENAMES = {
+    "vision": {"enc_dim": "dim", "enc_n_layers": "n_layers", "enc_n_heads": "n_heads",
+               "enc_ff_dim": "ff_dim", "enc_patch_size": "patch_size"},
+    "text": {}, "region": {}, "tokenizer": {},
+}
+_PARTS = {"vision": VisionConfig, "text": TextConfig, "region": RegionConfig,
+          "tokenizer": TokenizerConfig}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not hold a moondream2 this code can run."""
+
+
+def config_from_json(overrides: dict) -> MoondreamConfig:
+    parts = {}
+    for part, cls in _PARTS.items():
+        fields = {f.name for f in attrs.fields(cls)}
+        given, args = overrides.get(part, {}), {}
+        for key, value in given.items():
+            name = _RENAMES[part].get(key, key)
+            if name == "n_kv_heads":
+                if value != given.get("n_heads", MOONDREAM2.text.n_heads):
+                    raise CheckpointError("grouped key/value heads (n_kv_heads) are not supported")
+                continue
+            if name not in fields:
+                raise CheckpointError(f"config.json: unknown {part} field {key!r}")
+            args[name] = value
+        parts[part] = attrs.evolve(getattr(MOONDREAM2, part), **args)
+    return MoondreamConfig(**parts)
+
+
+def config_to_json(config: MoondreamConfig) -> dict:
+    out = {}
+    for part in ("vision", "text", "region"):
+        back = {ours: theirs for theirs, ours in _RENAMES[part].items()}
+        out[part] = {back.get(k, k): v for k, v in attrs.asdict(getattr(config, part)).items()}
+    out["tokenizer"] = {"bos_id": config.tokenizer.bos_id, "eos_id": config.tokenizer.eos_id}
+    return out
+
+
+def random_model(config: MoondreamConfig, seed: int = 0, std: float = 0.2,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Moondream:
+    """Random weights from ``seed``: normal(0, std) everywhere, LayerNorm
+    scales near 1 (a zero scale would hide bugs behind zeros)."""
+    generator = torch.Generator().manual_seed(seed)
+    model = Moondream(config)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, nn.LayerNorm)}
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.1 * noise if id(param) in norms else std * noise)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _tensor_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / s for s in shards]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors file in {directory}")
+    return files
+
+
+def _read_state(files: list[Path]) -> dict[str, torch.Tensor]:
+    state = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                key = name.removeprefix("model.")
+                if key in state:
+                    raise CheckpointError(f"tensor {key!r} appears twice")
+                state[key] = f.get_tensor(name)
+    return state
+
+
+def load_state(model: Moondream, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` into ``model``; every tensor present, known, same shape."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unknown = sorted(set(state) - set(expected))
+    if missing or unknown:
+        raise CheckpointError(f"checkpoint does not match moondream2: missing {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''}, unknown {unknown[:5]}"
+                              f"{' ...' if len(unknown) > 5 else ''}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(expected[name].shape)}")
+    model.load_state_dict(state, strict=True)
+
+
+@attrs.frozen
+class LoadedMoondream:
+    model: Moondream
+    config: MoondreamConfig
+    tokenizer: object | None     # a ``tokenizers.Tokenizer`` where tokenizer.json exists
+
+
+def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float16,
+                    device: str | torch.device = "cpu") -> LoadedMoondream:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory")
+    files = _tensor_files(directory)       # before allocating a model
+    config = MOONDREAM2
+    config_file = directory / "config.json"
+    if config_file.is_file():
+        config = config_from_json(json.loads(config_file.read_text()).get("config", {}))
+    with torch.device("meta"):
+        model = Moondream(config)
+    # Allocated once, in the target dtype: a float32 copy of moondream2
+    # would be 7.5 GB. The checkpoint's tensors are cast as they copy in.
+    model = model.to_empty(device=device).to(dtype)
+    load_state(model, _read_state(files))
+    tokenizer = None
+    if (directory / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    return LoadedMoondream(model=model.eval(), config=config,
+                           tokenizer=tokenizer)

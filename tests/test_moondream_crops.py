@@ -1,0 +1,91 @@
+"""Crops of odd image sizes: how many, where, and the feature grid's round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bubblefree.cuda_backend.moondream.config import MOONDREAM2
+from bubblefree.cuda_backend.moondream.image_crops import overlap_crops, plan_crops, reconstruct
+
+VISION = MOONDREAM2.vision
+
+# (width, height) -> (rows, cols), worked by hand from the rule: the
+# interior is the image less 2 x 56 px; 266 px per tile; <= 12 tiles.
+CASES = {
+    (1, 1): (1, 1),
+    (377, 379): (1, 1),      # interior 265 wide: one tile across, so one in all
+    (1000, 300): (1, 1),     # interior 188 high
+    (3000, 20): (1, 1),
+    (800, 600): (2, 4),      # needs 2 x 3; room for 2 x 4 at this aspect
+    (1000, 1000): (3, 3),    # needs 4 x 4 = 16 > 12: scaled by sqrt(12/16)
+    (3000, 400): (1, 8),     # needs 2 x 11 = 22 > 12: scaled by sqrt(12/22)
+    (1176, 644): (2, 4),     # exactly 2 x 4 tiles plus the margins
+}
+
+
+@pytest.mark.parametrize("size", list(CASES))
+def test_the_plan_tiles_the_resized_image_with_full_overlapping_windows(size):
+    width, height = size
+    plan = plan_crops(height, width, VISION)
+    rows, cols = CASES[size]
+    assert plan.tiling == (rows, cols)
+    assert plan.n_crops == rows * cols + 1 <= 13
+    assert plan.resized == (rows * 266 + 112, cols * 266 + 112)
+    assert plan.windows == tuple((i * 266, i * 266 + 378, j * 266, j * 266 + 378)
+                                 for i in range(rows) for j in range(cols))
+    # Neighbours share 2 x 56 px; the last window ends on the image's edge.
+    assert plan.windows[-1][1] == plan.resized[0] and plan.windows[-1][3] == plan.resized[1]
+
+
+@pytest.mark.parametrize("size", [(1, 1), (377, 379), (3000, 20)])
+def test_crops_of_odd_sizes_are_full_squares(size):
+    image = Image.new("RGB", size, (200, 10, 30))
+    crops, plan = overlap_crops(image, VISION)
+    assert crops.shape == (2, 378, 378, 3) and crops.dtype == torch.uint8
+    assert plan.tiling == (1, 1)
+    assert torch.equal(crops[:, 189, 189], torch.tensor([[200, 10, 30]] * 2, dtype=torch.uint8))
+
+
+def test_crops_cut_their_windows_out_of_an_image_already_at_the_resized_size():
+    pixels = np.random.default_rng(0).integers(0, 256, (644, 1176, 3), dtype=np.uint8)
+    crops, plan = overlap_crops(Image.fromarray(pixels), VISION)
+    assert plan.resized == (644, 1176) and crops.shape == (9, 378, 378, 3)
+    for k, (y0, y1, x0, x1) in enumerate(plan.windows):
+        assert np.array_equal(crops[k + 1].numpy(), pixels[y0:y1, x0:x1])
+
+
+def test_overlap_crops_refuses_a_non_rgb_image():
+    with pytest.raises(ValueError, match="RGB"):
+        overlap_crops(Image.new("L", (10, 10)), VISION)
+
+
+@pytest.mark.parametrize("size", list(CASES))
+def test_reconstruction_of_a_known_grid_round_trips(size):
+    width, height = size
+    plan = plan_crops(height, width, VISION)
+    rows, cols = plan.tiling
+    # A feature grid with a distinct value in every cell and channel.
+    grid = torch.arange((rows * 19 + 8) * (cols * 19 + 8) * 2, dtype=torch.float32)
+    grid = grid.reshape(rows * 19 + 8, cols * 19 + 8, 2)
+    # Each crop sees its pixel window, in patches.
+    local = torch.stack([grid[y0 // 14:y1 // 14, x0 // 14:x1 // 14]
+                         for y0, y1, x0, x1 in plan.windows])
+    assert local.shape == (rows * cols, 27, 27, 2)
+    assert torch.equal(reconstruct(local, plan.tiling, 4), grid)
+
+
+def test_reconstruction_takes_each_cell_from_the_crop_that_owns_it():
+    # Crop k filled with k: the owner of each cell is visible in the output.
+    local = torch.arange(6, dtype=torch.float32).reshape(6, 1, 1, 1).expand(6, 27, 27, 1)
+    out = reconstruct(local, (2, 3), 4)[..., 0]                            # [46, 65]
+    assert out.shape == (46, 65)
+    assert out[0, 0] == 0 and out[22, 22] == 0 and out[22, 23] == 1 and out[23, 0] == 3
+    assert out[45, 64] == 5 and out[0, 42] == 2 and out[0, 41] == 1
+
+
+def test_reconstruction_refuses_the_wrong_number_of_crops():
+    with pytest.raises(ValueError, match="expected 6"):
+        reconstruct(torch.zeros(5, 27, 27, 1), (2, 3), 4)
