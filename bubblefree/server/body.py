@@ -26,7 +26,11 @@ async def read_json(request: Request) -> "Fields":
     except ClientDisconnect:
         raise ApiError(400, "body: the client left before sending the whole body", "body") from None
     try:
-        value = json.loads(raw, parse_constant=_refuse_constant)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ApiError(400, f"body: not UTF-8 ({err.reason} at byte {err.start})", "body") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as err:
         raise ApiError(400, f"body: not valid JSON ({err})", "body") from None
     if not isinstance(value, dict):

@@ -38,13 +38,18 @@ class Text:
     stopped: bool  # a stop string ended it
 
 
-def start(served: Served, begin: Callable[[], Run]) -> tuple[Run, Ticket]:
+def start(served: Served, begin: Callable[[], Run], names: dict[str, str] | None = None) -> tuple[Run, Ticket]:
+    """Admit and submit. ``names`` maps the engine's field names to the
+    client's (Moondream's ``max_tokens`` sits in ``settings``)."""
     ticket = served.admission.enter()
     try:
         return begin(), ticket
     except InvalidRequest as err:
         ticket.leave()
-        raise ApiError(422, str(err), field_of(str(err))) from None
+        message, field = str(err), field_of(str(err))
+        if field in (names or {}):
+            message, field = names[field] + message[len(field):], names[field]
+        raise ApiError(422, message, field) from None
     except EngineStopped as err:
         ticket.leave()
         raise ApiError(503, f"engine: {err}", "engine") from None
@@ -54,10 +59,10 @@ def start(served: Served, begin: Callable[[], Run]) -> tuple[Run, Ticket]:
 
 
 async def complete(served: Served, request: Request, begin: Callable[[], Run],
-                   stops: tuple[str, ...] = ()) -> Text:
+                   stops: tuple[str, ...] = (), names: dict[str, str] | None = None) -> Text:
     """Run to the end and return the text. Raises ``ClientGone`` if the client
     left (the request is cancelled), 504 past the deadline."""
-    run, ticket = start(served, begin)
+    run, ticket = start(served, begin, names)
     try:
         return await watched(request.receive, _collect(run, stops), served.settings.request_timeout_s)
     finally:

@@ -26,6 +26,8 @@ from bubblefree.server.flow import ClientGone, Served
 from bubblefree.server.images import check_image
 from bubblefree.server.runs import Run, run_skill
 
+SETTINGS_NAMES = {"max_tokens": "settings.max_tokens"}  # the engine's name, and the client's
+
 
 def router(served: Served) -> APIRouter:
     api = APIRouter(prefix="/v1")
@@ -64,12 +66,12 @@ async def _text_skill(served: Served, request: Request, body: Fields, skill: str
         return run_skill(served.engine, skill, max_tokens=max_tokens, sampling=sampling, **args)
 
     if stream:
-        run, ticket = flow.start(served, begin)
+        run, ticket = flow.start(served, begin, SETTINGS_NAMES)
         return flow.stream(served, run, ticket, _chunks(run),
                            lambda: [_failure(504, f"request: not finished within "
                                                   f"{served.settings.request_timeout_s:g} s; cancelled")])
     try:
-        done = await flow.complete(served, request, begin)
+        done = await flow.complete(served, request, begin, names=SETTINGS_NAMES)
     except ClientGone:
         return flow.gone()
     return JSONResponse({key: done.run.handle.output(0)[key], "request_id": str(done.run.handle.request_id)})
