@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Iterator
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -119,6 +119,16 @@ class Fields:
         if self._values:
             names = ", ".join(sorted(self.name(k) for k in self._values))
             raise ApiError(422, f"{names}: unknown field(s)", self.name(sorted(self._values)[0]))
+
+
+def each_object(items: list[Any], where: str) -> Iterator[tuple[str, Fields]]:
+    """Each element of an array of objects as ``(its name, its Fields)``;
+    an element that is not an object is refused by its name."""
+    for i, item in enumerate(items):
+        name = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(422, f"{name}: must be an object, got {_kind(item)}", name)
+        yield name, Fields(item, prefix=f"{name}.")
 
 
 def _kind(value: Any) -> str:

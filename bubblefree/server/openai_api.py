@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from bubblefree.engine import RequestFailed
 from bubblefree.server import flow
-from bubblefree.server.body import Fields, read_json, sampling_params
+from bubblefree.server.body import Fields, each_object, read_json, sampling_params
 from bubblefree.server.errors import ApiError, error_body
 from bubblefree.server.flow import ClientGone, Served
 from bubblefree.server.images import check_image
@@ -75,11 +75,7 @@ def _messages(body: Fields, served: Served) -> list[tuple[str, str]]:
     if not messages:
         raise body.refuse("messages", "must hold at least one message")
     out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise ApiError(422, f"{where}: must be an object", where)
-        fields = Fields(message, prefix=f"{where}.")
+    for where, fields in each_object(messages, "messages"):
         role = fields.text("role")
         if role not in ROLES:
             raise fields.refuse("role", f"must be one of {', '.join(ROLES)}, got {role!r}")
@@ -96,11 +92,7 @@ def _content(content: Any, where: str, served: Served) -> str:
     if not isinstance(content, list):
         raise ApiError(422, f"{where}.content: must be a string or an array of parts", f"{where}.content")
     texts = []
-    for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
-        if not isinstance(part, dict):
-            raise ApiError(422, f"{at}: must be an object", at)
-        fields = Fields(part, prefix=f"{at}.")
+    for at, fields in each_object(content, f"{where}.content"):
         kind = fields.text("type")
         if kind == "text":
             texts.append(fields.text("text"))
