@@ -1,0 +1,65 @@
+"""The app: both APIs, health and stats, behind the guard.
+
+``create_app(engine, settings)`` builds it around any ``Engine`` (tests use
+one on the fake backend); ``bubblefree serve`` builds one around a loaded
+model. The app does not own the engine: closing it is the caller's.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from bubblefree.core import InvalidRequest
+from bubblefree.engine import Engine
+from bubblefree.server import moondream_api, openai_api
+from bubblefree.server.admission import Admission
+from bubblefree.server.errors import ApiError, error_body, field_of, on_api_error, on_http_error
+from bubblefree.server.flow import Served
+from bubblefree.server.guard import Guard
+from bubblefree.server.observe import Observer
+from bubblefree.server.settings import ServerSettings
+
+
+def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    admission = Admission(settings.max_live, settings.retry_after_s)
+    observer = Observer(engine, admission)
+    # A text model for now; a vision engine will say so itself.
+    served = Served(engine, settings, admission, observer, bool(getattr(engine, "takes_images", False)))
+    app = FastAPI(title="bubblefree", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.served = served
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(InvalidRequest, _on_invalid)
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_middleware(Guard, settings=settings, observer=observer)
+    app.include_router(moondream_api.router(served))
+    app.include_router(openai_api.router(served))
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": settings.model_name}
+
+    @app.get("/v1/stats")
+    async def stats() -> dict:
+        return observer.stats()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(observer.prometheus(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _on_invalid(request: Request, err: InvalidRequest) -> JSONResponse:
+    return JSONResponse(error_body(422, str(err), field_of(str(err))), 422)
+
+
+async def _on_validation(request: Request, err: RequestValidationError) -> JSONResponse:
+    first = err.errors()[0] if err.errors() else {}
+    field = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
+    return JSONResponse(error_body(422, f"{field}: {first.get('msg', 'invalid')}", field), 422)

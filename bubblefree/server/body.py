@@ -1,0 +1,147 @@
+"""A request's JSON body read and checked field by field.
+
+The body is read by hand rather than through pydantic models: every
+refusal must name the field and say what was wrong in the words the error
+table in docs/server.md uses, and a body over the size limit must stop
+being read at the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterator
+
+from starlette.requests import ClientDisconnect, Request
+
+from bubblefree.core import InvalidRequest, SamplingParams
+from bubblefree.server.errors import ApiError
+
+MISSING = object()  # a field the body does not have (null is a value)
+
+
+async def read_json(request: Request) -> "Fields":
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ApiError(400, "body: the client left before sending the whole body", "body") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ApiError(400, f"body: not UTF-8 ({err.reason} at byte {err.start})", "body") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as err:
+        raise ApiError(400, f"body: not valid JSON ({err})", "body") from None
+    if not isinstance(value, dict):
+        raise ApiError(422, f"body: must be a JSON object, got {type(value).__name__}", "body")
+    return Fields(value)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+class Fields:
+    """The body's fields, taken one by one; ``done()`` refuses the rest."""
+
+    MISSING = MISSING
+
+    def __init__(self, values: dict[str, Any], prefix: str = ""):
+        self._values = dict(values)
+        self._prefix = prefix
+
+    def name(self, field: str) -> str:
+        return f"{self._prefix}{field}"
+
+    def refuse(self, field: str, problem: str, status: int = 422) -> ApiError:
+        return ApiError(status, f"{self.name(field)}: {problem}", self.name(field))
+
+    def raw(self, field: str) -> Any:
+        return self._values.pop(field, MISSING)
+
+    def text(self, field: str, default: Any = MISSING) -> Any:
+        value = self.raw(field)
+        if value is MISSING or (value is None and default is not MISSING):
+            if default is MISSING:
+                raise self.refuse(field, "is required")
+            return default
+        if not isinstance(value, str):
+            raise self.refuse(field, f"must be a string, got {_kind(value)}")
+        return value
+
+    def flag(self, field: str, default: bool = False) -> bool:
+        value = self.raw(field)
+        if value is MISSING or value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.refuse(field, f"must be true or false, got {_kind(value)}")
+        return value
+
+    def integer(self, field: str, low: int, default: Any = None) -> Any:
+        value = self.raw(field)
+        if value is MISSING or value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.refuse(field, f"must be an integer, got {_kind(value)}")
+        if value < low:
+            raise self.refuse(field, f"must be >= {low}, got {value}")
+        return value
+
+    def number(self, field: str, default: Any = None) -> Any:
+        """A finite number; its range is the engine's to check (it names it)."""
+        value = self.raw(field)
+        if value is MISSING or value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.refuse(field, f"must be a number, got {_kind(value)}")
+        if not math.isfinite(value):
+            raise self.refuse(field, f"must be finite, got {value!r}")
+        return value
+
+    def nested(self, field: str) -> "Fields | None":
+        value = self.raw(field)
+        if value is MISSING or value is None:
+            return None
+        if not isinstance(value, dict):
+            raise self.refuse(field, f"must be an object, got {_kind(value)}")
+        return Fields(value, prefix=f"{self.name(field)}.")
+
+    def items(self, field: str) -> list[Any]:
+        value = self.raw(field)
+        if value is MISSING:
+            raise self.refuse(field, "is required")
+        if not isinstance(value, list):
+            raise self.refuse(field, f"must be an array, got {_kind(value)}")
+        return value
+
+    def done(self) -> None:
+        if self._values:
+            names = ", ".join(sorted(self.name(k) for k in self._values))
+            raise ApiError(422, f"{names}: unknown field(s)", self.name(sorted(self._values)[0]))
+
+
+def each_object(items: list[Any], where: str) -> Iterator[tuple[str, Fields]]:
+    """Each element of an array of objects as ``(its name, its Fields)``;
+    an element that is not an object is refused by its name."""
+    for i, item in enumerate(items):
+        name = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(422, f"{name}: must be an object, got {_kind(item)}", name)
+        yield name, Fields(item, prefix=f"{name}.")
+
+
+def _kind(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def sampling_params(values: dict[str, Any], prefix: str) -> SamplingParams:
+    """``SamplingParams`` with the engine's range checks, the field named as
+    the client spelled it (``settings.temperature``, ``temperature``)."""
+    try:
+        return SamplingParams.of(values)
+    except InvalidRequest as err:
+        message = str(err).replace("sampling.", prefix, 1)
+        param = message.partition(":")[0]
+        raise ApiError(422, message, param) from None

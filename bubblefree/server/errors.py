@@ -1,0 +1,53 @@
+"""Every refusal as one JSON shape, OpenAI's: ``{"error": {"message", "type",
+"param", "code"}}``. Both clients read it: OpenAI's parses it into its
+exception, Moondream's raises ``HTTPError`` carrying it.
+
+``param`` names the field at fault, so a caller can fix the request without
+reading the server's logs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error",
+          429: "rate_limit_error", 504: "timeout_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                      "param": param, "code": status}}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param), err.status, err.headers)
+
+
+def field_of(message: str) -> str | None:
+    """The field an ``InvalidRequest`` names: its messages start ``field: ...``."""
+    head, sep, _ = message.partition(":")
+    return head if sep and head and " " not in head else None
+
+
+async def on_api_error(request: Request, err: ApiError) -> JSONResponse:
+    return error_response(err)
+
+
+async def on_http_error(request: Request, err: Any) -> JSONResponse:
+    """Starlette's own refusals (no such route, wrong method) in the same shape."""
+    status = getattr(err, "status_code", 500)
+    message = {404: f"no route {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(status, str(err.detail))
+    return JSONResponse(error_body(status, message), status, getattr(err, "headers", None))

@@ -1,0 +1,103 @@
+"""One generation request's life, shared by both APIs: admitted (or 429),
+submitted (an ``InvalidRequest`` is a 422 naming its field), then read to
+the end or streamed, raced against the client leaving and the deadline.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Callable
+
+import attrs
+from starlette.requests import Request
+from starlette.responses import Response
+
+from bubblefree.core import InvalidRequest
+from bubblefree.engine import Engine, EngineStopped, RequestFailed
+from bubblefree.server.admission import Admission, Ticket
+from bubblefree.server.errors import ApiError, field_of
+from bubblefree.server.observe import Observer
+from bubblefree.server.runs import Run
+from bubblefree.server.settings import ServerSettings
+from bubblefree.server.stops import StopText
+from bubblefree.server.watch import ClientGone, EventStream, watched
+
+
+@attrs.define
+class Served:
+    engine: Engine
+    settings: ServerSettings
+    admission: Admission
+    observer: Observer
+    takes_images: bool = False
+
+
+@attrs.define
+class Text:
+    run: Run
+    text: str
+    stopped: bool  # a stop string ended it
+
+
+def start(served: Served, begin: Callable[[], Run], names: dict[str, str] | None = None) -> tuple[Run, Ticket]:
+    """Admit and submit. ``names`` maps the engine's field names to the
+    client's (Moondream's ``max_tokens`` sits in ``settings``)."""
+    ticket = served.admission.enter()
+    try:
+        return begin(), ticket
+    except InvalidRequest as err:
+        ticket.leave()
+        message, field = str(err), field_of(str(err))
+        if field in (names or {}):
+            message, field = names[field] + message[len(field):], names[field]
+        raise ApiError(422, message, field) from None
+    except EngineStopped as err:
+        ticket.leave()
+        raise ApiError(503, f"engine: {err}", "engine") from None
+    except BaseException:
+        ticket.leave()
+        raise
+
+
+async def complete(served: Served, request: Request, begin: Callable[[], Run],
+                   stops: tuple[str, ...] = (), names: dict[str, str] | None = None) -> Text:
+    """Run to the end and return the text. Raises ``ClientGone`` if the client
+    left (the request is cancelled), 504 past the deadline."""
+    run, ticket = start(served, begin, names)
+    try:
+        return await watched(request.receive, _collect(run, stops), served.settings.request_timeout_s)
+    finally:
+        ticket.leave()
+        served.observer.tokens(run.prompt_tokens, run.completion_tokens)
+
+
+async def _collect(run: Run, stops: tuple[str, ...]) -> Text:
+    stop, parts = StopText(stops), []
+    try:
+        async for piece in run.pieces:
+            parts.append(stop.push(piece))
+            if stop.stopped:
+                break
+    except RequestFailed as err:
+        raise ApiError(500, f"request: {err.result.finish_reason}", "request") from None
+    finally:
+        await run.pieces.aclose()  # type: ignore[attr-defined]  # a stop cancels the rest
+    parts.append(stop.flush())
+    return Text(run, "".join(parts), stop.stopped)
+
+
+def stream(served: Served, run: Run, ticket: Ticket, events: AsyncIterator[Any],
+           on_timeout: Callable[[], list[Any]]) -> EventStream:
+    def on_end() -> None:
+        ticket.leave()
+        if not run.handle.done:
+            run.handle.cancel()
+        served.observer.tokens(run.prompt_tokens, run.completion_tokens)
+    return EventStream(events, served.settings.request_timeout_s, on_timeout, on_end)
+
+
+def gone() -> Response:
+    """The answer to a client that left: nobody reads it; the count records it."""
+    return Response(status_code=499)
+
+
+__all__ = ["ClientGone", "Served", "Text", "complete", "gone", "start", "stream"]

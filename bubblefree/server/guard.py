@@ -1,0 +1,85 @@
+"""The checks every HTTP request passes before a route sees it: the API key
+and the body size; and the count of answers by route and status.
+
+A pure ASGI middleware, so a body over the limit is refused from its
+``Content-Length`` before any of it is read, and one that lies about its
+length (or sends none) stops being read at the limit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from bubblefree.server.errors import ApiError, error_body
+from bubblefree.server.observe import Observer
+from bubblefree.server.settings import ServerSettings
+
+OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe carries no key
+CLIENT_GONE = 499  # recorded for a request whose client left before its answer
+
+
+class Guard:
+    def __init__(self, app: ASGIApp, settings: ServerSettings, observer: Observer):
+        self.app, self.settings, self.observer = app, settings, observer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, answered = scope["path"], []
+
+        async def counted_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and not answered:
+                answered.append(message["status"])
+                self.observer.answered(path, message["status"])
+            await send(message)
+
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await _respond(refusal, counted_send)
+            return
+        try:
+            await self.app(scope, self._limited(receive), counted_send)
+        finally:
+            if not answered:
+                self.observer.answered(path, CLIENT_GONE)
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        key = self.settings.api_key
+        if key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get("x-moondream-auth") or headers.get("authorization", "").removeprefix("Bearer ")
+            if not hmac.compare_digest(given.strip().encode(), key.encode()):
+                return ApiError(401, "api key: missing or wrong; send Authorization: Bearer <key>",
+                                "authorization", headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.settings.max_body_bytes:
+            return _too_large(self.settings.max_body_bytes)
+        return None
+
+    def _limited(self, receive: Receive) -> Receive:
+        limit, seen = self.settings.max_body_bytes, [0]
+
+        async def limited() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > limit:
+                    raise _too_large(limit)  # raised inside the route's body read: answered as 413
+            return message
+        return limited
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"body: larger than this server's limit of {limit} bytes", "body")
+
+
+async def _respond(err: ApiError, send: Send) -> None:
+    body = json.dumps(error_body(err.status, err.message, err.param)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

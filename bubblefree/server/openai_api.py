@@ -1,0 +1,208 @@
+"""OpenAI's routes: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``, in the shapes its Python client parses.
+
+A conversation becomes one prompt (the model's chat template where it has
+one); a completion's prompt is encoded as it is. Streams are server-sent
+events, ``data: {chunk}`` lines closed by ``data: [DONE]``. ``stop`` strings
+end the answer where one appears, trimmed off, streamed or not.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator, Callable
+
+import attrs
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from bubblefree.engine import RequestFailed
+from bubblefree.server import flow
+from bubblefree.server.body import Fields, each_object, read_json, sampling_params
+from bubblefree.server.errors import ApiError, error_body
+from bubblefree.server.flow import ClientGone, Served
+from bubblefree.server.images import check_image
+from bubblefree.server.runs import Run, chat_prompt, finish_reason, run_prompt
+from bubblefree.server.stops import StopText
+
+ROLES = ("system", "user", "assistant")
+
+
+@attrs.frozen
+class Ask:
+    """A checked request of either kind."""
+
+    prompt: list[int]
+    max_tokens: int | None
+    sampling: Any
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def router(served: Served) -> APIRouter:
+    api = APIRouter(prefix="/v1")
+
+    @api.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served.settings.model_name, "object": "model",
+                                            "created": 0, "owned_by": "bubblefree"}]}
+
+    @api.post("/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await read_json(request)
+        messages = _messages(body, served)
+        ask = _ask(body, chat_prompt(served.engine.skills.tokenizer, messages))
+        return await _answer(served, request, ask, "chat.completion", _chat_choice)
+
+    @api.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = await read_json(request)
+        prompt = body.raw("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise body.refuse("prompt", "must be a non-empty string (one prompt a request)")
+        ask = _ask(body, served.engine.skills.tokenizer.encode(prompt))
+        return await _answer(served, request, ask, "text_completion", _text_choice)
+
+    return api
+
+
+def _messages(body: Fields, served: Served) -> list[tuple[str, str]]:
+    messages = body.items("messages")
+    if not messages:
+        raise body.refuse("messages", "must hold at least one message")
+    out = []
+    for where, fields in each_object(messages, "messages"):
+        role = fields.text("role")
+        if role not in ROLES:
+            raise fields.refuse("role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+        content = fields.raw("content")
+        fields.text("name", None)
+        fields.done()
+        out.append((role, _content(content, where, served)))
+    return out
+
+
+def _content(content: Any, where: str, served: Served) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(422, f"{where}.content: must be a string or an array of parts", f"{where}.content")
+    texts = []
+    for at, fields in each_object(content, f"{where}.content"):
+        kind = fields.text("type")
+        if kind == "text":
+            texts.append(fields.text("text"))
+        elif kind == "image_url":
+            image = fields.nested("image_url")
+            url = image.raw("url") if image is not None else None
+            check_image(url, f"{at}.image_url.url", served.takes_images)
+        else:
+            raise fields.refuse("type", f"must be text or image_url, got {kind!r}")
+    return "".join(texts)
+
+
+def _ask(body: Fields, prompt: list[int]) -> Ask:
+    body.text("model", None)  # one model per server: any name is this one
+    body.text("user", None)
+    max_tokens = body.integer("max_tokens", 1)
+    newer = body.integer("max_completion_tokens", 1)
+    max_tokens = newer if newer is not None else max_tokens
+    n = body.integer("n", 1, 1)
+    if n != 1:
+        raise body.refuse("n", f"this server gives one choice a request, got {n}")
+    values = {k: v for k in ("temperature", "top_p") if (v := body.number(k)) is not None}
+    seed = body.integer("seed", 0)
+    if seed is not None:
+        values["seed"] = seed
+    stops = _stops(body)
+    stream = body.flag("stream")
+    options = body.nested("stream_options")
+    include_usage = options.flag("include_usage") if options is not None else False
+    if options is not None:
+        options.done()
+    body.done()
+    return Ask(prompt, max_tokens, sampling_params(values, ""), stops, stream, include_usage)
+
+
+def _stops(body: Fields) -> tuple[str, ...]:
+    stop = body.raw("stop")
+    if stop is Fields.MISSING or stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(
+            isinstance(s, str) and s for s in stops):
+        raise body.refuse("stop", "must be a non-empty string or an array of 1 to 4 of them")
+    return tuple(stops)
+
+
+Choice = Callable[[str, str | None, bool], dict]
+
+
+def _chat_choice(text: str, reason: str | None, delta: bool) -> dict:
+    key = "delta" if delta else "message"
+    content = {"content": text} if delta else {"role": "assistant", "content": text}
+    return {"index": 0, key: content, "finish_reason": reason, "logprobs": None}
+
+
+def _text_choice(text: str, reason: str | None, delta: bool) -> dict:
+    return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+
+
+async def _answer(served: Served, request: Request, ask: Ask, kind: str, choice: Choice) -> Response:
+    def begin() -> Run:
+        return run_prompt(served.engine, ask.prompt, ask.max_tokens, ask.sampling)
+
+    if ask.stream:
+        run, ticket = flow.start(served, begin)
+        head = _head(run, kind + (".chunk" if kind == "chat.completion" else ""), served)
+        timeout = [error_body(504, f"request: not finished within {served.settings.request_timeout_s:g} s; "
+                                   "cancelled", "request"), "[DONE]"]
+        return flow.stream(served, run, ticket, _chunks(run, ask, head, choice), lambda: timeout)
+    try:
+        done = await flow.complete(served, request, begin, ask.stops)
+    except ClientGone:
+        return flow.gone()
+    return JSONResponse({**_head(done.run, kind, served),
+                         "choices": [choice(done.text, finish_reason(done.run, done.stopped), False)],
+                         "usage": _usage(done.run)})
+
+
+async def _chunks(run: Run, ask: Ask, head: dict, choice: Choice) -> AsyncIterator[Any]:
+    stop = StopText(ask.stops)
+    if choice is _chat_choice:  # the first chunk names the role, as OpenAI's does
+        yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None, "logprobs": None}]}
+    try:
+        async for piece in run.pieces:
+            text = stop.push(piece)
+            if text:
+                yield {**head, "choices": [choice(text, None, True)]}
+            if stop.stopped:
+                break
+    except RequestFailed as err:
+        yield error_body(500, f"request: {err.result.finish_reason}", "request")
+        yield "[DONE]"
+        return
+    finally:
+        await run.pieces.aclose()  # type: ignore[attr-defined]  # a stop cancels the rest
+    if tail := stop.flush():
+        yield {**head, "choices": [choice(tail, None, True)]}
+    yield {**head, "choices": [choice("", finish_reason(run, stop.stopped), True)]}
+    if ask.include_usage:
+        yield {**head, "choices": [], "usage": _usage(run)}
+    yield "[DONE]"
+
+
+def _head(run: Run, kind: str, served: Served) -> dict:
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    return {"id": f"{prefix}-{run.handle.request_id}", "object": kind, "created": int(time.time()),
+            "model": served.settings.model_name}
+
+
+def _usage(run: Run) -> dict:
+    prompt, completion = run.prompt_tokens, run.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,87 @@
+"""Engine requests as the routes use them: submitted, read as text pieces
+on the server's event loop, cancelled when the reader stops.
+
+Moondream's routes call a skill through ``Engine.submit``. OpenAI's routes
+carry a whole prompt (a conversation, or raw text for completions), which no
+skill frames: the request is the ``query`` skill's (its free-text mask, its
+finisher) with the prompt and the token budget replaced, checked against
+the model's room the way the skills check theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+import attrs
+
+from bubblefree.core import InvalidRequest, SamplingParams
+from bubblefree.engine import Engine
+from bubblefree.handle import Handle
+from bubblefree.streams import AsyncTextStream
+
+DEFAULT_MAX_TOKENS = 512  # the query skill's own default
+
+
+@attrs.define
+class Run:
+    handle: Handle
+    pieces: AsyncIterator[str]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.handle.request.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        stop_ids = self.handle.request.stop_ids
+        return sum(1 for t in self.handle.tokens if t not in stop_ids)
+
+
+def run_skill(engine: Engine, skill: str, **args: Any) -> Run:
+    stream = AsyncTextStream(asyncio.get_running_loop(), engine.skills.tokenizer)
+    handle = engine.submit(skill, listener=stream.listener, **args)
+    return Run(handle, stream.run(handle))
+
+
+def run_prompt(engine: Engine, prompt: list[int], max_tokens: int | None, sampling: dict) -> Run:
+    cap = engine.core.backend.capacity
+    room = min(cap.max_context - len(prompt), cap.num_pages * cap.page_size - len(prompt) + 1)
+    if room < 1:
+        raise InvalidRequest(f"prompt: is {len(prompt)} tokens; the model's max_context is {cap.max_context}")
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    elif max_tokens > room:
+        raise InvalidRequest(f"max_tokens: {max_tokens} after a {len(prompt)}-token prompt exceeds "
+                             f"the room of {room} tokens (max_context {cap.max_context})")
+    base = engine.skills.request("query", question="-", sampling=SamplingParams.of(sampling),
+                                 max_tokens=1)
+    request = attrs.evolve(base, prompt=tuple(prompt), max_tokens=max_tokens)
+    stream = AsyncTextStream(asyncio.get_running_loop(), engine.skills.tokenizer)
+    (handle,) = engine.loop.submit_all([(request, stream.listener)])
+    return Run(handle, stream.run(handle))
+
+
+def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]]) -> list[int]:
+    """A conversation as prompt ids: through the model's chat template where
+    it has one; otherwise in the Question/Answer frame the skills use."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None and getattr(hf, "chat_template", None):
+        ids = hf.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                     add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # a BatchEncoding in newer releases
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    if len(messages) == 1 and messages[0][0] == "user":
+        question = messages[0][1]
+        return tokenizer.prompt(f"\n\nQuestion: {question}\n\nAnswer:", question)
+    turns = {"system": "{}", "user": "\n\nQuestion: {}", "assistant": "\n\nAnswer: {}"}
+    frame = "".join(turns[role].format(text) for role, text in messages) + "\n\nAnswer:"
+    return tokenizer.encode(frame)
+
+
+def finish_reason(run: Run, stopped: bool) -> str:
+    """OpenAI's words: "length" when the budget ran out, else "stop"."""
+    if stopped:  # a stop string ended it; the cancel that follows may still be on its way
+        return "stop"
+    return "length" if run.handle.result(0).finish_reason == "length" else "stop"

@@ -1,0 +1,91 @@
+"""A request's work raced against its client leaving and its deadline.
+
+Starlette notices a client that left only when it next writes, which for a
+request waiting on a long prefill or a full queue may be never; the engine
+would decode for nobody. Here the work runs as a task beside one that waits
+for ``http.disconnect``: whichever ends first decides. Cancelling the work
+task cancels the engine request (the serving layer cancels on abandonment),
+so its KV pages come back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from bubblefree.server.errors import ApiError
+
+
+class ClientGone(Exception):
+    """The client disconnected; nobody is left to answer."""
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def watched(receive: Receive, work: Awaitable[Any], timeout: float) -> Any:
+    """``await work``, cancelled when the client leaves (``ClientGone``) or
+    after ``timeout`` seconds (504)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if not task.cancelled() and task.done():
+        return task.result()
+    if gone.done() and not gone.cancelled():
+        raise ClientGone()
+    raise ApiError(504, f"request: not finished within {timeout:g} s; cancelled", "request")
+
+
+class EventStream(Response):
+    """Server-sent events from ``events`` (dicts, or ``"[DONE]"``), with the
+    same race: a client that leaves cancels the stream (and so the engine
+    request); a deadline ends it with ``on_timeout()``'s events. ``on_end``
+    runs once, however the stream ended."""
+
+    def __init__(self, events: AsyncIterator[Any], timeout: float,
+                 on_timeout: Callable[[], list[Any]], on_end: Callable[[], None]):
+        # A Response only so that FastAPI hands it on untouched; it writes itself.
+        self.status_code, self.background = 200, None
+        self.events, self.timeout = events, timeout
+        self.on_timeout, self.on_end = on_timeout, on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+            try:
+                await watched(receive, self._pump(send), self.timeout)
+            except ApiError:  # the deadline: say so in the stream, then end it
+                for event in self.on_timeout():
+                    await send(_frame(event))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (ClientGone, OSError):
+            pass  # nobody to write to; the engine request is already cancelled
+        finally:
+            with contextlib.suppress(Exception):
+                await self.events.aclose()  # type: ignore[attr-defined]
+            self.on_end()
+
+    async def _pump(self, send: Send) -> None:
+        async for event in self.events:
+            await send(_frame(event))
+
+
+def _frame(event: Any) -> dict:
+    data = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
+    return {"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True}

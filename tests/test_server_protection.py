@@ -1,0 +1,145 @@
+"""The server under clients that leave, too many requests, slow requests,
+wrong keys and oversized or cut bodies: each gets its answer, the engine's
+pages come back, and the server keeps serving."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from server_support import fake_engine, serving
+
+SLOW = {"script": ("cat",), "endless": True, "delay_s": 0.01}  # ~10 ms a token, never ends by itself
+QUERY = {"question": "what", "settings": {"max_tokens": 200}}
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/v1/stats").json()
+
+
+def wait_for(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def pages_back(url: str) -> bool:
+    s = stats(url)
+    return s["kv_pages"]["free"] == s["kv_pages"]["total"] and s["live_requests"] == 0
+
+
+@pytest.fixture
+def slow():
+    engine = fake_engine(**SLOW)
+    yield engine
+    engine.close()
+
+
+def test_a_streaming_client_that_leaves_frees_its_pages(slow):
+    with serving(slow) as url:
+        with httpx.Client(timeout=10) as client:
+            with client.stream("POST", f"{url}/v1/query", json={**QUERY, "stream": True}) as reply:
+                lines = reply.iter_lines()
+                assert next(lines).startswith("data: ")
+                during = stats(url)
+        assert during["kv_pages"]["free"] < during["kv_pages"]["total"] and during["live_requests"] == 1
+        wait_for(lambda: pages_back(url), timeout=5)
+
+
+def test_a_waiting_client_that_leaves_frees_its_pages(slow):
+    with serving(slow) as url:
+        port = int(url.rsplit(":", 1)[1])
+        body = b'{"question": "what", "settings": {"max_tokens": 200}}'
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_for(lambda: stats(url)["kv_pages"]["free"] < stats(url)["kv_pages"]["total"])
+        wait_for(lambda: pages_back(url), timeout=5)  # long before its 200 tokens could have run
+        wait_for(lambda: stats(url)["requests_by_status"].get("499") == 1)
+
+
+def test_past_the_live_bound_requests_get_429_with_retry_after(slow):
+    with serving(slow, max_live=1, retry_after_s=3) as url, httpx.Client(timeout=10) as client:
+        with client.stream("POST", f"{url}/v1/query", json={**QUERY, "stream": True}) as first:
+            lines = first.iter_lines()  # held: a dropped line iterator closes the response
+            assert next(lines).startswith("data: ")
+            assert stats(url)["live_requests"] == 1
+            refused = client.post(f"{url}/v1/query", json=QUERY)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "3"
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+        wait_for(lambda: pages_back(url))
+        answered = client.post(f"{url}/v1/query", json={"question": "a", "settings": {"max_tokens": 2}})
+        assert answered.json()["answer"] == "cat cat"
+
+
+def test_a_request_past_its_deadline_gets_504_and_is_cancelled(slow):
+    with serving(slow, request_timeout_s=0.3) as url, httpx.Client(timeout=10) as client:
+        started = time.monotonic()
+        reply = client.post(f"{url}/v1/chat/completions",
+                            json={"model": "m", "max_tokens": 200, "messages": [{"role": "user", "content": "a"}]})
+        assert reply.status_code == 504 and time.monotonic() - started < 1.5
+        wait_for(lambda: pages_back(url), timeout=2)
+        events = client.post(f"{url}/v1/query", json={**QUERY, "stream": True}).text.split("\n\n")
+        assert '"code":504' in events[-2] and '"completed":true' in events[-2]
+        wait_for(lambda: pages_back(url), timeout=2)
+
+
+def test_the_api_key_is_asked_for_everywhere_but_health():
+    engine = fake_engine()
+    with serving(engine, api_key="k") as url, httpx.Client(base_url=url, timeout=10) as client:
+        assert client.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            reply = client.post("/v1/query", json={"question": "a"}, headers=headers)
+            assert reply.status_code == 401 and reply.json()["error"]["param"] == "authorization"
+            assert client.get("/v1/stats", headers=headers).status_code == 401
+        ok = client.post("/v1/query", json={"question": "a"}, headers={"Authorization": "Bearer k"})
+        assert ok.status_code == 200
+    engine.close()
+
+
+def test_oversized_bodies_get_413_with_or_without_a_length():
+    engine = fake_engine()
+    with serving(engine, max_body_bytes=1000) as url, httpx.Client(base_url=url, timeout=10) as client:
+        big = b'{"question": "' + b"a" * 2000 + b'"}'
+        assert client.post("/v1/query", content=big).status_code == 413
+        chunked = client.post("/v1/query", content=iter([big[:600], big[600:]]))  # no Content-Length
+        assert chunked.status_code == 413 and chunked.json()["error"]["param"] == "body"
+        assert client.post("/v1/query", json={"question": "what"}).status_code == 200
+    engine.close()
+
+
+def test_a_client_that_sends_half_a_body_leaves_the_server_serving():
+    engine = fake_engine()
+    with serving(engine) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+                        b'{"question": "wh')
+            raw.shutdown(socket.SHUT_WR)
+            raw.settimeout(5)
+            answer = raw.recv(4096)  # the server answers 400 or just closes; it must not hang
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 400")
+        assert httpx.post(f"{url}/v1/query", json={"question": "what"}).status_code == 200
+        assert pages_back(url)
+    engine.close()
+
+
+def test_health_stats_and_metrics_report_the_engine():
+    engine = fake_engine(num_pages=32)
+    with serving(engine) as url, httpx.Client(base_url=url, timeout=10) as client:
+        assert client.get("/health").json()["status"] == "ok"
+        client.post("/v1/query", json={"question": "what"})
+        client.post("/v1/query", json={"question": 1})
+        s = client.get("/v1/stats").json()
+        assert s["requests_by_status"] == {"200": 2, "422": 1}  # /health, the query; the refusal
+        assert s["kv_pages"] == {"free": 32, "total": 32} and s["row_slots"]["free"] == s["row_slots"]["total"]
+        metrics = client.get("/metrics").text
+        assert 'bubblefree_http_requests_total{route="/v1/query",status="200"} 1.0' in metrics
+        assert 'bubblefree_http_requests_total{route="/v1/query",status="422"} 1.0' in metrics
+        assert "bubblefree_kv_pages_free 32.0" in metrics and "bubblefree_queue_depth 0.0" in metrics
+        assert 'bubblefree_tokens_total{kind="completion"} 7.0' in metrics
+    engine.close()
