@@ -6,7 +6,7 @@ launch reads pages the previous ones did not, so L2 does not flatter small
 cases. A whole step still differs (its GEMMs run in between): decide from
 ``bench.profile_step``, which times whole steps per launch.
 
-Every one-pass launch (``paged_decode.Launch``: heads per program, keys per
+Every one-pass launch (``kernel_config.Launch``: heads per program, keys per
 iteration, warps, loop stages) in the grid, and the split kernel, at each
 (rows, context); then the best launch per case, and the current default.
 
@@ -22,19 +22,20 @@ import itertools
 import torch
 
 from bubblefree.cuda_backend import paged_decode as pd
+from bubblefree.cuda_backend.kernel_config import Dispatch, Launch
 
 HEADS, DIM, PS = 32, 64, 16
 L2_BYTES = 50 * 2**20  # the H200's
 
 
-def grid() -> list[pd.Launch]:
+def grid() -> list[Launch]:
     """Launches whose key and value tiles stay within ~128 float32 registers
     per thread each (heads * keys * 64 dims over 32 * warps threads)."""
     out = []
     for heads, block_n, warps, stages in itertools.product((1, 2), (16, 32, 64),
                                                             (1, 2, 4), (1, 3)):
         if heads * block_n * DIM <= 128 * 32 * warps:
-            out.append(pd.Launch(heads, block_n, warps, stages))
+            out.append(Launch(heads, block_n, warps, stages))
     return out
 
 
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", default="128,512")
     ap.add_argument("--launches", default="", help="one-pass launches to time (default: a grid)")
     args = ap.parse_args(argv)
-    launches = [pd.Launch.parse(x) for x in args.launches.split(",") if x] or grid()
+    launches = [Launch.parse(x) for x in args.launches.split(",") if x] or grid()
+    default = Dispatch()
     scale = DIM ** -0.5
     results: dict[tuple[int, int], dict[str, float]] = {}
     print("| rows | context | kernel | us per call | TB/s |")
@@ -96,8 +98,8 @@ def main(argv: list[str] | None = None) -> None:
             calls = {str(x): (lambda x=x: pd.one_pass(q, keys, values, next(turn), positions, PS,
                                                        scale, pd.NO_WINDOW, out, x))
                      for x in launches}
-            calls["split"] = lambda: pd._split_attention(q, keys, values, next(turn), positions,
-                                                         PS, scale, pd.NO_WINDOW, out)
+            calls["split"] = lambda: pd.split_attention(q, keys, values, next(turn), positions,
+                                                        PS, scale, pd.NO_WINDOW, out)
             for name, fn in calls.items():
                 try:
                     us = timed[name] = time_in_graph(fn)
@@ -107,12 +109,12 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 print(f"| {rows} | {context} | {name} | {us:.2f} | {kv_bytes / us / 1e6:.2f} |",
                       flush=True)
-    print(f"\nbest per case, against what paged_decode.DISPATCH runs ({pd.DISPATCH}):")
+    print(f"\nbest per case, against what the default dispatch runs ({default}):")
     print("| rows | context | best | us | dispatch | us | split us |")
     print("|---:|---:|---|---:|---|---:|---:|")
     for (rows, context), timed in results.items():
         best = min(timed, key=timed.get)
-        chosen = pd.DISPATCH.choose(rows, HEADS, -(-(context + 1) // PS) * PS)
+        chosen = default.choose(rows, HEADS, -(-(context + 1) // PS) * PS)
         chosen = "split" if chosen is None else str(chosen)
         print(f"| {rows} | {context} | {best} | {timed[best]:.2f} | {chosen} | "
               f"{timed.get(chosen, float('nan')):.2f} | {timed['split']:.2f} |")

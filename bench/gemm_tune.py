@@ -13,8 +13,8 @@ hold them from one call to the next. Compared for each shape and rows:
 - our Triton kernel (``cuda_backend.skinny_gemm``) at each tile in a grid,
   with its reducing kernel where it splits K; then the best tile per case
   against cuBLAS. ``--save`` writes the tiles that beat cuBLAS by 3% or more
-  as a ``skinny_gemm.TILES`` table (JSON) that ``bench.profile_step
-  --gemm-tiles`` times in whole steps.
+  as a ``kernel_config.TileTable`` (JSON, ``TileTable.read``) that
+  ``bench.profile_step --gemm`` times in whole steps.
 
 (inductor's max-autotune, compiled with a dynamic row count as the step is,
 was measured at 0.1-1.9 TB/s, far below cuBLAS: docs/performance.md.)
@@ -33,13 +33,14 @@ import torch.nn.functional as F
 
 from bubblefree.bench.attention_tune import L2_BYTES, time_in_graph
 from bubblefree.cuda_backend import skinny_gemm as sg
+from bubblefree.cuda_backend.kernel_config import Tile
 
 SHAPES = {"input 2048->14336": (2048, 14336), "output 10240->2048": (10240, 2048),
           "head 2048->51200": (2048, 51200)}
 
 
-def tiles() -> list[sg.Tile]:
-    return [sg.Tile(n, k, split, 4, stages) for n, k, split, stages in itertools.product(
+def tiles() -> list[Tile]:
+    return [Tile(n, k, split, 4, stages) for n, k, split, stages in itertools.product(
         (32, 64, 128), (128, 256), (1, 2, 4, 8, 16), (3, 5))]
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiles", default="", help="our kernel's tiles (default: a grid)")
     ap.add_argument("--save", default="", help="write the winning tiles here (JSON)")
     args = ap.parse_args(argv)
-    grid = [sg.Tile.parse(t) for t in args.tiles.split(",") if t] or tiles()
+    grid = [Tile.parse(t) for t in args.tiles.split(",") if t] or tiles()
     best: dict[tuple[str, int], tuple[int, int, float, str, float]] = {}  # k, n, cuBLAS, ours
     print("| GEMM | rows | variant | us | weight TB/s |")
     print("|---|---:|---|---:|---:|")

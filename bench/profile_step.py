@@ -11,7 +11,7 @@ optimisation starts from a measurement rather than a guess.
                                  [--gemm cublas,tiles.json]
 
 ``--attention`` builds the last path once per attention choice listed:
-``default`` (``paged_decode.DISPATCH``), ``split`` (the split kernel in every
+``default`` (``KernelConfig.measured``), ``split`` (the split kernel in every
 bucket), ``separate`` (rotary and the KV write as compiled kernels before
 attention, not inside it), ``act-separate`` (only Phi's MLP activation as a
 kernel of its own), or a one-pass launch such as ``1x16w1s1`` (in every
@@ -19,7 +19,7 @@ bucket).
 ``--gemm`` builds it once more per GEMM choice listed, with the default
 attention: ``cublas`` everywhere, or a table of our kernel's tiles (JSON,
 from ``bench.gemm_tune --save``). Otherwise the step's GEMMs are the
-defaults (``skinny_gemm.MEASURED`` for this GPU).
+defaults (``kernel_config.MEASURED`` for this GPU).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import gc
 import json
 import time
 
+import attrs
 import torch
 from transformers import PhiForCausalLM
 
 from bubblefree.bench.speed_setup import DECODE_PATHS as PATHS
-from bubblefree.cuda_backend import paged_decode as pd
-from bubblefree.cuda_backend import skinny_gemm
 from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.kernel_config import KernelConfig, Launch, TileTable
 from bubblefree.cuda_backend.tiny import phi15_config
 
 
@@ -92,31 +92,35 @@ def main(argv: list[str] | None = None) -> None:
         model = PhiForCausalLM(phi15_config()).to(torch.bfloat16).eval()
     rows = [int(x) for x in args.rows.split(",")]
     paths = args.paths.split(",")
-    dispatch = {"default": pd.DISPATCH, "split": pd.forced(split_below=1 << 30),
-                "separate": pd.forced(new_token=False), "act-separate": pd.forced(mlp_act=False)}
+    default = KernelConfig.measured("cuda")
+    attention = {"default": default,
+                 "split": attrs.evolve(default, dispatch=default.dispatch.forced(1 << 30)),
+                 "separate": attrs.evolve(default, new_token=False),
+                 "act-separate": attrs.evolve(default, mlp_act=False)}
     for x in args.attention.split(","):
-        if x and x not in dispatch:
-            dispatch[x] = pd.forced(split_below=0, launch=pd.Launch.parse(x))
-    gemms = {"default": skinny_gemm.tiles(), "cublas": {}}
+        if x and x not in attention:
+            dispatch = default.dispatch.forced(split_below=0, launch=Launch.parse(x))
+            attention[x] = attrs.evolve(default, dispatch=dispatch)
+    gemms = {"default": default.tiles, "cublas": TileTable()}
     for x in args.gemm.split(","):
         if x and x not in gemms:
             with open(x) as f:
-                gemms[x] = skinny_gemm.read_tiles(json.load(f))
+                gemms[x] = TileTable.read(json.load(f))
     last = [(paths[-1], x, "default") for x in args.attention.split(",") if x]
     last += [(paths[-1], "default", x) for x in args.gemm.split(",") if x]
     runs = [(name, "default", "default") for name in paths[:-1]]
     runs = list(dict.fromkeys(runs + last)) if last else runs + [(paths[-1], "default", "default")]
     results: dict[str, list[float]] = {}
     be = None
-    for i, (path, attention, gemm) in enumerate(runs):
-        # Both are read when the graphs are captured.
-        pd.DISPATCH, skinny_gemm.TILES = dispatch[attention], gemms[gemm]
-        choice = [f"attention {attention}"] * (attention != "default")
+    for i, (path, chosen, gemm) in enumerate(runs):
+        kernels = attrs.evolve(attention[chosen], tiles=gemms[gemm])
+        choice = [f"attention {chosen}"] * (chosen != "default")
         choice += [f"GEMM {gemm.split('/')[-1]}"] * (gemm != "default")
         name = f"{path} [{', '.join(choice)}]" if choice else path
         t = time.perf_counter()
         be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=64, max_seqs=64,
-                         max_prefill_tokens=2048, max_context=256, **PATHS[path])
+                         max_prefill_tokens=2048, max_context=256, kernels=kernels,
+                         **PATHS[path])
         p = be._pages[0]
         print(f"{name}: runs as '{be.decode_path}', built in {time.perf_counter() - t:.1f} s; "
               f"page bucket {p}", flush=True)

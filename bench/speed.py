@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 
+import attrs
 import torch
 import transformers
 
@@ -42,7 +43,7 @@ from bubblefree.bench.speed_cells import (FULL_TOKENS, PROMPT, QUICK_TOKENS, WOR
 from bubblefree.bench.speed_setup import (DECODE_PATHS, Clock, TimeLimit, build_model, copy_bandwidth,
                                time_limit)
 from bubblefree.core import Engine
-from bubblefree.cuda_backend import paged_decode, skinny_gemm
+from bubblefree.cuda_backend.kernel_config import KernelConfig, Launch, TileTable
 
 CONTEXT = 256  # prompt + the longest output (152) fits; one page bucket of graphs
 
@@ -67,10 +68,10 @@ def parse(argv):
                     help="how the engine runs a decode step (compile applies on CUDA only)")
     ap.add_argument("--split-below", type=int, default=None, metavar="PROGRAMS",
                     help="use the split attention kernel for buckets of fewer (row, head) "
-                         "programs than this (default: paged_decode.DISPATCH)")
-    ap.add_argument("--attention", type=paged_decode.Launch.parse, default=None, metavar="LAUNCH",
+                         "programs than this (default: KernelConfig's dispatch)")
+    ap.add_argument("--attention", type=Launch.parse, default=None, metavar="LAUNCH",
                     help="the one-pass attention kernel's launch wherever it runs, "
-                         "HEADSxBLOCKwWARPSsSTAGES (default: paged_decode.DISPATCH)")
+                         "HEADSxBLOCKwWARPSsSTAGES (default: KernelConfig's dispatch)")
     ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
                     help="the decode step's GEMMs: ours where measured faster (default), "
                          "or cuBLAS everywhere")
@@ -199,21 +200,19 @@ def main(argv: list[str] | None = None) -> str:
 
 
 def decode_options(args, device) -> dict:
-    # Read when each graph is captured.
-    paged_decode.DISPATCH = paged_decode.forced(args.split_below, args.attention)
-    skinny_gemm.TILES = {} if args.gemm == "cublas" else None  # None: measured, read at build
-    options = dict(DECODE_PATHS[args.decode])
+    kernels = KernelConfig.measured(device)
+    kernels = attrs.evolve(kernels, dispatch=kernels.dispatch.forced(args.split_below,
+                                                                     args.attention))
+    if args.gemm == "cublas":
+        kernels = attrs.evolve(kernels, tiles=TileTable())
+    options = dict(DECODE_PATHS[args.decode], kernels=kernels)
     options["compile_decode"] &= device.type == "cuda"  # inductor on the CPU needs a compiler
     return options
 
 
-def kernels_note(device) -> str:
+def kernels_note(backend) -> str:
     """Our Triton kernels' settings, where they run."""
-    if device.type != "cuda":
-        return ""
-    shapes = [f"{k}->{n}" for k, n in skinny_gemm.tiles()]
-    gemm = f"ours for {', '.join(shapes)} at measured rows" if shapes else "cuBLAS"
-    return f" (attention: {paged_decode.DISPATCH}; GEMM: {gemm})"
+    return f" ({backend.kernels})" if backend.device.type == "cuda" else ""
 
 
 def run(args, command: str) -> str:
@@ -234,7 +233,7 @@ def run(args, command: str) -> str:
                                max_rows=top, max_seqs=max(256, 2 * top),
                                max_prefill_tokens=max(2048, PROMPT * top), max_context=CONTEXT,
                                use_graphs=device.type == "cuda", **decode_options(args, device))
-        env["decode"] = backend.decode_path + kernels_note(device)
+        env["decode"] = backend.decode_path + kernels_note(backend)
         env["prefill"] = backend.prefill_path
         args.clock.say(f"backend built in {time.perf_counter() - t:.1f} s (graphs captured); "
                        f"decode step: {backend.decode_path}; prefill: {backend.prefill_path}")

@@ -13,10 +13,12 @@ Usage::
 
 Modules, one idea each: ``loader`` (models, tokenizers, stop ids, GGUF via
 ``gguf_cache``), ``attention`` (paged attention through transformers'
-AttentionInterface), ``paged_decode`` (the Triton kernels that read pages
-in place), ``rope_attention`` (a fused decode step's rotary, KV write and
-attention as one op), ``skinny_gemm`` (a Triton GEMM for decode-sized inputs, where
-measured faster than cuBLAS), ``tuning`` (launch settings as strings),
+AttentionInterface), ``paged_decode`` (decode attention that reads pages
+in place; its Triton kernels in ``paged_decode_kernels``),
+``rope_attention`` (a fused decode step's rotary, KV write and attention as
+one op), ``skinny_gemm`` (a Triton GEMM for decode-sized inputs, where
+measured faster than cuBLAS), ``kernel_config`` (which kernels a step runs:
+one frozen value per backend, with the measured defaults),
 ``fused_decode`` (the decode step with fused projections, for Phi, Llama
 and Qwen2), ``token_prefill`` (short prefills as token rows, in
 graphs), ``kv_cache`` (the pages), ``sizing`` (model shape,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from bubblefree.cuda_backend import paged_decode
+from bubblefree.cuda_backend.kernel_config import Dispatch
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "bubblefree_paged"
@@ -32,14 +33,16 @@ CONTEXT_KWARG = "paged_context"
 
 class PagedContext:
     """Per-forward attention metadata, all device tensors built before the
-    forward (inside the captured graph for decode steps)."""
+    forward (inside the captured graph for decode steps), and for decode
+    steps the backend's attention ``dispatch`` (which paged kernel runs)."""
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, page_table: torch.Tensor,
                  q_pos: torch.Tensor, q_gather: torch.Tensor | None = None,
                  out_gather: torch.Tensor | None = None, group_rows: int | None = None,
-                 gather_keys: bool = True):
+                 gather_keys: bool = True, dispatch: Dispatch | None = None):
         rows = page_table.shape[0]
         self.cache = cache
+        self.dispatch = dispatch
         self.page_table = page_table  # [R, P]
         self.slot_mapping = slot_mapping  # [T] flat KV index each new token is written to
         self.q_pos = q_pos  # [R, S] absolute position of each (padded) query
@@ -85,13 +88,14 @@ def row_keys(page_table: torch.Tensor, page_size: int) -> tuple[torch.Tensor, to
     return kv_index, torch.arange(pages * page_size, device=page_table.device)
 
 
-def decode_context(cache: PagedKVCache, positions: torch.Tensor,
-                   page_table: torch.Tensor) -> PagedContext:
-    """One input token per row at ``positions`` ``[B]``; ``page_table`` ``[B, P]``."""
+def decode_context(cache: PagedKVCache, positions: torch.Tensor, page_table: torch.Tensor,
+                   dispatch: Dispatch) -> PagedContext:
+    """One input token per row at ``positions`` ``[B]``; ``page_table`` ``[B, P]``;
+    ``dispatch`` picks the paged kernel where it runs."""
     ps = cache.page_size
     page = page_table.gather(1, (positions // ps).unsqueeze(1)).squeeze(1)  # [B]
     return PagedContext(cache, page * ps + positions % ps, page_table, positions.unsqueeze(1),
-                        gather_keys=not paged_decode.available(page_table))
+                        gather_keys=not paged_decode.available(page_table), dispatch=dispatch)
 
 
 def prefill_context(cache: PagedKVCache, slot_mapping: torch.Tensor, page_table: torch.Tensor,
@@ -154,11 +158,12 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      ctx: PagedContext, scaling: float | None,
                      window: int | None) -> torch.Tensor:
     """One query per row ``[B, H, D]`` over its own pages: the Triton kernel
-    on CUDA, the gathering path elsewhere. Returns ``[B, H, Dv]``."""
+    ``ctx.dispatch`` picks on CUDA, the gathering path elsewhere. Returns
+    ``[B, H, Dv]``."""
     if paged_decode.available(q):
         return paged_decode.paged_decode_attention(q, keys, values, ctx.page_table,
                                                    ctx.q_pos[:, 0], ctx.cache.page_size,
-                                                   scaling, window)
+                                                   scaling, window, dispatch=ctx.dispatch)
     k, v = _gather(keys, values, ctx.kv_index, q.dtype)
     return _decode_attention(q, k, v, ctx.mask(window)[:, 0], scaling)
 

@@ -31,6 +31,7 @@ from bubblefree.core.protocol import Capacity, check_plan, check_sample, slot_in
 from bubblefree.core.values import SamplePlan, StepFailed, StepKind, StepOutput, StepPlan
 from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
+from bubblefree.cuda_backend.kernel_config import KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.loader import LoadedModel, use_paged_attention
 from bubblefree.cuda_backend.options import check_backend_options
@@ -50,7 +51,7 @@ class CudaBackend:
                  max_rows: int = 64, max_seqs: int = 256, max_prefill_tokens: int = 2048,
                  max_context: int | None = None, use_graphs: bool = True,
                  compile_decode: bool | None = None, fused_decode: bool = True,
-                 token_prefill: int | None = None,
+                 token_prefill: int | None = None, kernels: KernelConfig | None = None,
                  min_graph_context: int = 256, mask_capacity: int = 16):
         check_backend_options(dict(
             page_size=page_size, num_pages=num_pages, kv_memory_fraction=kv_memory_fraction,
@@ -83,7 +84,9 @@ class CudaBackend:
             compile_decode = cuda and use_graphs
         if token_prefill is None:  # in graphs on CUDA; on the CPU its key gather costs more
             token_prefill = DEFAULT_TOKEN_PREFILL if cuda and use_graphs else 0
-        self._runner = ModelRunner(module, self.cache, self._cap, self.device,
+        # Which kernels a step runs, chosen once: every graph captures this.
+        self.kernels = KernelConfig.measured(self.device) if kernels is None else kernels
+        self._runner = ModelRunner(module, self.cache, self._cap, self.device, self.kernels,
                                    compile_decode=compile_decode, fused_decode=fused_decode,
                                    token_prefill=token_prefill)
         self._masks = MaskTable(self._vocab, self.device, mask_capacity)

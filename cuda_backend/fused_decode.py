@@ -18,9 +18,9 @@ transformers' forward (which prefill still uses) reads the same values.
 Norms and the rotary tables are the model's own modules. In a decode step
 on CUDA the rotary embedding itself, the KV write and (Phi) the MLP's
 activation run inside the attention kernels (``rope_attention``), in
-float32; prefill and other devices apply them with torch. A fused GEMM sums
-in a different order too, so results agree with transformers to rounding,
-not bit for bit.
+float32, where the backend's ``KernelConfig`` says so; prefill and other
+devices apply them with torch. A fused GEMM sums in a different order too,
+so results agree with transformers to rounding, not bit for bit.
 
 ``make_decoder`` picks this path when the model is supported and says why
 when it is not; every other decoder runs transformers' forward.
@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubblefree.cuda_backend import paged_decode, skinny_gemm
+from bubblefree.cuda_backend import skinny_gemm
 from bubblefree.cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_attention, store_kv
+from bubblefree.cuda_backend.kernel_config import KernelConfig, TileTable
 from bubblefree.cuda_backend.rope_attention import ACTIVATIONS, rope_attend, rotate
 
 PARALLEL = ("phi",)
@@ -93,7 +94,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def make_decoder(model: nn.Module, fused: bool = True):
+def make_decoder(model: nn.Module, kernels: KernelConfig, fused: bool = True):
     """The fused decode step when asked for and supported, else transformers'.
     Returns ``(decoder, why_not_fused)``."""
     if model is None:  # a runner that only packs metadata (tests)
@@ -101,7 +102,7 @@ def make_decoder(model: nn.Module, fused: bool = True):
     why = unsupported_reason(model) if fused else "not asked for"
     if why is not None:
         return TransformersDecoder(model), why
-    return FusedDecoder(model), None
+    return FusedDecoder(model, kernels), None
 
 
 def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -159,10 +160,13 @@ class Dims:
     # Phi: its MLP activation (rope_attention.ACTIVATIONS) applied by the
     # attention op, 0 for a kernel of its own.
     act: int = 0
+    # The layers' GEMMs: cuBLAS, or our decode-sized kernel for the weight
+    # shapes and row counts where the table has a tile (skinny_gemm).
+    tiles: TileTable = TileTable()
 
 
-# The layers' GEMMs: cuBLAS, or our decode-sized kernel for the weight
-# shapes and row counts where it was measured faster (skinny_gemm.TILES).
+# The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
+# has a tile for the weight's shape and row count.
 _linear = skinny_gemm.linear
 
 
@@ -182,7 +186,7 @@ def _attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims: Dims, window, mlp=None):
     if isinstance(kv, torch.Tensor):
         out = rope_attend(q, k, v, cos, sin, kv, ctx.slot_mapping, ctx.page_table,
                           ctx.q_pos[:, 0], ctx.cache.page_size, dims.scaling, window, mlp,
-                          dims.act)
+                          dims.act, dispatch=ctx.dispatch)
         return out if mlp is not None else out.reshape(b, -1)
     keys, values = kv
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over heads
@@ -200,22 +204,25 @@ def parallel_layer(x, delta, cos, sin, kv, ctx, w, dims: Dims, act, window):
     norm_w, norm_b, w_in, b_in, w_out, b_out, qk_norm = w
     x = x + delta
     h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, dims.eps)
-    q, k, v, f = _linear(h, w_in, b_in).split(dims.split, dim=-1)
+    q, k, v, f = _linear(h, w_in, b_in, dims.tiles).split(dims.split, dim=-1)
     if dims.act and isinstance(kv, torch.Tensor):
         return x, _linear(_attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, f),
-                          w_out, b_out)
+                          w_out, b_out, dims.tiles)
     a = _attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window)
-    return x, _linear(torch.cat((a, act(f)), dim=-1), w_out, b_out)
+    return x, _linear(torch.cat((a, act(f)), dim=-1), w_out, b_out, dims.tiles)
 
 
 def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims: Dims, act, window):
     """Llama, Qwen2; the residual stream as in ``parallel_layer``."""
     norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
     x = x + delta
-    q, k, v = _linear(_rms_norm(x, norm1, dims.eps), w_qkv, b_qkv).split(dims.split, dim=-1)
-    x = x + _linear(_attend(q, k, v, cos, sin, kv, ctx, None, dims, window), w_o, b_o)
-    gate, up = _linear(_rms_norm(x, norm2, dims.eps), w_gu, b_gu).split(dims.inter, dim=-1)
-    return x, _linear(act(gate) * up, w_down, b_down)
+    norm = _rms_norm(x, norm1, dims.eps)
+    q, k, v = _linear(norm, w_qkv, b_qkv, dims.tiles).split(dims.split, dim=-1)
+    x = x + _linear(_attend(q, k, v, cos, sin, kv, ctx, None, dims, window), w_o, b_o,
+                    dims.tiles)
+    norm = _rms_norm(x, norm2, dims.eps)
+    gate, up = _linear(norm, w_gu, b_gu, dims.tiles).split(dims.inter, dim=-1)
+    return x, _linear(act(gate) * up, w_down, b_down, dims.tiles)
 
 
 def _parallel_weights(layer: nn.Module):
@@ -254,7 +261,7 @@ class FusedDecoder:
     shapes, so one compilation serves them all (a compile of the whole
     unrolled model takes minutes for a 24-layer decoder)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kernels: KernelConfig):
         cfg, body = model.config, model.model
         parallel = cfg.model_type in PARALLEL
         self.path = f"fused {cfg.model_type}"
@@ -277,15 +284,14 @@ class FusedDecoder:
             make = _parallel_weights if parallel else _sequential_weights
             self.weights = [make(layer) for layer in body.layers]
         self.step_layer = self.layer_fn
-        skinny_gemm.tiles()  # read before any step is traced or captured
         # One op for rotary, the KV write and attention, or three steps; and
         # Phi's MLP activation in that op, when it is one the kernels know.
-        self.rope_in_kernel = paged_decode.DISPATCH.new_token
+        self.rope_in_kernel = kernels.new_token
         act = ACTIVATIONS.get(getattr(cfg, "hidden_act", None), 0)
-        act = act if parallel and paged_decode.DISPATCH.mlp_act else 0
+        act = act if parallel and kernels.mlp_act else 0
         self.dims = Dims(heads=heads, kv_heads=kv_heads, head_dim=attn.head_dim, eps=eps,
                          scaling=attn.scaling, split=qkv + ((inter,) if parallel else ()),
-                         inter=inter, act=act)
+                         inter=inter, act=act, tiles=kernels.tiles)
 
     def compiled(self, on: bool) -> "FusedDecoder":
         self.step_layer = torch.compile(_own_copy(self.layer_fn)) if on else self.layer_fn
@@ -311,4 +317,4 @@ class FusedDecoder:
         x = x + delta
         if last is not None:
             x = x.index_select(0, last)
-        return _linear(self.norm(x), self.lm_head.weight, self.lm_head.bias)
+        return _linear(self.norm(x), self.lm_head.weight, self.lm_head.bias, self.dims.tiles)

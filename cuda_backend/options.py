@@ -16,6 +16,7 @@ import torch
 
 from bubblefree.core.values import InvalidRequest
 from bubblefree.cuda_backend.errors import CacheTooSmall
+from bubblefree.cuda_backend.kernel_config import KernelConfig
 
 Check = Callable[[str, Any], None]
 
@@ -42,6 +43,11 @@ def flag(*, optional: bool = False) -> Check:
     return check
 
 
+def kernel_config(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, KernelConfig):
+        raise InvalidRequest(f"{name}: must be a KernelConfig or None, got {value!r}")
+
+
 def fraction(name: str, value: Any) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (ok and math.isfinite(value) and 0.0 < value <= 1.0):
@@ -61,6 +67,7 @@ BACKEND_OPTIONS: Mapping[str, Check] = {
     "compile_decode": flag(optional=True),
     "fused_decode": flag(),
     "token_prefill": integer(0, optional=True),
+    "kernels": kernel_config,
     "min_graph_context": integer(1),
     "mask_capacity": integer(1),
 }

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from bubblefree.cuda_backend import paged_decode
 from bubblefree.cuda_backend.attention import _decode_attention, _gather, row_keys, store_kv
+from bubblefree.cuda_backend.kernel_config import Dispatch
 
 # MLP activations the kernels apply (transformers' hidden_act names): 1 the
 # tanh form of GELU, 2 the erf form. See ``rope_attend``'s ``mlp``.
@@ -48,12 +49,12 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
                 sin: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor,
                 page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                 scaling: float | None, window: int | None, mlp: torch.Tensor | None = None,
-                act: int = 0) -> torch.Tensor:
+                act: int = 0, *, dispatch: Dispatch) -> torch.Tensor:
     """One decode query per row. q ``[B, H, D]``, k and v ``[B, KVH, D]``
     before rotary; cos, sin ``[B, ROT]``; kv the layer's cache ``[2, N *
     page_size, KVH, D]``, written at ``slot`` ``[B]``; page table ``[B, P]``;
     positions ``[B]`` (the query's, and the new key's). Returns ``[B, H, Dv]``
-    in q's dtype.
+    in q's dtype. ``dispatch`` picks the attention kernel on CUDA.
 
     Every row is its own sequence: it sees the cache as it was before the
     op, plus its own new key. Rows never see each other's (the token rows of
@@ -87,15 +88,16 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     scale = scaling if scaling is not None else d ** -0.5
     return _rope_attend(q, k, v, cos, sin, kv, slot, page_table, positions, page_size,
                         float(scale), int(window) if window is not None else paged_decode.NO_WINDOW,
-                        mlp, act if mlp is not None else 0)
+                        mlp, act if mlp is not None else 0, dispatch.scalars())
 
 
+# Takes the dispatch as integers (Dispatch.scalars), as paged_decode's op does.
 @torch.library.custom_op("bubblefree::rope_attend", mutates_args=("kv",))
 def _rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor,
                  page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                  scale: float, window: int, mlp: torch.Tensor | None,
-                 act: int) -> torch.Tensor:
+                 act: int, dispatch: list[int]) -> torch.Tensor:
     b, h, _ = q.shape
     dv = kv.shape[3]
     if not paged_decode.available(q):
@@ -105,19 +107,21 @@ def _rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
             return out
         return torch.cat((out.reshape(b, -1), _torch_act(mlp, act).to(q.dtype)), dim=-1)
     new = paged_decode.NewToken(k, v, cos, sin, slot)
+    chosen = Dispatch.from_scalars(dispatch)
     if mlp is None:
         return paged_decode.run(q, kv[0], kv[1], page_table, positions, page_size, scale,
-                                window, new=new)
+                                window, chosen, new=new)
     row = q.new_empty((b, h * dv + mlp.shape[1]))  # [attention | act(mlp)]
     attention = row[:, :h * dv].view(b, h, dv)
     rider = paged_decode.Activation(mlp, row[:, h * dv:], act)
-    paged_decode.run(q, kv[0], kv[1], page_table, positions, page_size, scale, window,
+    paged_decode.run(q, kv[0], kv[1], page_table, positions, page_size, scale, window, chosen,
                      new=new, out=attention, act=rider)
     return row
 
 
 @_rope_attend.register_fake
-def _(q, k, v, cos, sin, kv, slot, page_table, positions, page_size, scale, window, mlp, act):
+def _(q, k, v, cos, sin, kv, slot, page_table, positions, page_size, scale, window, mlp, act,
+      dispatch):
     if mlp is None:
         return q.new_empty((q.shape[0], q.shape[1], kv.shape[3]))
     return q.new_empty((q.shape[0], q.shape[1] * kv.shape[3] + mlp.shape[1]))

@@ -24,6 +24,7 @@ from bubblefree.core.protocol import Capacity
 from bubblefree.core.values import StepPlan
 from bubblefree.cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_context, prefill_context
 from bubblefree.cuda_backend.fused_decode import make_decoder
+from bubblefree.cuda_backend.kernel_config import KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.sizing import prefill_key_budget
 from bubblefree.cuda_backend.token_prefill import TokenPrefill
@@ -45,12 +46,13 @@ class ModelRunner:
     scratch row that padded rows read and write."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cap: Capacity,
-                 device: torch.device, compile_decode: bool = False, fused_decode: bool = True,
-                 token_prefill: int = 0):
+                 device: torch.device, kernels: KernelConfig, compile_decode: bool = False,
+                 fused_decode: bool = True, token_prefill: int = 0):
         self.model, self.cache, self.cap, self.device = model, cache, cap, device
+        self.kernels = kernels
         # The decode step: fused projections where the architecture has them
         # (fused_decode.py), else transformers' forward; why not, when not.
-        self.decoder, self.not_fused = make_decoder(model, fused_decode)
+        self.decoder, self.not_fused = make_decoder(model, kernels, fused_decode)
         self.use_compiled(compile_decode)
         self.scratch_row = cap.max_seqs
         self.last_token = torch.zeros(cap.max_seqs + 1, dtype=torch.long, device=device)  # [S+1]
@@ -60,7 +62,8 @@ class ModelRunner:
         if token_prefill > 0 and self.not_fused is None:
             self.token_prefill = TokenPrefill(self.decoder, cache,
                                               min(token_prefill, cap.max_prefill_tokens),
-                                              cap.max_rows, self.max_pages, device)
+                                              cap.max_rows, self.max_pages, device,
+                                              kernels.dispatch)
         self.key_budget = prefill_key_budget(cap.max_prefill_tokens, cap.max_context)
         # [2 * max_rows + max_rows * max_pages]: the decode graphs' static input
         self.decode_meta = torch.zeros(2 * cap.max_rows + cap.max_rows * self.max_pages,
@@ -109,7 +112,8 @@ class ModelRunner:
         ``decode_meta`` read as bucket (b, p)."""
         row_slots, positions, page_table = self.meta_views(self.decode_meta, b, p)
         input_ids = self.last_token.index_select(0, row_slots)  # [B]
-        return input_ids, positions, decode_context(self.cache, positions, page_table)
+        ctx = decode_context(self.cache, positions, page_table, self.kernels.dispatch)
+        return input_ids, positions, ctx
 
     def decode_forward(self, b: int, p: int) -> torch.Tensor:
         """The decode step; returns logits ``[b, V]``. Allocation-free to

@@ -7,19 +7,19 @@ once. With ``split`` > 1 the programs write float32 partial sums
 ``[split, M, N]`` and a second kernel adds them and the bias; with 1 the
 program adds the bias and writes the output in x's dtype.
 
-``MEASURED`` holds the tiles ``bench.gemm_tune`` measured faster than
-cuBLAS, per GPU, weight shape and row count; ``linear`` runs the kernel for
-those and ``F.linear`` for everything else. It is a custom op, so a
-compiled decode step calls it as one opaque call.
+``linear`` runs the kernel where the backend's ``kernel_config.TileTable``
+has a tile for the weight's shape and row count (by default the tiles
+``bench.gemm_tune`` measured faster than cuBLAS on this GPU,
+``kernel_config.MEASURED``) and ``F.linear`` everywhere else. It is a custom
+op, so a compiled decode step calls it as one opaque call.
 """
 
 from __future__ import annotations
 
-import attrs
 import torch
 import torch.nn.functional as F
 
-from bubblefree.cuda_backend.tuning import parse_settings
+from bubblefree.cuda_backend.kernel_config import Tile, TileTable, tile_for
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
     import triton
@@ -75,35 +75,6 @@ if triton is not None:
         tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@attrs.frozen
-class Tile:
-    """A launch: output columns per program, K per iteration, K slices,
-    warps and pipeline stages. Written ``64n128k4s4w3p``: 64 columns, 128 of
-    K, 4 slices, 4 warps, 3 stages."""
-    block_n: int = 64
-    block_k: int = 128
-    split: int = 1
-    warps: int = 4
-    stages: int = 3
-
-    def __str__(self) -> str:
-        return f"{self.block_n}n{self.block_k}k{self.split}s{self.warps}w{self.stages}p"
-
-    @classmethod
-    def parse(cls, text: str) -> "Tile":
-        tile = parse_settings(cls, r"(\d+)n(\d+)k(\d+)s(\d+)w(\d+)p", "GEMM tile",
-                              "e.g. 64n128k4s4w3p", text, ("block_n", "block_k", "warps"))
-        if tile.block_k < 16 or tile.split < 1 or tile.stages < 1:
-            raise ValueError(f"GEMM tile {text!r}: needs block_k >= 16 (the MMA's K), "
-                             "split >= 1 and stages >= 1")
-        return tile
-
-    def fits(self, k: int) -> bool:
-        """Whether K divides into ``split`` slices of whole BLOCK_K steps (the
-        kernel does not mask K)."""
-        return k % (self.split * self.block_k) == 0
-
-
 def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
@@ -145,68 +116,22 @@ def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile)
     return out
 
 
-Table = dict[tuple[int, int], tuple[tuple[int, "Tile | None"], ...]]
-
-# Tiles measured faster than cuBLAS, per GPU: (K, N) -> ((up to rows, tile or
-# None for cuBLAS), ...) by ascending rows; more rows than the last entry run
-# cuBLAS. bench.gemm_tune on the H200 (docs/runs/gemm-tune-2026-11-30.txt),
-# the moondream2 text decoder's shapes; a tile goes in at >= 3% faster. The
-# head's tile at one row (1.04x alone) is left out: whole steps at one row
-# were 0.5-0.9% slower with it (docs/runs/profile-2026-11-30.txt).
-MEASURED: dict[str, Table] = {
-    "NVIDIA H200": {
-        (2048, 14336): ((32, None), (64, Tile(64, 128, 1, 4, 3))),  # fused q, k, v, fc1
-        (10240, 2048): ((1, None), (32, Tile(32, 128, 4, 4, 5)),  # fused dense + fc2
-                        (64, Tile(64, 128, 4, 4, 5))),
-        (2048, 51200): ((1, None), (8, Tile(32, 256, 1, 4, 3)),  # head
-                        (32, Tile(128, 128, 1, 4, 3)), (64, None)),
-    },
-}
-
-# This process's table; None until ``tiles()`` reads MEASURED for its GPU.
-TILES: Table | None = None
-
-
-def tiles() -> Table:
-    """``TILES``, first set from ``MEASURED`` for this process's GPU (other
-    GPUs get an empty table, so cuBLAS, until they are measured)."""
-    global TILES
-    if TILES is None:
-        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-        TILES = dict(MEASURED.get(name, {}))
-    return TILES
-
-
-def tile_for(m: int, k: int, n: int) -> Tile | None:
-    for rows, tile in (TILES or {}).get((k, n), ()):
-        if m <= rows:
-            return tile
-    return None
-
-
-def read_tiles(table: dict[str, list]) -> Table:
-    """``TILES`` from ``bench.gemm_tune --save``'s JSON: ``{"K,N": [[rows,
-    tile or null], ...]}``."""
-    out = {}
-    for shape, entries in table.items():
-        k, n = map(int, shape.split(","))
-        out[k, n] = tuple(sorted(((int(m), Tile.parse(t) if t else None) for m, t in entries),
-                                 key=lambda e: e[0]))
-    return out
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` for 2-D x, through the kernel where ``TILES`` has a tile
-    for w's shape (the row count decides inside the op, at capture). The
-    table is read when a step is traced: call ``tiles()`` first."""
-    if TILES and (w.shape[1], w.shape[0]) in TILES and available(x):
-        return _skinny_linear(x, w, bias)
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+           tiles: TileTable) -> torch.Tensor:
+    """``F.linear`` for 2-D x, through the kernel where ``tiles`` has a tile
+    for w's shape (the row count decides inside the op, at capture)."""
+    entries = tiles.scalars(w.shape[1], w.shape[0])
+    if entries and available(x):
+        return _skinny_linear(x, w, bias, entries)
     return F.linear(x, w, bias)
 
 
+# The op takes its shape's entries as integers (TileTable.scalars): an op's
+# arguments are tensors and scalars.
 @torch.library.custom_op("bubblefree::skinny_linear", mutates_args=())
-def _skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    tile = tile_for(x.shape[0], x.shape[1], w.shape[0])
+def _skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                   tiles: list[int]) -> torch.Tensor:
+    tile = tile_for(tiles, x.shape[0])
     # The table only ever speeds things up: anything it cannot serve is cuBLAS's.
     if (tile is None or not available(x) or not tile.fits(x.shape[1]) or x.stride(1) != 1
             or w.stride(1) != 1):
@@ -215,5 +140,5 @@ def _skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
 
 
 @_skinny_linear.register_fake
-def _(x, w, bias):
+def _(x, w, bias, tiles):
     return x.new_empty((x.shape[0], w.shape[0]))

@@ -33,6 +33,7 @@ import torch
 from bubblefree.core.values import StepPlan
 from bubblefree.cuda_backend.attention import decode_context
 from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
+from bubblefree.cuda_backend.kernel_config import Dispatch
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 
 # Summed (position + 1) over a step's tokens: keys read per head and layer.
@@ -47,8 +48,9 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
 
 class TokenPrefill:
     def __init__(self, decoder, cache: PagedKVCache, max_tokens: int, max_rows: int,
-                 max_pages: int, device: torch.device, key_budget: int = DEFAULT_KEY_BUDGET):
-        self.decoder, self.cache = decoder, cache
+                 max_pages: int, device: torch.device, dispatch: Dispatch,
+                 key_budget: int = DEFAULT_KEY_BUDGET):
+        self.decoder, self.cache, self.dispatch = decoder, cache, dispatch
         self.max_tokens, self.max_rows, self.max_pages = max_tokens, max_rows, max_pages
         self.key_budget = key_budget
         self.tokens = token_buckets(max_tokens)
@@ -109,7 +111,7 @@ class TokenPrefill:
         """Logits ``[r, V]`` of each sequence's last prompt token."""
         tokens, positions, row_of, last, table = self.views(self.meta, t, r)
         page_table = table.index_select(0, row_of)  # [t, max_pages]: each token's row
-        ctx = decode_context(self.cache, positions, page_table)
+        ctx = decode_context(self.cache, positions, page_table, self.dispatch)
         return self.decoder(tokens, positions, ctx, last)
 
     def launch(self, plan: StepPlan, staging_np: np.ndarray, staging: torch.Tensor,

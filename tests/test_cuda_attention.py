@@ -13,6 +13,7 @@ from bubblefree.core.protocol import Capacity
 from bubblefree.core.values import StepKind, StepPlan, StepRow
 from bubblefree.cuda_backend.attention import CONTEXT_KWARG, paged_attention_forward
 from bubblefree.cuda_backend.drive import scattered_pages
+from bubblefree.cuda_backend.kernel_config import KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.runner import ModelRunner, staging_size
 
@@ -34,7 +35,7 @@ def setup(seed: int, ctx_lens: list[int], max_rows: int = 8):
     cache = PagedKVCache(layers=2, kv_heads=KVH, head_dim=D, num_pages=PAGES, page_size=PS,
                          dtype=torch.float32, device=torch.device("cpu"))
     cache.data.normal_()  # stale garbage everywhere: masking must hide it
-    runner = ModelRunner(None, cache, cap, torch.device("cpu"))
+    runner = ModelRunner(None, cache, cap, torch.device("cpu"), KernelConfig())
     pages = scattered_pages(ctx_lens, PS, PAGES, seed)
     return cap, cache, runner, pages
 

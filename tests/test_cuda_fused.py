@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from bubblefree.core.values import SamplePlan, StepKind, StepPlan, StepRow
-from bubblefree.cuda_backend import paged_decode
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.drive import generate, scattered_pages
 from bubblefree.cuda_backend.fused_decode import FusedDecoder, TransformersDecoder, make_decoder
+from bubblefree.cuda_backend.kernel_config import KernelConfig
 from bubblefree.cuda_backend.runner import staging_size
 from bubblefree.cuda_backend.tiny import tiny_model
 
@@ -45,14 +45,12 @@ def decode_logits(be: CudaBackend, decoder, ctx_lens: list[int]) -> torch.Tensor
 
 @pytest.mark.parametrize("new_token,mlp_act", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_step_gives_transformers_logits(arch, new_token, mlp_act, monkeypatch):
+def test_fused_step_gives_transformers_logits(arch, new_token, mlp_act):
     """Rotary, the KV write and attention as one op, with Phi's MLP
     activation in it (the default) or not, or as three steps: transformers'
     logits every way."""
-    monkeypatch.setattr(paged_decode, "DISPATCH",
-                        paged_decode.forced(new_token=new_token, mlp_act=mlp_act))
     model = tiny_model(arch, seed=7)
-    be = backend(model)
+    be = backend(model, kernels=KernelConfig(new_token=new_token, mlp_act=mlp_act))
     decoder = be._runner.decoder
     assert isinstance(decoder, FusedDecoder) and be.decode_path == f"fused {arch}"
     assert decoder.rope_in_kernel == new_token
@@ -80,7 +78,7 @@ def test_fusing_stores_no_weight_twice_and_leaves_transformers_forward_alone(arc
     with torch.no_grad():
         before = model(ids).logits
     params = sum(p.numel() for p in model.parameters())
-    decoder, why = make_decoder(model)
+    decoder, why = make_decoder(model, KernelConfig())
     assert why is None
     attn = model.model.layers[0].self_attn
     fused = decoder.weights[0][2 if arch == "phi" else 1]  # qkv(+fc1)
@@ -128,16 +126,16 @@ def test_phi_with_qk_layernorm_is_fused_and_matches():
 def test_unsupported_models_fall_back_to_transformers_and_say_why():
     model = tiny_model("llama", seed=11, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                           "rope_theta": 10000.0})
-    decoder, why = make_decoder(model)
+    decoder, why = make_decoder(model, KernelConfig())
     assert isinstance(decoder, TransformersDecoder) and "dynamic" in why
     model = tiny_model("llama", seed=11).train()
-    assert "training" in make_decoder(model)[1]
+    assert "training" in make_decoder(model, KernelConfig())[1]
     model = tiny_model("llama", seed=11)
     attn = model.model.layers[1].self_attn
     attn.k_proj.bias = torch.nn.Parameter(torch.zeros(attn.k_proj.out_features))
-    decoder, why = make_decoder(model)
+    decoder, why = make_decoder(model, KernelConfig())
     assert isinstance(decoder, TransformersDecoder) and "bias" in why
-    decoder, why = make_decoder(tiny_model("llama"), fused=False)
+    decoder, why = make_decoder(tiny_model("llama"), KernelConfig(), fused=False)
     assert isinstance(decoder, TransformersDecoder) and why == "not asked for"
     be = backend(tiny_model("qwen2"), fused_decode=False)
     assert be.decode_path == "transformers"

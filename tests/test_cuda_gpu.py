@@ -197,6 +197,7 @@ def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, 
     block, 160 (2,560 keys) forty of two blocks."""
     from bubblefree.cuda_backend import paged_decode as pd
     from bubblefree.cuda_backend.attention import _decode_attention, _gather
+    from bubblefree.cuda_backend.kernel_config import Dispatch, Launch
     assert pd.available(torch.zeros(1, device="cuda")), "Triton must be present on a CUDA machine"
     torch.manual_seed(kv_heads)
     rows, heads, dim, ps, total = 6, 4, 64, 16, 2 * 160
@@ -213,12 +214,13 @@ def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, 
         mask &= key_pos > positions[:, None] - window
     k, v = _gather(keys, values, kv_index, dtype)
     want = _decode_attention(q, k, v, mask, None).float()
-    if kernel == "split":
-        got = pd.paged_decode_attention(q, keys, values, table, positions, ps, None, window,
-                                        split=True)
+    if kernel == "split":  # called directly: the dispatch never splits a one-chunk bucket
+        got = pd.split_attention(q, keys, values, table, positions, ps, dim ** -0.5,
+                                 window or pd.NO_WINDOW)
     else:
-        got = pd.one_pass(q, keys, values, table, positions, ps, dim ** -0.5,
-                          window or pd.NO_WINDOW, torch.empty_like(q), pd.Launch.parse(kernel))
+        dispatch = Dispatch().forced(split_below=0, launch=Launch.parse(kernel))
+        got = pd.paged_decode_attention(q, keys, values, table, positions, ps, None, window,
+                                        dispatch=dispatch)
     got = got.float()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
@@ -230,7 +232,7 @@ def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, 
     (4, None, torch.bfloat16, 8, 32), (4, None, torch.float32, 2, 64),
     (2, 40, torch.float32, 160, 32), (4, None, torch.bfloat16, 160, 64), (4, 1, torch.float32, 8, 64)])
 def test_rotary_and_kv_write_in_the_kernel_match_the_portable_op(kv_heads, window, dtype, pages,
-                                                                 rot, kernel, monkeypatch):
+                                                                 rot, kernel):
     """rope_attention's op on CUDA (the kernels with a NewToken: rotary on q
     and k, the KV write by each group's first head, the step's own key from
     registers) against its torch path: same output, same cache. Rows own
@@ -238,6 +240,7 @@ def test_rotary_and_kv_write_in_the_kernel_match_the_portable_op(kv_heads, windo
     at 0 (the own key alone); a window of 1 sees only the own key; full and
     partial rotary; raw q/k/v as strided views of one projection output."""
     from bubblefree.cuda_backend import paged_decode as pd
+    from bubblefree.cuda_backend.kernel_config import Dispatch, Launch
     from bubblefree.cuda_backend.kv_cache import PagedKVCache
     from bubblefree.cuda_backend.rope_attention import _portable, rope_attend
     torch.manual_seed(kv_heads * 7 + rot)
@@ -260,11 +263,10 @@ def test_rotary_and_kv_write_in_the_kernel_match_the_portable_op(kv_heads, windo
     win = window or pd.NO_WINDOW
     want = _portable(q, k, v, cos, sin, caches[1].layer_kv(0), slot, table, positions, ps,
                      dim ** -0.5, win).float()
-    dispatch = (pd.forced(split_below=1 << 30) if kernel == "split"
-                else pd.forced(split_below=0, launch=pd.Launch.parse(kernel)))
-    monkeypatch.setattr(pd, "DISPATCH", dispatch)
+    dispatch = (Dispatch().forced(split_below=1 << 30) if kernel == "split"
+                else Dispatch().forced(split_below=0, launch=Launch.parse(kernel)))
     got = rope_attend(q, k, v, cos, sin, caches[0].layer_kv(0), slot, table, positions, ps,
-                      None, window).float()
+                      None, window, dispatch=dispatch).float()
     err = ((got - want).norm() / want.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
     # The rows' slots written alike (to rounding: the kernel may fuse a multiply-add), nothing else.
@@ -274,12 +276,11 @@ def test_rotary_and_kv_write_in_the_kernel_match_the_portable_op(kv_heads, windo
 @pytest.mark.parametrize("kernel", ["split", "1x16w1s1", "4x32w4s3"])
 @pytest.mark.parametrize("act,dtype,inter", [(1, torch.bfloat16, 8192), (2, torch.float32, 200),
                                              (1, torch.float32, 37)])
-def test_the_mlp_activation_rides_on_the_attention_kernels(kernel, act, dtype, inter,
-                                                          monkeypatch):
+def test_the_mlp_activation_rides_on_the_attention_kernels(kernel, act, dtype, inter):
     """With a parallel block's fc1 output the op returns ``[attention |
     act(fc1)]``, the activation shared among each row's programs (shares
     that do not divide evenly, fewer columns than programs, Phi's 8,192)."""
-    from bubblefree.cuda_backend import paged_decode as pd
+    from bubblefree.cuda_backend.kernel_config import Dispatch, Launch
     from bubblefree.cuda_backend.kv_cache import PagedKVCache
     from bubblefree.cuda_backend.rope_attention import _torch_act, rope_attend
     torch.manual_seed(inter)
@@ -295,15 +296,14 @@ def test_the_mlp_activation_rides_on_the_attention_kernels(kernel, act, dtype, i
     theta = torch.rand(rows, dim // 4, device="cuda") * 6
     cos, sin = (f(torch.cat((theta, theta), 1)).to(dtype) for f in (torch.cos, torch.sin))
     mlp = (torch.randn(rows, inter + 3, device="cuda", dtype=dtype) * 3)[:, 3:]
-    dispatch = (pd.forced(split_below=1 << 30) if kernel == "split"
-                else pd.forced(split_below=0, launch=pd.Launch.parse(kernel)))
-    monkeypatch.setattr(pd, "DISPATCH", dispatch)
+    dispatch = (Dispatch().forced(split_below=1 << 30) if kernel == "split"
+                else Dispatch().forced(split_below=0, launch=Launch.parse(kernel)))
     before = cache.data.clone()
     row = rope_attend(q, k, v, cos, sin, cache.layer_kv(0), slot, table, positions, ps, None,
-                      None, mlp, act)
+                      None, mlp, act, dispatch=dispatch)
     cache.data.copy_(before)
     attention = rope_attend(q, k, v, cos, sin, cache.layer_kv(0), slot, table, positions, ps,
-                            None, None)
+                            None, None, dispatch=dispatch)
     assert row.shape == (rows, heads * dim + inter)
     torch.testing.assert_close(row[:, :heads * dim], attention.reshape(rows, -1))
     torch.testing.assert_close(row[:, heads * dim:], _torch_act(mlp, act).to(dtype))
@@ -317,12 +317,13 @@ def test_skinny_gemm_matches_cublas(m, k, n, tile, dtype):
     """Our decode-sized GEMM against F.linear: columns past a block (N=100,
     96), rows padded to the tile, K split or not, with and without bias."""
     from bubblefree.cuda_backend import skinny_gemm
+    from bubblefree.cuda_backend.kernel_config import Tile
     torch.manual_seed(m)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
     for bias in (torch.randn(n, device="cuda", dtype=dtype), None):
         want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
-        got = skinny_gemm.run(x, w, bias, skinny_gemm.Tile.parse(tile)).float()
+        got = skinny_gemm.run(x, w, bias, Tile.parse(tile)).float()
         assert got.shape == (m, n)
         err = ((got - want).norm() / want.norm()).item()
         assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
@@ -334,16 +335,17 @@ def test_our_gemm_in_the_decode_step_keeps_tokens(arch, compiled, monkeypatch):
     in two up to 8 rows, cuBLAS beyond), the step runs our GEMM, compiled as
     an opaque op or not, and greedy tokens do not change."""
     from bubblefree.cuda_backend import skinny_gemm
+    from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
     model = tiny_model(arch, device="cuda", seed=4)
     want = generate(small(model), PROMPTS, 10)
     shapes = {"phi": [(64, 320), (192, 64)],
               "llama": [(64, 128), (64, 64), (64, 256), (128, 64)]}[arch]
-    one, two = skinny_gemm.Tile(32, 32, 1, 4, 3), skinny_gemm.Tile(32, 32, 2, 4, 3)
-    monkeypatch.setattr(skinny_gemm, "TILES", {s: ((1, one), (8, two)) for s in shapes})
+    one, two = Tile(32, 32, 1, 4, 3), Tile(32, 32, 2, 4, 3)
+    kernels = KernelConfig(tiles=TileTable({s: ((1, one), (8, two)) for s in shapes}))
     ran = []
     real = skinny_gemm.run
     monkeypatch.setattr(skinny_gemm, "run", lambda x, w, b, t: ran.append(t) or real(x, w, b, t))
-    be = small(model, compile_decode=compiled)
+    be = small(model, compile_decode=compiled, kernels=kernels)
     assert {one, two} <= set(ran), "the step never ran our GEMM"
     assert generate(be, PROMPTS, 10) == want
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from bubblefree.core.protocol import Capacity
 from bubblefree.core.values import StepKind, StepPlan, StepRow
 from bubblefree.cuda_backend.graphs import batch_buckets, bucket, page_buckets
+from bubblefree.cuda_backend.kernel_config import Dispatch, KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.runner import ModelRunner, staging_size
 from bubblefree.cuda_backend.token_prefill import TokenPrefill
@@ -22,7 +23,7 @@ CAP = Capacity(num_pages=40, page_size=4, max_rows=6, max_seqs=8, max_prefill_to
                max_context=32)
 CACHE = PagedKVCache(layers=1, kv_heads=1, head_dim=2, num_pages=CAP.num_pages,
                      page_size=CAP.page_size, dtype=torch.float32, device=torch.device("cpu"))
-RUNNER = ModelRunner(None, CACHE, CAP, torch.device("cpu"))
+RUNNER = ModelRunner(None, CACHE, CAP, torch.device("cpu"), KernelConfig())
 MAX_PAGES = -(-CAP.max_context // CAP.page_size)
 
 
@@ -64,7 +65,7 @@ def test_decode_metadata_sits_at_fixed_offsets(plan_rows):
 @given(rows(prefill=True))
 def test_token_rows_carry_each_prompt_and_pad_into_the_scratch_row(plan_rows):
     tp = TokenPrefill(None, CACHE, CAP.max_prefill_tokens, CAP.max_rows, MAX_PAGES,
-                      torch.device("cpu"))
+                      torch.device("cpu"), Dispatch())
     assert staging_size(CAP) >= tp.size
     plan = StepPlan(0, StepKind.PREFILL, plan_rows)
     total = sum(len(r.tokens) for r in plan_rows)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from bubblefree.cuda_backend.paged_decode import DISPATCH, Dispatch, Launch, forced, split_chunk
+from bubblefree.cuda_backend.kernel_config import Dispatch, KernelConfig, Launch, split_chunk
 
 
-@pytest.mark.parametrize("text", ["1x32w2s1", "4x32w4s3", "8x16w2s1", str(DISPATCH.plain)])
+@pytest.mark.parametrize("text", ["1x32w2s1", "4x32w4s3", "8x16w2s1", str(Dispatch().plain)])
 def test_a_launch_reads_back_as_written(text):
     assert str(Launch.parse(text)) == text
 
@@ -37,21 +37,37 @@ def test_the_dispatch_follows_its_measurements():
     assert d.plain.warps == d.pipelined.warps == 1 and d.pipelined.stages > d.plain.stages == 1
 
 
-def test_forcing_a_launch_applies_it_everywhere_and_keeps_the_default():
+def test_forcing_a_launch_applies_it_everywhere_and_keeps_the_rest():
     launch = Launch.parse("2x32w2s3")
-    d = forced(split_below=0, launch=launch)
+    d = Dispatch().forced(split_below=0, launch=launch)
     assert all(d.choose(r, 32, n) == launch for r in (1, 8, 64) for n in (32, 144, 528))
     assert str(d) == "one-pass 2x32w2s3"
-    assert DISPATCH == Dispatch() and forced() == DISPATCH
+    assert Dispatch().forced() == Dispatch()
+    kept = Dispatch().forced(split_below=0)
+    assert kept.split_below == 0 and kept.pipelined == Dispatch().pipelined != kept.plain
 
 
 def test_where_the_new_token_and_the_activation_run_is_named():
     """Rotary, the KV write and Phi's activation run inside the attention
-    kernels by default; a dispatch that moves them out says so."""
-    assert DISPATCH.new_token and DISPATCH.mlp_act and "separate" not in str(DISPATCH)
-    assert str(forced(new_token=False)).endswith("; rotary and KV write separate")
-    assert str(forced(mlp_act=False)).endswith("; Phi's MLP activation separate")
-    assert forced(new_token=False, split_below=0).split_below == 0  # the rest kept
+    kernels by default; a config that moves them out says so."""
+    default = KernelConfig()
+    assert default.new_token and default.mlp_act and "separate" not in str(default)
+    assert str(default) == f"attention: {Dispatch()}; GEMM: cuBLAS"
+    assert str(KernelConfig(new_token=False)) == (f"attention: {Dispatch()}; rotary and KV "
+                                                  "write separate; GEMM: cuBLAS")
+    assert str(KernelConfig(mlp_act=False)) == (f"attention: {Dispatch()}; Phi's MLP "
+                                                "activation separate; GEMM: cuBLAS")
+
+
+@pytest.mark.parametrize("dispatch", [Dispatch(), Dispatch().forced(0, Launch(4, 32, 2, 3)),
+                                      Dispatch(7, 9, Launch(2, 64, 4, 1), Launch(8, 16, 1, 2))])
+def test_the_ops_read_back_the_dispatch_they_are_given(dispatch):
+    """The custom ops take the dispatch as integers; every field survives."""
+    scalars = dispatch.scalars()
+    assert all(type(x) is int for x in scalars)
+    assert Dispatch.from_scalars(scalars) == dispatch
+    with pytest.raises(ValueError, match="10 integers, not 9"):
+        Dispatch.from_scalars(scalars[:9])
 
 
 def test_split_chunks_cap_the_programs_per_row_and_head():

@@ -12,10 +12,13 @@ import pytest
 import torch
 
 from bubblefree.cuda_backend.attention import decode_attention, decode_context, store_kv
+from bubblefree.cuda_backend.kernel_config import Dispatch
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.rope_attention import rope_attend, rotate
 
 PS, PAGES, D = 4, 48, 16
+# The attention dispatch the op is handed (on the CPU no kernel reads it).
+DEFAULT = Dispatch()
 
 
 def case(seed: int, heads: int, kv_heads: int, rot: int, rows: int = 5):
@@ -43,14 +46,14 @@ def test_the_op_is_rotary_then_the_kv_write_then_attention(heads, kv_heads, rot,
     want_cache = PagedKVCache(layers=2, kv_heads=kv_heads, head_dim=D, num_pages=PAGES,
                               page_size=PS, dtype=torch.float32, device=torch.device("cpu"))
     want_cache.data.copy_(cache.data)
-    ctx = decode_context(want_cache, positions, table)
+    ctx = decode_context(want_cache, positions, table, DEFAULT)
     keys, values = want_cache.layer(1)
     c, s = cos[:, None], sin[:, None]
     store_kv(keys, values, ctx.slot_mapping, rotate(k, c, s), v)
     want = decode_attention(rotate(q, c, s), keys, values, ctx, None, window)
 
     got = rope_attend(q, k, v, cos, sin, cache.layer_kv(1), ctx.slot_mapping, table, positions,
-                      PS, None, window)
+                      PS, None, window, dispatch=DEFAULT)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # The same entries written (the rows' own slots of layer 1), nothing else.
     torch.testing.assert_close(cache.data, want_cache.data, rtol=0, atol=1e-6)
@@ -61,15 +64,15 @@ def test_with_an_mlp_input_the_op_returns_the_output_gemms_row(act):
     """A parallel block's output GEMM reads ``[attention | act(fc1)]``: with
     ``mlp`` the op returns that row, fc1 taken as a strided view."""
     cache, table, positions, q, k, v, cos, sin = case(7, 4, 2, D)
-    slot = decode_context(cache, positions, table).slot_mapping
+    slot = decode_context(cache, positions, table, DEFAULT).slot_mapping
     before = cache.data.clone()
     wide = torch.randn(len(positions), 40)
     mlp = wide[:, 8:]  # [B, 32], rows 40 apart
     row = rope_attend(q, k, v, cos, sin, cache.layer_kv(0), slot, table, positions, PS, None,
-                      None, mlp, act)
+                      None, mlp, act, dispatch=DEFAULT)
     cache.data.copy_(before)
     attention = rope_attend(q, k, v, cos, sin, cache.layer_kv(0), slot, table, positions, PS,
-                            None, None)
+                            None, None, dispatch=DEFAULT)
     gelu = torch.nn.functional.gelu(mlp, approximate="tanh" if act == 1 else "none")
     torch.testing.assert_close(row, torch.cat((attention.reshape(len(positions), -1), gelu), 1))
 
@@ -91,11 +94,11 @@ def test_a_compiled_step_writes_the_cache_in_place():
     a layer's whole cache per layer per step would cost more than the step)."""
     from torch._inductor.utils import run_and_get_code
     cache, table, positions, q, k, v, cos, sin = case(3, 4, 2, D)
-    ctx = decode_context(cache, positions, table)
+    ctx = decode_context(cache, positions, table, DEFAULT)
 
     def layer(q, k, v, kv):
         return rope_attend(q * 1.5, k, v, cos, sin, kv, ctx.slot_mapping, table, positions, PS,
-                           None, None).sum(-1)
+                           None, None, dispatch=ctx.dispatch).sum(-1)
 
     before = cache.data.clone()
     torch._dynamo.reset()
@@ -112,9 +115,9 @@ def test_a_compiled_step_writes_the_cache_in_place():
 
 def test_bad_shapes_are_named():
     cache, table, positions, q, k, v, cos, sin = case(5, 4, 2, D)
-    kv, slot = cache.layer_kv(0), decode_context(cache, positions, table).slot_mapping
+    kv, slot = cache.layer_kv(0), decode_context(cache, positions, table, DEFAULT).slot_mapping
     args = dict(kv=kv, slot=slot, page_table=table, positions=positions, page_size=PS,
-                scaling=None, window=None)
+                scaling=None, window=None, dispatch=DEFAULT)
     with pytest.raises(ValueError, match=r"k \(5, 4, 16\).*cache's heads \(2, 16\)"):
         rope_attend(q, q, v, cos, sin, **args)
     with pytest.raises(ValueError, match="ROT even and at most 16"):

@@ -1,7 +1,7 @@
 """Which GEMM a decode step's projection runs: our decode-sized kernel
-where ``skinny_gemm.TILES`` has a tile for the weight's shape and row count,
-cuBLAS (``F.linear``) everywhere else (the kernel itself is tested on the
-GPU)."""
+where the backend's ``TileTable`` has a tile for the weight's shape and row
+count, cuBLAS (``F.linear``) everywhere else (the kernel itself is tested on
+the GPU)."""
 
 from __future__ import annotations
 
@@ -10,55 +10,61 @@ import torch
 import torch.nn.functional as F
 
 from bubblefree.cuda_backend import skinny_gemm as sg
+from bubblefree.cuda_backend.kernel_config import MEASURED, KernelConfig, Tile, TileTable
 
 
 def test_a_tile_reads_back_as_written_and_names_bad_input():
-    assert str(sg.Tile.parse("64n128k4s4w3p")) == "64n128k4s4w3p"
+    assert str(Tile.parse("64n128k4s4w3p")) == "64n128k4s4w3p"
     for bad, says in [("64n128k4s", "expected"), ("48n128k4s4w3p", "block_n must be a power"),
                       ("64n8k1s4w3p", "block_k >= 16"), ("64n128k0s4w3p", "split >= 1")]:
         with pytest.raises(ValueError, match=says) as err:
-            sg.Tile.parse(bad)
+            Tile.parse(bad)
         assert repr(bad) in str(err.value)
 
 
 def test_a_tile_fits_k_in_whole_slices_of_whole_steps():
-    t = sg.Tile.parse("64n128k4s4w3p")
+    t = Tile.parse("64n128k4s4w3p")
     assert t.fits(2048) and t.fits(512) and not t.fits(256) and not t.fits(2048 + 128)
 
 
-def test_the_table_picks_by_rows_and_falls_back_to_cublas(monkeypatch):
-    table = sg.read_tiles({"2048,14336": [[64, None], [1, "64n128k1s4w3p"],
-                                          [32, "64n256k2s4w5p"]]})
-    monkeypatch.setattr(sg, "TILES", table)
-    assert sg.tile_for(1, 2048, 14336) == sg.Tile(64, 128, 1, 4, 3)
-    assert sg.tile_for(8, 2048, 14336) == sg.tile_for(32, 2048, 14336) == sg.Tile(64, 256, 2, 4, 5)
-    assert sg.tile_for(48, 2048, 14336) is None  # measured: cuBLAS won at 64 rows
-    assert sg.tile_for(65, 2048, 14336) is None and sg.tile_for(1, 2048, 2048) is None
+def test_the_table_picks_by_rows_and_falls_back_to_cublas():
+    table = TileTable.read({"2048,14336": [[64, None], [1, "64n128k1s4w3p"],
+                                           [32, "64n256k2s4w5p"]]})
+    assert table.tile_for(1, 2048, 14336) == Tile(64, 128, 1, 4, 3)
+    assert table.tile_for(8, 2048, 14336) == Tile(64, 256, 2, 4, 5)
+    assert table.tile_for(32, 2048, 14336) == Tile(64, 256, 2, 4, 5)
+    assert table.tile_for(48, 2048, 14336) is None  # measured: cuBLAS won at 64 rows
+    assert table.tile_for(65, 2048, 14336) is None and table.tile_for(1, 2048, 2048) is None
+    # What the GEMM op is handed: rows and the tile's fields per entry, zeros for cuBLAS.
+    assert table.scalars(2048, 14336) == [1, 64, 128, 1, 4, 3, 32, 64, 256, 2, 4, 5,
+                                          64, 0, 0, 0, 0, 0]
+    assert table.scalars(2048, 2048) == [] and table.shapes() == [(2048, 14336)]
 
 
-def test_on_the_cpu_every_projection_is_f_linear(monkeypatch):
-    monkeypatch.setattr(sg, "TILES", {(8, 5): ((64, sg.Tile(32, 8, 1, 4, 3)),)})
+def test_on_the_cpu_every_projection_is_f_linear():
+    table = TileTable({(8, 5): ((64, Tile(32, 8, 1, 4, 3)),)})
     x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
-    assert torch.equal(sg.linear(x, w, b), F.linear(x, w, b))
-    assert torch.equal(sg._skinny_linear(x, w, None), F.linear(x, w))
+    assert torch.equal(sg.linear(x, w, b, table), F.linear(x, w, b))
+    assert torch.equal(sg._skinny_linear(x, w, None, table.scalars(8, 5)), F.linear(x, w))
 
 
 def test_every_measured_tile_serves_its_shape():
     """Entries ascend by rows, and each tile divides its K into whole steps
     (a tile that did not would fall back to cuBLAS unseen)."""
-    for gpu, table in sg.MEASURED.items():
-        for (k, n), entries in table.items():
+    for gpu, table in MEASURED.items():
+        for (k, n), entries in table.entries:
             rows = [m for m, _ in entries]
             assert rows == sorted(set(rows)), (gpu, k, n)
             assert all(t is None or t.fits(k) for _, t in entries), (gpu, k, n)
 
 
 def test_a_gpu_that_was_not_measured_runs_cublas(monkeypatch):
-    monkeypatch.setattr(sg, "TILES", None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some Other GPU")
-    assert sg.tiles() == {} and sg.tile_for(32, 10240, 2048) is None
-    monkeypatch.setattr(sg, "TILES", None)
+    other = KernelConfig.measured("cuda")
+    assert other.tiles == TileTable() and other.tiles.tile_for(32, 10240, 2048) is None
+    assert str(other.tiles) == "cuBLAS"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    assert sg.tile_for(32, 10240, 2048) is None  # not read yet: cuBLAS
-    assert sg.tiles() == sg.MEASURED["NVIDIA H200"] and sg.tile_for(32, 10240, 2048) is not None
+    h200 = KernelConfig.measured("cuda")
+    assert h200.tiles == MEASURED["NVIDIA H200"] and h200.tiles.tile_for(32, 10240, 2048)
+    assert h200 == KernelConfig(tiles=MEASURED["NVIDIA H200"])  # the rest: the defaults
+    assert KernelConfig.measured("cpu") == KernelConfig()

@@ -1,0 +1,246 @@
+"""What runs inside a decode step, as one frozen value chosen when the
+backend is built: the attention kernels' dispatch, where rotary, the KV
+write and Phi's MLP activation run, and the GEMM tiles. ``CudaBackend``
+builds a ``KernelConfig`` once (by default ``KernelConfig.measured`` for its
+device) and passes it down to the runner, the fused decoder and the
+attention context; custom ops receive only the scalars they need
+(``Dispatch.scalars``, ``TileTable.scalars``). Nothing here is mutable, so
+two backends with different configs can share a process.
+
+Launch settings are written as short strings (``1x16w1s3``,
+``64n128k4s4w3p``), as benchmarks and tuning tools name them. The measured
+defaults and how they were measured: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+
+def parse_settings(cls, pattern: str, what: str, expected: str, text: str,
+                   powers_of_two: tuple[str, ...]):
+    """``cls`` from the integers ``pattern`` captures in ``text``; a clear
+    error naming ``text`` when it does not match or when a field in
+    ``powers_of_two`` is not one."""
+    m = re.fullmatch(pattern, text.strip())
+    if m is None:
+        raise ValueError(f"{what} {text!r}: expected {expected}")
+    out = cls(*map(int, m.groups()))
+    for name in powers_of_two:
+        n = getattr(out, name)
+        if n < 1 or n & (n - 1):
+            raise ValueError(f"{what} {text!r}: {name} must be a power of two, not {n}")
+    return out
+
+
+@attrs.frozen
+class Launch:
+    """How the one-pass attention kernel runs: query heads per program
+    (sharing one page-table walk), keys per loop iteration, warps per
+    program, and the software-pipelining stages of the key loop. Written
+    ``4x32w4s1``."""
+    heads: int = 1
+    block_n: int = 16
+    warps: int = 1
+    stages: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.heads}x{self.block_n}w{self.warps}s{self.stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Launch":
+        launch = parse_settings(cls, r"(\d+)x(\d+)w(\d+)s(\d+)", "kernel launch",
+                                "HEADSxBLOCKwWARPSsSTAGES, e.g. 4x32w4s1",
+                                text, ("heads", "block_n", "warps"))
+        if launch.stages < 1:
+            raise ValueError(f"kernel launch {text!r}: stages must be at least 1")
+        return launch
+
+
+def split_chunk(length: int) -> int:
+    """Keys per program of the split kernel: 32, or more so that a bucket of
+    ``length`` keys needs at most 64 programs per (row, head)."""
+    per = -(-length // 64)
+    return max(32, 1 << (per - 1).bit_length())
+
+
+@attrs.frozen
+class Dispatch:
+    """Which attention kernel, and which launch of it, a decode bucket runs.
+    A bucket's rows and page count are fixed when its graph is captured, so
+    the choice is made then, inside the op, from the count of (row, head)
+    programs: the split kernel below ``split_below``; the one-pass kernel
+    with a pipelined key loop below ``pipelined_below``; without pipelining
+    from there. The defaults are the H200's measurements
+    (docs/performance.md, "The attention kernels: measured per bucket")."""
+    split_below: int = 512
+    pipelined_below: int = 2048
+    pipelined: Launch = Launch(stages=3)
+    plain: Launch = Launch()
+
+    def choose(self, rows: int, heads: int, length: int) -> Launch | None:
+        """The one-pass launch for a bucket, or None for the split kernel."""
+        programs = rows * heads
+        if programs < self.split_below and length > split_chunk(length):
+            return None
+        return self.pipelined if programs < self.pipelined_below else self.plain
+
+    def scalars(self) -> list[int]:
+        """The dispatch as the custom ops take it (``from_scalars``)."""
+        return [self.split_below, self.pipelined_below, *attrs.astuple(self.pipelined),
+                *attrs.astuple(self.plain)]
+
+    @classmethod
+    def from_scalars(cls, values: list[int]) -> "Dispatch":
+        if len(values) != 10:
+            raise ValueError(f"a dispatch is 10 integers, not {len(values)}")
+        return cls(values[0], values[1], Launch(*values[2:6]), Launch(*values[6:10]))
+
+    def forced(self, split_below: int | None = None, launch: Launch | None = None) -> "Dispatch":
+        """This dispatch with a split threshold and/or one launch for every
+        one-pass bucket imposed (benchmarks and profiles compare them)."""
+        out = self if split_below is None else attrs.evolve(self, split_below=split_below)
+        return out if launch is None else attrs.evolve(out, pipelined=launch, plain=launch)
+
+    def __str__(self) -> str:
+        split = f"split below {self.split_below} programs, " if self.split_below > 0 else ""
+        if self.pipelined == self.plain:
+            return f"{split}one-pass {self.plain}"
+        return (f"{split}one-pass {self.pipelined} below {self.pipelined_below} "
+                f"programs, {self.plain} from there")
+
+
+@attrs.frozen
+class Tile:
+    """A launch of the decode-sized GEMM (``skinny_gemm``): output columns
+    per program, K per iteration, K slices, warps and pipeline stages.
+    Written ``64n128k4s4w3p``: 64 columns, 128 of K, 4 slices, 4 warps, 3
+    stages."""
+    block_n: int = 64
+    block_k: int = 128
+    split: int = 1
+    warps: int = 4
+    stages: int = 3
+
+    def __str__(self) -> str:
+        return f"{self.block_n}n{self.block_k}k{self.split}s{self.warps}w{self.stages}p"
+
+    @classmethod
+    def parse(cls, text: str) -> "Tile":
+        tile = parse_settings(cls, r"(\d+)n(\d+)k(\d+)s(\d+)w(\d+)p", "GEMM tile",
+                              "e.g. 64n128k4s4w3p", text, ("block_n", "block_k", "warps"))
+        if tile.block_k < 16 or tile.split < 1 or tile.stages < 1:
+            raise ValueError(f"GEMM tile {text!r}: needs block_k >= 16 (the MMA's K), "
+                             "split >= 1 and stages >= 1")
+        return tile
+
+    def fits(self, k: int) -> bool:
+        """Whether K divides into ``split`` slices of whole BLOCK_K steps (the
+        kernel does not mask K)."""
+        return k % (self.split * self.block_k) == 0
+
+
+# Per weight shape: ((up to rows, tile or None for cuBLAS), ...) by ascending
+# rows; more rows than the last entry run cuBLAS.
+Entries = tuple[tuple[int, "Tile | None"], ...]
+
+
+def _freeze_tiles(table: Mapping[tuple[int, int], Entries] | tuple) -> tuple:
+    items = table.items() if isinstance(table, Mapping) else table
+    return tuple(sorted(((int(k), int(n)), tuple(entries)) for (k, n), entries in items))
+
+
+@attrs.frozen
+class TileTable:
+    """Where a decode step runs our GEMM instead of cuBLAS: ``(K, N)`` ->
+    entries. Empty: cuBLAS everywhere."""
+    entries: tuple[tuple[tuple[int, int], Entries], ...] = attrs.field(
+        default=(), converter=_freeze_tiles)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return [shape for shape, _ in self.entries]
+
+    def tile_for(self, m: int, k: int, n: int) -> Tile | None:
+        return tile_for(self.scalars(k, n), m)
+
+    def scalars(self, k: int, n: int) -> list[int]:
+        """Shape (k, n)'s entries as the GEMM op takes them (``tile_for``):
+        rows and the tile's five fields per entry, zeros for cuBLAS; empty
+        when the shape has no entry."""
+        for shape, entries in self.entries:
+            if shape == (k, n):
+                return [x for rows, tile in entries
+                        for x in (rows, *(attrs.astuple(tile) if tile else (0,) * 5))]
+        return []
+
+    @classmethod
+    def read(cls, table: dict[str, list]) -> "TileTable":
+        """From ``bench.gemm_tune --save``'s JSON: ``{"K,N": [[rows, tile or
+        null], ...]}``."""
+        out = {}
+        for shape, entries in table.items():
+            k, n = map(int, shape.split(","))
+            out[k, n] = tuple(sorted(((int(m), Tile.parse(t) if t else None)
+                                      for m, t in entries), key=lambda e: e[0]))
+        return cls(out)
+
+    def __str__(self) -> str:
+        shapes = [f"{k}->{n}" for k, n in self.shapes()]
+        return f"ours for {', '.join(shapes)} at measured rows" if shapes else "cuBLAS"
+
+
+def tile_for(scalars: list[int], m: int) -> Tile | None:
+    """The tile for ``m`` rows in ``TileTable.scalars``' form, or None (cuBLAS)."""
+    for i in range(0, len(scalars), 6):
+        if m <= scalars[i]:
+            return Tile(*scalars[i + 1:i + 6]) if scalars[i + 1] else None
+    return None
+
+
+# Tiles measured faster than cuBLAS, per GPU, on the moondream2 text
+# decoder's shapes (docs/performance.md, "Our GEMM for decode-sized inputs").
+MEASURED: Mapping[str, TileTable] = types.MappingProxyType({
+    "NVIDIA H200": TileTable({
+        (2048, 14336): ((32, None), (64, Tile(64, 128, 1, 4, 3))),  # fused q, k, v, fc1
+        (10240, 2048): ((1, None), (32, Tile(32, 128, 4, 4, 5)),  # fused dense + fc2
+                        (64, Tile(64, 128, 4, 4, 5))),
+        (2048, 51200): ((1, None), (8, Tile(32, 256, 1, 4, 3)),  # head
+                        (32, Tile(128, 128, 1, 4, 3)), (64, None)),
+    }),
+})
+
+
+@attrs.frozen
+class KernelConfig:
+    """Everything that decides which kernels a decode step runs (the
+    decoder itself, compilation and graphs are the backend's options).
+
+    ``new_token``: rotary embeddings and the KV write inside the attention
+    kernel, instead of two compiled kernels before it. ``mlp_act``: Phi's
+    MLP activation inside it too, instead of a kernel of its own. Both
+    measured faster on the H200 (docs/performance.md)."""
+    dispatch: Dispatch = Dispatch()
+    new_token: bool = True
+    mlp_act: bool = True
+    tiles: TileTable = TileTable()
+
+    @classmethod
+    def measured(cls, device: torch.device | str) -> "KernelConfig":
+        """The defaults, with the GEMM tiles measured for ``device``'s GPU
+        (none elsewhere, so cuBLAS, until it is measured)."""
+        device = torch.device(device)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        return cls(tiles=MEASURED.get(name, TileTable()))
+
+    def __str__(self) -> str:
+        where = ""
+        if not self.new_token:
+            where = "; rotary and KV write separate"
+        elif not self.mlp_act:
+            where = "; Phi's MLP activation separate"
+        return f"attention: {self.dispatch}{where}; GEMM: {self.tiles}"

@@ -1,0 +1,264 @@
+"""The Triton kernels of paged decode attention (launched by
+``paged_decode``, which chooses and marshals them).
+
+Each walks a row's page table and reads only positions ``start .. pos``
+once, with an online softmax in float32:
+
+- ``one_pass_kernel``: one program per (row, query head), or per row and a
+  few of its heads, walks the whole context, BLOCK_N keys per iteration;
+- ``split_kernel`` then ``combine_kernel`` (flash-decoding): each (row,
+  head) is spread over programs of ``chunk`` keys, whose partial softmax
+  states the second pass combines.
+
+With NEW (a compile-time flag) q arrives before its rotary embedding and the
+step's own key and value come raw: rotary, the KV write and attention run as
+one kernel (``_new_token``). With ACT the programs of a row also apply an
+MLP activation to a share of its columns (``_activate``).
+
+Shapes: q ``[B, H, D]``, keys/values ``[N * page_size, KVH, D]``, page table
+``[B, P]``, positions ``[B]`` (the query's position; keys ``<= pos``).
+"""
+
+from __future__ import annotations
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope(ptr, d, cs_ptr, sn_ptr, mask, ROT: tl.constexpr):
+        """``ptr[d]`` in float32 after transformers' rotary embedding on its
+        first ROT dims (``x * cos + rotate_half(x) * sin``); the rest pass."""
+        x = tl.load(ptr + d, mask=mask, other=0.0).to(tl.float32)
+        if ROT > 0:
+            half = ROT // 2
+            rot = mask & (d < ROT)
+            partner = tl.load(ptr + tl.where(d < half, d + half, d - half), mask=rot,
+                              other=0.0).to(tl.float32)
+            c = tl.load(cs_ptr + d, mask=rot, other=1.0).to(tl.float32)
+            sn = tl.load(sn_ptr + d, mask=rot, other=0.0).to(tl.float32)
+            x = x * c + tl.where(d < half, -partner, partner) * sn
+        return x
+
+    @triton.jit
+    def _new_token(b, h, kvh, d, mask, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
+                   kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, skn_b, skn_h, svn_b, svn_h, scs_b,
+                   GROUP: tl.constexpr, ROT: tl.constexpr):
+        """The step's own key (rotated) and value of row ``b`` for query heads
+        ``h``, as the cache holds them (its dtype), in float32. The first
+        query head of each KV group writes them into the cache at the row's
+        slot, for later steps; this step uses them from registers, so no
+        program reads a position another program is writing."""
+        cs, sn = cs_ptr + b * scs_b, sn_ptr + b * scs_b
+        kn = _rope(kn_ptr + b * skn_b + kvh * skn_h, d, cs, sn, mask, ROT)
+        kn = kn.to(k_ptr.dtype.element_ty)
+        vn = tl.load(vn_ptr + b * svn_b + kvh * svn_h + d, mask=mask, other=0.0)
+        vn = vn.to(v_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + b)
+        writer = mask & (h % GROUP == 0)
+        tl.store(k_ptr + slot * sk_t + kvh * sk_h + d, kn, mask=writer)
+        tl.store(v_ptr + slot * sv_t + kvh * sv_h + d, vn, mask=writer)
+        return kn.to(tl.float32), vn.to(tl.float32)
+
+    @triton.jit
+    def _gelu(f, ACT: tl.constexpr):
+        """GELU in float32: 1 the tanh form (transformers' gelu_new), 2 erf."""
+        if ACT == 1:
+            y = 0.7978845608028654 * (f + 0.044715 * f * f * f)
+            # tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both infinities
+            return 0.5 * f * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+        else:
+            return 0.5 * f * (1.0 + tl.math.erf(f * 0.7071067811865476))
+
+    @triton.jit
+    def _activate(src, dst, j, per, n, ACT: tl.constexpr, BLOCK_F: tl.constexpr):
+        """``dst[c] = act(src[c])`` for one row's columns ``j * per ..``
+        (``per`` of the ``n``): each program of the row takes its share."""
+        lo = j * per
+        hi = tl.minimum(lo + per, n)
+        for c in range(lo, hi, BLOCK_F):
+            idx = c + tl.arange(0, BLOCK_F)
+            ok = idx < hi
+            f = tl.load(src + idx, mask=ok, other=0.0).to(tl.float32)
+            tl.store(dst + idx, _gelu(f, ACT).to(dst.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def one_pass_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, pos_ptr, out_ptr,
+                kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr, fo_ptr,
+                sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, spt_b, so_b, so_h,
+                skn_b, skn_h, svn_b, svn_h, scs_b, sf_b, sfo_b, f_per, f_n,
+                scale, window,
+                GROUP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
+                STAGES: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
+                ACT: tl.constexpr, BLOCK_F: tl.constexpr):
+        """One row's query heads ``HEADS * j ..`` over its whole context. The
+        heads share the page-table walk, and in the ``[tokens, heads, D]``
+        cache their keys for one position are one contiguous run. With NEW,
+        q arrives before its rotary embedding and the step's own key and
+        value come raw (``_new_token``): rotary, the KV write and attention
+        in one kernel. With ACT, the row's programs also write act(f) (see
+        ``paged_decode.Activation``)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] query heads
+        kvh = h // GROUP
+        pos = tl.load(pos_ptr + b)
+        d = tl.arange(0, BLOCK_D)
+        hd_mask = (h[:, None] >= 0) & (d[None, :] < D)  # [HEADS, BLOCK_D]
+        # Keys ``start .. pos``; without a sliding window ``window`` is huge.
+        start = tl.maximum(pos - window + 1, 0)
+        first = (start // BLOCK_N) * BLOCK_N
+        if NEW:
+            q = _rope(q_ptr + b * sq_b + h[:, None] * sq_h, d[None, :], cs_ptr + b * scs_b,
+                      sn_ptr + b * scs_b, hd_mask, ROT)
+            kn, vn = _new_token(b, h[:, None], kvh[:, None], d[None, :], hd_mask, k_ptr, v_ptr,
+                                sk_t, sk_h, sv_t, sv_h, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr,
+                                skn_b, skn_h, svn_b, svn_h, scs_b, GROUP, ROT)
+            # The softmax starts from the step's own key (position pos), so
+            # the running max is finite from the start; the loop reads the
+            # cache below pos.
+            m_i = tl.sum(kn * q, 1) * scale
+            l_i = tl.full([HEADS], 1.0, tl.float32)
+            acc = vn
+            end = pos
+        else:
+            q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :], mask=hd_mask,
+                        other=0.0).to(tl.float32)
+            m_i = tl.full([HEADS], -float("inf"), tl.float32)
+            l_i = tl.zeros([HEADS], tl.float32)
+            acc = tl.zeros([HEADS, BLOCK_D], dtype=tl.float32)
+            end = pos + 1
+        offs = tl.arange(0, BLOCK_N)
+        k_off = kvh[None, :, None] * sk_h + d[None, None, :]
+        v_off = kvh[None, :, None] * sv_h + d[None, None, :]
+        for base in tl.range(first, end, BLOCK_N, num_stages=STAGES):
+            kpos = base + offs  # [BLOCK_N] key positions
+            valid = (kpos < end) & (kpos >= start)
+            page = tl.load(pt_ptr + b * spt_b + kpos // PS, mask=valid, other=0)
+            tok = page * PS + kpos % PS  # [BLOCK_N] flat KV index
+            kv_mask = valid[:, None, None] & hd_mask[None, :, :]
+            k = tl.load(k_ptr + tok[:, None, None] * sk_t + k_off, mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            s = tl.sum(k * q[None, :, :], 2) * scale  # [BLOCK_N, HEADS]
+            s = tl.where(valid[:, None], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            v = tl.load(v_ptr + tok[:, None, None] * sv_t + v_off, mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, 0)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * so_b + h[:, None] * so_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+        if ACT != 0:
+            _activate(f_ptr + b * sf_b, fo_ptr + b * sfo_b, tl.program_id(1), f_per, f_n, ACT,
+                      BLOCK_F)
+
+    @triton.jit
+    def split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+                      cs_ptr, sn_ptr,
+                      sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, spt_b, scs_b,
+                      scale, window, chunk, splits, heads,
+                      GROUP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
+                      ROT: tl.constexpr):
+        """Keys ``s * chunk ..`` of one (row, head): the partial softmax state
+        (max, sum, unnormalised output) for ``combine_kernel``. With NEW, q
+        arrives before its rotary embedding and the step's own key (position
+        pos) is left to the combining pass, which writes it."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        kvh = h // GROUP
+        pos = tl.load(pos_ptr + b)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        if NEW:
+            q = _rope(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
+                      dmask, ROT)
+            end = pos
+        else:
+            q = tl.load(q_ptr + b * sq_b + h * sq_h + d, mask=dmask, other=0.0).to(tl.float32)
+            end = pos + 1
+        start = tl.maximum(pos - window + 1, 0)
+        hi = tl.minimum(s * chunk + chunk, end)  # exclusive
+        # The first block holds a valid key (``start`` itself, or the chunk's
+        # first key): the running max is finite after it, never -inf - -inf.
+        # A chunk wholly before ``start`` reads nothing.
+        lo = tl.maximum(s * chunk, (start // BLOCK_N) * BLOCK_N)
+        hi = tl.where(start < hi, hi, lo)
+        m_i = tl.full([], -float("inf"), tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        for base in range(lo, hi, BLOCK_N):
+            kpos = base + offs
+            valid = (kpos < hi) & (kpos >= start)
+            page = tl.load(pt_ptr + b * spt_b + kpos // PS, mask=valid, other=0)
+            tok = page * PS + kpos % PS
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + tok[:, None] * sk_t + kvh * sk_h + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            sc = tl.sum(k * q[None, :], 1) * scale
+            sc = tl.where(valid, sc, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            v = tl.load(v_ptr + tok[:, None] * sv_t + kvh * sv_h + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            m_i = m_new
+        at = (b * heads + h) * splits + s
+        tl.store(m_ptr + at, m_i)
+        tl.store(l_ptr + at, l_i)
+        tl.store(acc_ptr + at * D + d, acc, mask=dmask)
+
+    @triton.jit
+    def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, splits, heads, so_b, so_h,
+                        q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr,
+                        fo_ptr,
+                        sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h, svn_b, svn_h, scs_b,
+                        sf_b, sfo_b, f_per, f_n, scale,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                        GROUP: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
+                        ACT: tl.constexpr, BLOCK_F: tl.constexpr):
+        """One (row, head): its splits' partial states into the output. An
+        empty split (max -inf) weighs exp(-inf) = 0. With NEW the step's own
+        key and value join here as one more state (``_new_token``); with ACT
+        the row's programs write act(f) as ``one_pass_kernel``'s do."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        first = (b * heads + h) * splits
+        si = tl.arange(0, BLOCK_S)
+        smask = si < splits
+        m = tl.load(m_ptr + first + si, mask=smask, other=-float("inf"))
+        l = tl.load(l_ptr + first + si, mask=smask, other=0.0)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        acc = tl.load(acc_ptr + (first + si)[:, None] * D + d[None, :],
+                      mask=smask[:, None] & dmask[None, :], other=0.0)
+        if NEW:
+            q = _rope(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
+                      dmask, ROT)
+            kn, vn = _new_token(b, h, h // GROUP, d, dmask, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
+                                kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, skn_b, skn_h, svn_b,
+                                svn_h, scs_b, GROUP, ROT)
+            m_new = tl.sum(kn * q, 0) * scale
+            top = tl.maximum(tl.max(m, 0), m_new)
+            w = tl.exp(m - top)
+            w_new = tl.exp(m_new - top)
+            out = (tl.sum(w[:, None] * acc, 0) + w_new * vn) / (tl.sum(w * l, 0) + w_new)
+        else:
+            w = tl.exp(m - tl.max(m, 0))
+            out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+        tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+        if ACT != 0:
+            _activate(f_ptr + b * sf_b, fo_ptr + b * sfo_b, h, f_per, f_n, ACT, BLOCK_F)
