@@ -2,9 +2,11 @@
 # One call on a lent GPU: the GPU-only tests, the bf16 parity record, the
 # decode-step profile, then the speed benchmark. Everything it prints is also
 # written under $OUT. GPU_TESTS selects tests (-k expression; empty = all);
-# PROFILE_ARGS adds to the profile's arguments (e.g. --attention, --gemm).
+# PROFILE_ARGS adds to the profile's arguments (e.g. --attention, --gemm);
+# BENCH names the benchmark module (default speed; api_speed is the serving
+# layer against the core); its arguments are this script's.
 set -u
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 out="${OUT:-/tmp/bubblefree-gpu}"
 mkdir -p "$out"
 {
@@ -19,11 +21,12 @@ timeout "${TEST_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -rs -q -s \
   tests/test_cuda_gpu.py tests/test_cuda_fused.py tests/test_cuda_parity.py \
   tests/test_cuda_attention.py tests/test_cuda_sampling.py tests/test_cuda_backend.py \
   tests/test_skinny_tiles.py tests/test_paged_launch.py tests/test_rope_attention.py \
+  tests/test_kernel_config.py tests/test_backend_contract.py \
   2>&1 | tee "$out/gpu_tests.txt"
 echo "pytest exit status: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.txt"
 timeout "${PROFILE_SECONDS:-150}" python3 -m bubblefree.bench.profile_step --rows 1,8,32,64 \
   --paths "${PROFILE_PATHS:-transformers,fused,fused+compile}" ${PROFILE_ARGS:-} 2>&1 | grep -v -i warn \
   | tee "$out/profile.txt"
-timeout "${BENCH_SECONDS:-420}" python3 -m bubblefree.bench.speed "$@" 2>&1 | tee "$out/bench.txt"
+timeout "${BENCH_SECONDS:-420}" python3 -m "bubblefree.bench.${BENCH:-speed}" "$@" 2>&1 | tee "$out/bench.txt"
 cp docs/benchmarks.md docs/benchmarks.png "$out/" 2>/dev/null
 exit 0

@@ -16,6 +16,7 @@ from itertools import count
 
 import attrs
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,13 +59,19 @@ def fake_kit() -> Kit:
     return Kit(be, "fake", lambda slot: be.slots[slot].state, fail)
 
 
+# On a GPU the CUDA kit runs there: real streams, events and pinned buffers.
+# Graph capture stays off so the fault injection below reaches sampling (a
+# replayed graph would not call the replaced method).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(scope="module")
 def llama():
-    return tiny_model("llama")
+    return tiny_model("llama", device=DEVICE)
 
 
 def cuda_kit(model) -> Kit:
-    be = CudaBackend(model, min_graph_context=8, **CAP)
+    be = CudaBackend(model, min_graph_context=8, use_graphs=False, **CAP)
 
     def fail(step_id):
         def broken(*args):
