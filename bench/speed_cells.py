@@ -260,7 +260,8 @@ def run_closed_loop(backend: TimedBackend, requests: list[Request], streams: int
                zombie_rows=zombie_rows, wasted_steps=wasted, z=wasted / steps,
                p50_ms=statistics.median(latency) * 1e3, p99_ms=_quantile(latency, 0.99) * 1e3,
                tokens_hash=hash(tuple(r.tokens for r in sorted(results, key=lambda r: r.request_id))),
-               tokens_multiset=hash(tuple(sorted(r.tokens for r in results))))
+               # A fresh engine numbers requests in submission order: the list's.
+               tokens_by_request=[r.tokens for r in sorted(results, key=lambda r: r.request_id)])
     if record:
         gpu = backend.gpu_times()
         if gpu is not None:

@@ -37,7 +37,12 @@ class Handle:
         self._loop = loop
         self._tokens: list[int] = []
         self._result: Result | None = None
-        self._changed = threading.Condition(threading.Lock())
+        # One lock, two conditions: a thread waiting for the result is woken
+        # once, at the end, not on every token (32 waiting clients woken per
+        # step would take the GIL from the decode thread 32 times a step).
+        lock = threading.Lock()
+        self._changed = threading.Condition(lock)  # a token or the end: iterators
+        self._ended = threading.Condition(lock)  # the end only: result()
 
     def __repr__(self) -> str:
         state = "live" if self._result is None else self._result.status.value
@@ -57,10 +62,10 @@ class Handle:
     def result(self, timeout: float | None = None) -> Result:
         """Wait for the one Result (I7). ``TimeoutError`` if it is not there
         within ``timeout`` seconds (the request goes on)."""
-        with self._changed:
+        with self._ended:
             if self._result is None:
                 self._loop.refuse_wait_on_loop_thread("Handle.result()")
-                if not self._changed.wait_for(lambda: self._result is not None, timeout):
+                if not self._ended.wait_for(lambda: self._result is not None, timeout):
                     raise TimeoutError(f"request {self.request_id}: no result within {timeout} s")
             return self._result
 
@@ -103,4 +108,5 @@ class Handle:
                 self._tokens.append(token)
             if result is not None and self._result is None:
                 self._result = result
+                self._ended.notify_all()
             self._changed.notify_all()

@@ -12,8 +12,10 @@ def test_api_speed_runs_both_ways_and_writes_its_table(tmp_path):
                            "--repeats", "1", "--out", str(doc)])
     rows = [line for line in text.splitlines() if line.startswith(("| text |", "| detect |"))]
     assert len(rows) == 4 and all("error" not in r for r in rows), text
-    # I8 across the two ways: the same requests gave the same tokens.
-    assert all(r.rstrip(" |").endswith("yes") for r in rows), rows
+    # I8 across the two ways (fp32 on the CPU): every request gave the same tokens.
+    for r in rows:
+        same, total = r.rstrip(" |").rsplit("|", 1)[1].strip().split("/")
+        assert same == total, r
     written = doc.read_text()
     assert "earlier runs stay" in written and api_speed.BEGIN in written and rows[0] in written
     api_speed.main(["--tiny", "--quick", "--streams", "1", "--workloads", "text", "--repeats", "1",
