@@ -43,6 +43,7 @@ class Handle:
         lock = threading.Lock()
         self._changed = threading.Condition(lock)  # a token or the end: iterators
         self._ended = threading.Condition(lock)  # the end only: result()
+        self._iterators = 0  # threads waiting on _changed (no token wakes nobody)
 
     def __repr__(self) -> str:
         state = "live" if self._result is None else self._result.status.value
@@ -85,7 +86,11 @@ class Handle:
             with self._changed:
                 if seen == len(self._tokens) and self._result is None:
                     self._loop.refuse_wait_on_loop_thread("iterating a Handle")
-                    self._changed.wait_for(lambda: seen < len(self._tokens) or self._result is not None)
+                    self._iterators += 1
+                    try:
+                        self._changed.wait_for(lambda: seen < len(self._tokens) or self._result is not None)
+                    finally:
+                        self._iterators -= 1
                 fresh, result = self._tokens[seen:], self._result
             seen += len(fresh)
             yield from fresh
@@ -103,10 +108,14 @@ class Handle:
 
     # ---------------------------------------- written by the decode thread
     def _push(self, token: int | None, result: Result | None) -> None:
+        # Per committed token on the decode thread's hot path: wake only
+        # threads that wait for tokens, and only when there are any.
         with self._changed:
             if token is not None:
                 self._tokens.append(token)
+                if self._iterators:
+                    self._changed.notify_all()
             if result is not None and self._result is None:
                 self._result = result
                 self._ended.notify_all()
-            self._changed.notify_all()
+                self._changed.notify_all()
