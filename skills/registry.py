@@ -14,6 +14,7 @@ import attrs
 
 from bubblefree.core.values import InvalidRequest
 from bubblefree.skills.base import Skill
+from bubblefree.skills.complete import Complete
 from bubblefree.skills.detect import Detect
 from bubblefree.skills.point import Point
 from bubblefree.skills.segment import Segment
@@ -56,4 +57,5 @@ BUILTIN = Registry.of(
     Detect(),
     Segment(),
     YesNo(),
+    Complete(),
 )

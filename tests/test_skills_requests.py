@@ -33,6 +33,13 @@ BAD = [
     ("detect", {"object": "cat", "max_objects": 1.5}, "max_objects"),
     ("detect", {"object": "cat", "max_objects": True}, "max_objects"),
     ("segment", {"object": ""}, "object"),
+    ("complete", {}, "prompt"),
+    ("complete", {"prompt": []}, "prompt"),
+    ("complete", {"prompt": [1, True]}, "prompt"),
+    ("complete", {"prompt": [1.5]}, "prompt"),
+    ("complete", {"prompt": "  "}, "prompt"),
+    ("complete", {"prompt": "hi \ud800"}, "prompt"),
+    ("complete", {"prompt": "hi", "question": "x"}, "question"),
     ("segment", {"object": "cat", "max_objects": 3}, "max_objects"),
     ("yesno", {"question": ""}, "question"),
     ("point", {"object": "cat", "max_tokens": 0}, "max_tokens"),
@@ -92,7 +99,7 @@ def test_compiling_is_lazy_cached_and_registers_each_set_once():
 def test_without_a_spatial_codec_only_the_text_skills_serve():
     masks = MaskRecorder()
     skills = SkillSet(TOK, masks.register, codec=None).compile_all()
-    assert {n for n in BUILTIN.names if skills.serves(n)} == {"query", "caption", "yesno"}
+    assert {n for n in BUILTIN.names if skills.serves(n)} == {"query", "caption", "yesno", "complete"}
     for name in ("point", "detect", "segment"):
         with pytest.raises(InvalidRequest, match=f"^skill: .*no location tokens.*'{name}'"):
             skills.request(name, object="cat")
@@ -164,3 +171,14 @@ def test_a_tokenizer_without_eos_is_refused():
     hf.eos_token = None
     with pytest.raises(ValueError, match="eos"):
         HFTokenizer.wrap(hf)
+
+
+def test_complete_takes_a_framed_prompt_as_text_or_ids_and_is_bounded_like_the_others():
+    ids = TOK.encode("the cat sat")
+    as_ids = SKILLS.request("complete", prompt=ids)
+    as_text = SKILLS.request("complete", prompt="the cat sat")
+    assert as_ids.prompt == as_text.prompt == tuple(ids) and as_ids.skill == "complete"
+    # The default is cut to the model's room; a max_tokens given that does not fit is named.
+    assert SKILLS.request("complete", prompt=ids, max_context=len(ids) + 7).max_tokens == 7
+    with pytest.raises(InvalidRequest, match="^max_tokens"):
+        SKILLS.request("complete", prompt=ids, max_tokens=8, max_context=len(ids) + 7)

@@ -1,11 +1,9 @@
 """Engine requests as the routes use them: submitted, read as text pieces
 on the server's event loop, cancelled when the reader stops.
 
-Moondream's routes call a skill through ``Engine.submit``. OpenAI's routes
-carry a whole prompt (a conversation, or raw text for completions), which no
-skill frames: the request is the ``query`` skill's (its free-text mask, its
-finisher) with the prompt and the token budget replaced, checked against
-the model's room the way the skills check theirs.
+Moondream's routes call their skill through ``Engine.submit``; OpenAI's
+carry a whole prompt (a conversation, or raw text for completions) and call
+the ``complete`` skill, which takes a prompt framed already.
 """
 
 from __future__ import annotations
@@ -15,13 +13,10 @@ from typing import Any, AsyncIterator
 
 import attrs
 
-from bubblefree.core import InvalidRequest, SamplingParams
+from bubblefree.core import SamplingParams
 from bubblefree.engine import Engine
 from bubblefree.handle import Handle
 from bubblefree.streams import AsyncTextStream
-
-DEFAULT_MAX_TOKENS = 512  # the query skill's own default
-
 
 @attrs.define
 class Run:
@@ -45,21 +40,10 @@ def run_skill(engine: Engine, skill: str, **args: Any) -> Run:
 
 
 def run_prompt(engine: Engine, prompt: list[int], max_tokens: int | None, sampling: dict) -> Run:
-    cap = engine.core.backend.capacity
-    room = min(cap.max_context - len(prompt), cap.num_pages * cap.page_size - len(prompt) + 1)
-    if room < 1:
-        raise InvalidRequest(f"prompt: is {len(prompt)} tokens; the model's max_context is {cap.max_context}")
-    if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
-    elif max_tokens > room:
-        raise InvalidRequest(f"max_tokens: {max_tokens} after a {len(prompt)}-token prompt exceeds "
-                             f"the room of {room} tokens (max_context {cap.max_context})")
-    base = engine.skills.request("query", question="-", sampling=SamplingParams.of(sampling),
-                                 max_tokens=1)
-    request = attrs.evolve(base, prompt=tuple(prompt), max_tokens=max_tokens)
-    stream = AsyncTextStream(asyncio.get_running_loop(), engine.skills.tokenizer)
-    (handle,) = engine.loop.submit_all([(request, stream.listener)])
-    return Run(handle, stream.run(handle))
+    """A prompt framed already (a conversation, raw text): the ``complete``
+    skill, through the same door and the same checks as every request."""
+    return run_skill(engine, "complete", prompt=prompt, max_tokens=max_tokens,
+                     sampling=SamplingParams.of(sampling))
 
 
 def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]]) -> list[int]:

@@ -1,0 +1,57 @@
+"""``complete``: free text after a prompt the caller framed itself.
+
+The other skills frame their own prompts. A chat template's output, or raw
+text for a completion, arrives framed already: this skill takes it as text
+or as token ids and decodes free text after it, under the same mask and
+rules as ``query`` (no spatial tokens; EOS ends it). OpenAI's routes serve
+through it, so their requests enter by the same door as every other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+from bubblefree.skills.base import CompileContext, Skill, check_fields, invalid, text_arg
+from bubblefree.skills.text import TextState, TextTables, compile_text
+from bubblefree.skills.tokenizer import Tokenizer
+
+
+@attrs.frozen
+class CompleteArgs:
+    text: str | None
+    ids: tuple[int, ...] | None
+
+
+@attrs.frozen
+class Complete(Skill):
+    """``complete(prompt=str | list[int])`` → ``{"text": str}``."""
+
+    name: str = "complete"
+    max_tokens: int = 512
+
+    def parse_args(self, args: Mapping[str, Any]) -> CompleteArgs:
+        check_fields(self.name, args, ("prompt",))
+        value = args.get("prompt")
+        if isinstance(value, str):
+            return CompleteArgs(text=text_arg(self.name, args, "prompt"), ids=None)
+        if isinstance(value, (list, tuple)) and value and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return CompleteArgs(text=None, ids=tuple(value))
+        raise invalid(self.name, "prompt", f"must be text or a non-empty list of token ids, got {value!r}"[:200])
+
+    def prompt(self, tokenizer: Tokenizer, args: CompleteArgs) -> list[int]:
+        return list(args.ids) if args.ids is not None else list(tokenizer.encode(args.text))
+
+    def default_max_tokens(self, args: CompleteArgs) -> int:
+        return self.max_tokens
+
+    def compile(self, ctx: CompileContext) -> TextTables:
+        return compile_text(ctx)
+
+    def start(self, tables: TextTables, args: CompleteArgs, budget: int) -> TextState:
+        return TextState(tables)
+
+    def finish(self, state: TextState) -> dict[str, str]:
+        return {"text": state.text()}
