@@ -148,6 +148,13 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def delivering(self) -> bool:
+        """True while listeners run: the state machine is consistent, so a
+        listener may cancel or submit. Code that runs mid-phase (a skill, a
+        garbage-collection finalizer) sees False and must not call in."""
+        return self._delivering
+
     def tick(self) -> bool:
         """One launch / commit / finalize (or its blocking order). Returns
         False when there was nothing to do."""
