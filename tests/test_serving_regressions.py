@@ -602,3 +602,22 @@ def test_submit_many_shares_one_prefill_and_the_decode_steps(engine):
     launches = [e for e in engine.core.trace if e[0] == "launch" and set(e[4]) & set(ids)]
     assert launches[0][2] == "prefill" and launches[0][4] == ids
     assert all(e[4] == ids for e in launches if e[2] == "decode")
+
+
+# -- 10. found by the state machine -------------------------------------------
+
+@pytest.mark.parametrize("skill,args", [("detect", {"object": "a dog"}), ("point", {"object": "the cat"})])
+def test_switching_to_blocking_with_a_step_in_flight_keeps_masks_current(engine, skill, args):
+    """The first blocking tick after a switch finalized a new step before the
+    pipelined step in flight had committed: its mask missed a token (I9),
+    and a constrained request failed on a token its own skill refused."""
+    def switch(handle, token):
+        if token is not None and len(handle.tokens) == 2:
+            engine.pipelined = False  # from a listener: made at once, a step in flight
+
+    handle = engine.submit(skill, max_tokens=20, listener=switch, **args)
+    result = handle.result(WAIT)
+    assert not engine.pipelined
+    assert result.status is Status.COMPLETED, result.finish_reason
+    assert result.tokens == reference(skill, args, None, 20)
+    wait_idle(engine)
