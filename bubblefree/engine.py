@@ -18,6 +18,7 @@ awaiting task that is cancelled, a stream closed or dropped half-read, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable
 
@@ -136,7 +137,7 @@ class Engine:
             elif loop.is_closed():  # nobody can await the answer any more
                 handle.cancel()
 
-        handle = self.submit(skill, listener=on_event, **args)
+        handle = self.submit(skill, listener=_chained(on_event, args.pop("listener", None)), **args)
         try:
             await done
         finally:  # cancelled, or the event loop went away: stop the request's work
@@ -151,9 +152,13 @@ class Engine:
         """``stream`` for asyncio: an async iterator of text pieces; closing it,
         or cancelling the task iterating it, cancels the request."""
         pieces = AsyncTextStream(asyncio.get_running_loop(), self.skills.tokenizer)
-        handle = self.submit(skill, listener=pieces.listener, **args)
-        async for piece in pieces.run(handle):
-            yield piece
+        handle = self.submit(skill, listener=_chained(pieces.listener, args.pop("listener", None)), **args)
+        # Closed at once when this generator is: left to the garbage collector,
+        # the inner one (and its cancel) would wait for a later loop turn, or
+        # for ever once the event loop is gone.
+        async with contextlib.aclosing(pieces.run(handle)) as run:
+            async for piece in run:
+                yield piece
 
     # ------------------------------------------------------------------ misc
     @property
@@ -175,6 +180,21 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _chained(ours: Callable, theirs: Callable | None) -> Callable:
+    """Our listener, then the caller's own (``listener=`` is accepted by the
+    asyncio calls too); ours never raises, so theirs raising fails the request
+    as it would anywhere else."""
+    if theirs is None:
+        return ours
+    if not callable(theirs):
+        raise InvalidRequest(f"listener: must be callable, got {type(theirs).__name__}")
+
+    def both(handle: Handle, token: int | None) -> None:
+        ours(handle, token)
+        theirs(handle, token)
+    return both
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> bool:

@@ -44,7 +44,10 @@ class EngineStopped(RuntimeError):
 class ServingLoop:
     def __init__(self, core: CoreEngine):
         self.core = core
-        self._wake = threading.Condition(threading.Lock())
+        # Reentrant: a stream's garbage-collection finalizer cancels through
+        # here, and the collector may run it on a thread that already holds
+        # this lock (any allocation inside submit_all, or on the decode thread).
+        self._wake = threading.Condition(threading.RLock())
         # ("submit", handle, listener) | ("cancel", handle, None) | ("pipelined", flag, made event)
         self._inbox: collections.deque = collections.deque()
         self._ids = itertools.count()
@@ -78,9 +81,12 @@ class ServingLoop:
     def cancel(self, handle: Handle) -> bool:
         if handle.done:
             return False
-        if self.on_loop_thread and handle.request_id in self.core.handles:
-            # From a listener: the core is between ticks, so cancel at once.
+        if self.on_loop_thread and self.core.delivering and handle.request_id in self.core.handles:
+            # From a listener: the state machine is consistent, cancel at once.
             return self.core.cancel(handle.request_id)
+        # Anywhere else, the decode thread included: a finalizer run by the
+        # garbage collector mid-tick must not reenter the state machine, so
+        # the cancel waits in the inbox for the next drain (before the next tick).
         with self._wake:
             self._inbox.append(("cancel", handle, None))
             self._wake.notify()
@@ -143,8 +149,8 @@ class ServingLoop:
                 if idle:
                     self._gather()
                 with self._wake:
-                    self._taking.extend(self._inbox)
-                    self._inbox.clear()
+                    while self._inbox:  # popleft: a finalizer may append meanwhile
+                        self._taking.append(self._inbox.popleft())
                     closing = self._closed
                 while self._taking:
                     self._take(*self._taking.popleft())

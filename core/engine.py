@@ -148,11 +148,21 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def delivering(self) -> bool:
+        """True while listeners run: the state machine is consistent, so a
+        listener may cancel or submit. Code that runs mid-phase (a skill, a
+        garbage-collection finalizer) sees False and must not call in."""
+        return self._delivering
+
     def tick(self) -> bool:
         """One launch / commit / finalize (or its blocking order). Returns
         False when there was nothing to do."""
+        # Blocking starts with a commit, a no-op but right after a switch from
+        # pipelined: the step that mode left in flight must commit before a
+        # new step's masks are built, or they miss its token (I9).
         phases = ((self._launch, self._commit, self._finalize) if self.pipelined
-                  else (self._launch, self._finalize, self._commit))
+                  else (self._commit, self._launch, self._finalize, self._commit))
         progress = False
         for phase in phases:
             progress = phase() or progress
