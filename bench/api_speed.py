@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from bubblefree.bench.doc_block import write_block
 from bubblefree.bench.speed_cells import (FULL_TOKENS, PROMPT, QUICK_TOKENS, TimedBackend, bin_masks,
                                            make_requests, run_closed_loop)
 from bubblefree.bench.speed_setup import build_model
@@ -143,13 +144,7 @@ def table(rows: list[dict]) -> str:
 
 
 def write_doc(path: Path, text: str) -> None:
-    doc = path.read_text() if path.exists() else "# Speed benchmarks\n"
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc and END in doc:
-        doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(doc)
+    write_block(path, BEGIN, END, text)
 
 
 def main(argv: list[str] | None = None) -> str:

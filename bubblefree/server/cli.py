@@ -27,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
     serve.add_argument("--location-tokens", action="store_true",
                        help="add the spatial skills' location tokens to a text model")
+    serve.add_argument("--replicas", type=int, default=0,
+                       help="run N engine replicas on Ray Serve (pip install bubblefree[ray]); "
+                            "one GPU each where there are GPUs (default: one engine, no Ray)")
     return top
 
 
@@ -41,9 +44,38 @@ def main(argv: list[str] | None = None) -> int:
                               max_body_bytes=args.max_body_bytes, max_live=args.max_live,
                               request_timeout_s=args.timeout, model_name=args.model or "smollm2-135m-instruct")
     options = {"location_tokens": True} if args.location_tokens else {}
+    if args.replicas > 0:
+        return serve_replicas(args, settings, options)
     with Engine.from_pretrained(args.model, device=args.device, **options) as engine:
         uvicorn.run(create_app(engine, settings), host=settings.host, port=settings.port,
                     log_level="info", timeout_graceful_shutdown=5)
+    return 0
+
+
+def serve_replicas(args: argparse.Namespace, settings: ServerSettings, options: dict) -> int:
+    """Start Ray here (or join the cluster RAY_ADDRESS names), serve until interrupted."""
+    import functools
+    import threading
+
+    import ray
+    from ray import serve
+
+    from bubblefree.engine import Engine
+    from bubblefree.server.replicas import application
+
+    ray.init(include_dashboard=False)
+    gpus = ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu"
+    make = functools.partial(Engine.from_pretrained, args.model, device=args.device, **options)
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.run(application(make, settings, args.replicas, gpus=gpus), name="bubblefree", route_prefix="/")
+    print(f"{args.replicas} replicas on http://{settings.host}:{settings.port}", flush=True)
+    try:
+        threading.Event().wait()  # until interrupted
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
     return 0
 
 
