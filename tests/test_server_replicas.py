@@ -56,7 +56,7 @@ def test_both_replicas_answer(url):
     assert len(replicas_answering(url)) == 2
 
 
-def test_a_replica_killed_mid_request_fails_it_clearly_and_is_replaced(url):
+def test_a_replica_killed_mid_stream_cuts_the_stream_at_once_and_is_replaced(url):
     with httpx.Client(trust_env=False, timeout=30) as http:
         with http.stream("POST", f"{url}/v1/query", json={
                 "question": "what", "stream": True, "settings": {"max_tokens": 200}}) as response:
