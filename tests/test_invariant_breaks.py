@@ -109,6 +109,30 @@ BREAKS = [
     Break("I6", "one KV page too few is reserved",
           (P(scheduler, "pages_needed", ("prompt_len + max_tokens - 1", "prompt_len + max_tokens - 2")),),
           r"HardwareMisuse|KVCorruption"),
+    # Device time (fake_backend/owners.py): the host hands a page on when it
+    # plans; the device still runs a zombie's launched forward over it.
+    Break("I6", "a cancelled zombie's pages go back at once, so a waiting request is admitted sooner",
+          (P(Scheduler, "cancel", ("self._end(s, status, reason)",
+                                   "self._end(s, status, reason); self.pages.release(s.pages); s.pages = ()")),),
+          r"I6: sequence \d+ \(finalized, inflight_refs=[12]\) holds pages \(\)", modes=(True,)),
+    Break("I6", "the same, with check_integrity's ownership check removed",
+          (P(Scheduler, "cancel", ("self._end(s, status, reason)",
+                                   "self._end(s, status, reason); self.pages.release(s.pages); s.pages = ()")),
+           P(scheduler, "check_integrity", ("check_owners(sched)", "pass"))),
+          r"KVCorruption: .*KV page \d+ named for seq \d+ .* handed on while still owned", modes=(True,)),
+    Break("I6", "an adapter slot is given back when its request ends, before its zombie's last step commits",
+          (P(Scheduler, "_end", ("s.finish(status, reason)",
+                                 "s.finish(status, reason)\n    "
+                                 "if s.adapter_slot is not None: self.adapters.release((s.adapter_slot,)); "
+                                 "s.adapter_slot = None")),),
+          r"I6: sequence \d+ \(finalized, inflight_refs=[12]\) holds .* adapter slot None", modes=(True,)),
+    Break("I6", "the same, with check_integrity's ownership check removed",
+          (P(Scheduler, "_end", ("s.finish(status, reason)",
+                                 "s.finish(status, reason)\n    "
+                                 "if s.adapter_slot is not None: self.adapters.release((s.adapter_slot,)); "
+                                 "s.adapter_slot = None")),
+           P(scheduler, "check_integrity", ("check_owners(sched)", "pass"))),
+          r"KVCorruption: .*adapter slot 0 named for seq \d+ .* handed on while still owned", modes=(True,)),
     Break("I7", "a cancelled request is never answered",
           (P(Scheduler, "_end", ("self.events.append(SequenceEnded(s))",
                                 "if status is not Status.CANCELLED: self.events.append(SequenceEnded(s))")),),
@@ -132,6 +156,11 @@ BREAKS = [
                                      "self.inflight.append(step); step.mask_ids = MASKS_NOW(self, step)")),
            P(Scheduler, "plan_finalize", ("step.mask_ids = tuple(masks)", "step.mask_ids = step.mask_ids or tuple(masks)"))),
           r"I9", modes=(True,)),
+    Break("skill", "the token that reaches max_tokens is not fed to the skill (the request ends anyway)",
+          (P(Scheduler, "_append", ('done, error = (False, None) if s.state is None else guarded(',
+                                    'done, error = (False, None) if s.state is None or len(s.tokens) >= '
+                                    'req.max_tokens else guarded(')),),
+          r"skill: .* received \(\d+, \d+\), committed \[?\(?\d+, \d+, \d+"),
     Break("I9", "the mask is not sent to sampling",
           (P(Scheduler, "plan_finalize", ('mask, error = guarded(s.request, "mask_id", s.state.mask_id)',
                                          "mask, error = None, None")),), r"I9"),
@@ -179,7 +208,7 @@ def test_a_broken_invariant_is_caught(brk, monkeypatch):
 
 
 def test_every_core_invariant_has_a_break():
-    assert {b.invariant for b in BREAKS} == {f"I{i}" for i in range(2, 10)}
+    assert {b.invariant for b in BREAKS} == {f"I{i}" for i in range(2, 10)} | {"skill"}
 
 
 def test_the_patches_leave_the_core_intact():
