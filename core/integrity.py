@@ -59,7 +59,7 @@ def check_owners(sched) -> None:
     for s in sched.seqs.values():
         admitted = s.phase is not Phase.QUEUED
         adapter = admitted and s.request.adapter is not None
-        if bool(s.pages) != admitted or (s.row_slot is not None) != admitted or (s.adapter_slot is not None) != adapter:
+        if (bool(s.pages), s.row_slot is not None, s.adapter_slot is not None) != (admitted, admitted, adapter):
             raise InvariantViolation(
                 f"I6: sequence {s.seq_id} ({s.phase.value}, inflight_refs={s.inflight_refs}) holds pages "
                 f"{s.pages}, row slot {s.row_slot}, adapter slot {s.adapter_slot}")
@@ -70,4 +70,5 @@ def check_owners(sched) -> None:
             adapters.append(s.adapter_slot)
     for pool, ids in ((sched.pages, pages), (sched.rows, rows), (sched.adapters, adapters)):
         if sorted(ids) != sorted(pool.owned):
-            raise InvariantViolation(f"I6: sequences hold {pool.name} {sorted(ids)}, the pool owns {sorted(pool.owned)}")
+            raise InvariantViolation(
+                f"I6: sequences hold {pool.name} {sorted(ids)}, the pool owns {sorted(pool.owned)}")
