@@ -12,12 +12,12 @@ _SAME_TICK = ("equivalent: every step launched in a tick is finalized in the sam
               "the only progress")
 
 VERDICTS: dict[tuple[str, str], str] = {
-    ("engine.py: Engine._launch", "return False"): _SAME_TICK,
-    ("engine.py: Engine._finalize", "return False"): _SAME_TICK,
-    ("engine.py: Engine._finished", "raise AssertionError(None)"):
+    ("core/engine.py: Engine._launch", "return False"): _SAME_TICK,
+    ("core/engine.py: Engine._finalize", "return False"): _SAME_TICK,
+    ("core/engine.py: Engine._finished", "raise AssertionError(None)"):
         "equivalent: the I7 guard is unreachable through the engine, since `handles.pop` above it "
         "raises `KeyError` on a second answer first; only its message changed",
-    ("scheduler.py: Scheduler._admit", "self._waited.discard(None)"):
+    ("core/scheduler.py: Scheduler._admit", "self._waited.discard(None)"):
         "equivalent: `_end` forgets the wait again when the request ends, and nothing reads `_waited` "
         "for an admitted request (it is consulted only while the request is refused at the head of "
         "the queue); the id only lingers in memory for the request's life",
