@@ -3,14 +3,18 @@
 For every invariant the core keeps (I2–I9), a small, realistic bug is
 patched into the core's source — commit the newest step first, skip the
 inflight_refs decrement, reuse a slot whose copy is in flight, append to a
-finalized sequence, tear a zombie down early, release pages twice, drop or
-double a result, build masks before the commit, read the wrong row — and
+finalized sequence, tear a zombie down early, release pages twice, hand a
+cancelled zombie's pages or adapter slot to the next request while its step
+is in flight, drop or double a result, build masks before the commit, read
+the wrong row, keep a committed token from the skill — and
 the exhaustive search on its quick bound must report a violation naming
 what broke (an invariant id, or the simulated GPU's misuse error).
 
 Where the core has a second guard (the I2 order check in ``commit``, the
 teardown check in ``Sequence.move``), a variant removes that guard too, so
-the search itself, check_integrity or the fake backend must catch the bug.
+the search itself, check_integrity or the fake backend must catch the bug;
+likewise, removing check_integrity's ownership check leaves a zombie's
+early-released page or adapter slot to the fake's device-time check.
 
 A patch names the exact source it replaces: when the core changes under
 it, the test fails with "cannot find", never passes vacuously.
@@ -57,6 +61,15 @@ def masks_now(sched, step) -> tuple:
     states = [sched.seqs[sid] for sid in step.seq_ids]
     return tuple(None if s.state is None or s.finalized else s.state.mask_id() for s in states)
 
+
+# Realistic patches a reviewer could approve: "free a cancelled request's
+# pages at once", "give the adapter back when the request is done".
+ZOMBIE_PAGES_BACK = P(Scheduler, "cancel", (
+    "self._end(s, status, reason)", "self._end(s, status, reason); self.pages.release(s.pages); s.pages = ()"))
+ADAPTER_BACK_AT_END = P(Scheduler, "_end", (
+    "s.finish(status, reason)", "s.finish(status, reason)\n    if s.adapter_slot is not None: "
+    "self.adapters.release((s.adapter_slot,)); s.adapter_slot = None"))
+NO_OWNERS_CHECK = P(scheduler, "check_integrity", ("check_owners(sched)", "pass"))
 
 BREAKS = [
     Break("I2", "commit the newest in-flight step first",
@@ -112,26 +125,14 @@ BREAKS = [
     # Device time (fake_backend/owners.py): the host hands a page on when it
     # plans; the device still runs a zombie's launched forward over it.
     Break("I6", "a cancelled zombie's pages go back at once, so a waiting request is admitted sooner",
-          (P(Scheduler, "cancel", ("self._end(s, status, reason)",
-                                   "self._end(s, status, reason); self.pages.release(s.pages); s.pages = ()")),),
-          r"I6: sequence \d+ \(finalized, inflight_refs=[12]\) holds pages \(\)", modes=(True,)),
-    Break("I6", "the same, with check_integrity's ownership check removed",
-          (P(Scheduler, "cancel", ("self._end(s, status, reason)",
-                                   "self._end(s, status, reason); self.pages.release(s.pages); s.pages = ()")),
-           P(scheduler, "check_integrity", ("check_owners(sched)", "pass"))),
+          (ZOMBIE_PAGES_BACK,), r"I6: sequence \d+ \(finalized, inflight_refs=[12]\) holds pages \(\)",
+          modes=(True,)),
+    Break("I6", "the same, with check_integrity's ownership check removed", (ZOMBIE_PAGES_BACK, NO_OWNERS_CHECK),
           r"KVCorruption: .*KV page \d+ named for seq \d+ .* handed on while still owned", modes=(True,)),
     Break("I6", "an adapter slot is given back when its request ends, before its zombie's last step commits",
-          (P(Scheduler, "_end", ("s.finish(status, reason)",
-                                 "s.finish(status, reason)\n    "
-                                 "if s.adapter_slot is not None: self.adapters.release((s.adapter_slot,)); "
-                                 "s.adapter_slot = None")),),
-          r"I6: sequence \d+ \(finalized, inflight_refs=[12]\) holds .* adapter slot None", modes=(True,)),
-    Break("I6", "the same, with check_integrity's ownership check removed",
-          (P(Scheduler, "_end", ("s.finish(status, reason)",
-                                 "s.finish(status, reason)\n    "
-                                 "if s.adapter_slot is not None: self.adapters.release((s.adapter_slot,)); "
-                                 "s.adapter_slot = None")),
-           P(scheduler, "check_integrity", ("check_owners(sched)", "pass"))),
+          (ADAPTER_BACK_AT_END,), r"I6: sequence \d+ \(finalized, inflight_refs=[12]\) holds .* adapter slot None",
+          modes=(True,)),
+    Break("I6", "the same, with check_integrity's ownership check removed", (ADAPTER_BACK_AT_END, NO_OWNERS_CHECK),
           r"KVCorruption: .*adapter slot 0 named for seq \d+ .* handed on while still owned", modes=(True,)),
     Break("I7", "a cancelled request is never answered",
           (P(Scheduler, "_end", ("self.events.append(SequenceEnded(s))",
