@@ -22,3 +22,18 @@ VERDICTS: dict[tuple[str, str], str] = {
         "for an admitted request (it is consulted only while the request is refused at the head of "
         "the queue); the id only lingers in memory for the request's life",
 }
+
+_KEY_ONLY = ("equivalent: `Ownership.key` only tells the search which states to merge; the uses it "
+             "lists are fixed by the in-flight steps and the device timeline already in the key, so "
+             "dropping their step ids merges nothing new, and absolute times or uses ending now only "
+             "split states (the floors are minimums)")
+_KEY = "return tuple(tuple(sorted((u.id, u.seq_id, {}, u.until {} now) for u in o.uses if u.until {} now))"
+VERDICTS.update({
+    ("fake_backend/owners.py: Ownership.key", _KEY.format("rel(None)", "-", ">")): _KEY_ONLY,
+    ("fake_backend/owners.py: Ownership.key", _KEY.format("rel(u.step_id)", "+", ">")): _KEY_ONLY,
+    ("fake_backend/owners.py: Ownership.key", _KEY.format("rel(u.step_id)", "-", ">=")): _KEY_ONLY,
+    ("fake_backend/owners.py: Owners.touch",
+     "kept = tuple(u for u in self.uses if u.until >= now and not (u.step_id == step_id and u.id in ids))"):
+        "equivalent: a use ending exactly at the host's now is kept one touch longer, but `check` "
+        "fires only for a use ending after the claim, and a claim is never earlier than now",
+})

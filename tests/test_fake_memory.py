@@ -126,7 +126,7 @@ def test_a_page_named_while_another_sequences_forward_runs_is_corruption_and_cha
     _in_flight(b, prow(0, (1, 2), (0,)))
     kv, log = dict(b.memory.kv), list(b.log)
     thief = prefill(1, prow(1, (3,), (1, 0), row_slot=1))
-    with pytest.raises(KVCorruption, match=r"KV page 0 named for seq 1 at t=0\.15, while seq 0's step 0 "
+    with pytest.raises(KVCorruption, match=r"^step 1: KV page 0 named for seq 1 at t=0\.15, while seq 0's step 0 "
                                            r"touches it on the device until t=1\.12"):
         b.launch(1, thief)
     assert b.memory.kv == kv and b.log == log and b.slots[1].state is SlotState.FREE
@@ -148,6 +148,16 @@ def test_an_adapter_slot_named_while_another_sequences_forward_reads_it_is_corru
     with pytest.raises(KVCorruption, match="adapter slot 1 named for seq 1"):
         b.launch(1, prefill(1, attrs.evolve(prow(1, (3,), (1,)), adapter_slot=1)))
     b.launch(1, prefill(1, attrs.evolve(prow(1, (3,), (1,)), adapter_slot=0)))  # another slot is free
+
+
+def test_every_row_of_a_step_holds_its_pages():
+    b = FakeBackend()
+    _in_flight(b, prow(0, (1, 2), (0,)))
+    b.launch(1, prefill(1, prow(1, (3,), (1,)), prow(2, (4,), (2,))))  # two rows, behind step 0
+    b.wait(0)
+    b.release(0)
+    with pytest.raises(KVCorruption, match="KV page 1 named for seq 3 .* seq 1's step 1"):
+        b.launch(0, prefill(2, prow(3, (5,), (1,), row_slot=3)))
 
 
 def test_the_same_sequence_may_name_its_own_pages_while_its_step_runs():
