@@ -12,13 +12,28 @@ _SAME_TICK = ("equivalent: every step launched in a tick is finalized in the sam
               "the only progress")
 
 VERDICTS: dict[tuple[str, str], str] = {
-    ("engine.py: Engine._launch", "return False"): _SAME_TICK,
-    ("engine.py: Engine._finalize", "return False"): _SAME_TICK,
-    ("engine.py: Engine._finished", "raise AssertionError(None)"):
+    ("core/engine.py: Engine._launch", "return False"): _SAME_TICK,
+    ("core/engine.py: Engine._finalize", "return False"): _SAME_TICK,
+    ("core/engine.py: Engine._finished", "raise AssertionError(None)"):
         "equivalent: the I7 guard is unreachable through the engine, since `handles.pop` above it "
         "raises `KeyError` on a second answer first; only its message changed",
-    ("scheduler.py: Scheduler._admit", "self._waited.discard(None)"):
+    ("core/scheduler.py: Scheduler._admit", "self._waited.discard(None)"):
         "equivalent: `_end` forgets the wait again when the request ends, and nothing reads `_waited` "
         "for an admitted request (it is consulted only while the request is refused at the head of "
         "the queue); the id only lingers in memory for the request's life",
 }
+
+_KEY_ONLY = ("equivalent: `Ownership.key` only tells the search which states to merge; the uses it "
+             "lists are fixed by the in-flight steps and the device timeline already in the key, so "
+             "dropping their step ids merges nothing new, and absolute times or uses ending now only "
+             "split states (the floors are minimums)")
+_KEY = "return tuple(tuple(sorted((u.id, u.seq_id, {}, u.until {} now) for u in o.uses if u.until {} now))"
+VERDICTS.update({
+    ("fake_backend/owners.py: Ownership.key", _KEY.format("rel(None)", "-", ">")): _KEY_ONLY,
+    ("fake_backend/owners.py: Ownership.key", _KEY.format("rel(u.step_id)", "+", ">")): _KEY_ONLY,
+    ("fake_backend/owners.py: Ownership.key", _KEY.format("rel(u.step_id)", "-", ">=")): _KEY_ONLY,
+    ("fake_backend/owners.py: Owners.touch",
+     "kept = tuple(u for u in self.uses if u.until >= now and not (u.step_id == step_id and u.id in ids))"):
+        "equivalent: a use ending exactly at the host's now is kept one touch longer, but `check` "
+        "fires only for a use ending after the claim, and a claim is never earlier than now",
+})

@@ -25,7 +25,9 @@ class DecodeState(Protocol):
 
     def advance(self, token: int, value: float | None) -> bool:
         """Consume one committed token (and its spatial value, if the model
-        decoded one). Return True when the output is complete."""
+        decoded one). Return True when the output is complete. Called for
+        every committed token, in order, once: the stop token and the token
+        that reaches ``max_tokens`` included (docs/contracts.md)."""
         ...
 
 

@@ -6,6 +6,7 @@ checker are read separately; the proof suite calls this after every phase.
 
 from __future__ import annotations
 
+from bubblefree.core.sequence import Phase
 from bubblefree.core.slots import SlotState
 
 
@@ -17,13 +18,15 @@ def check_integrity(sched) -> None:
     """I2-I6 as bookkeeping: pools balance (I6), every ``inflight_refs`` equals
     the in-flight steps that include the sequence and is at most 2 (I3), no
     sequence holds more than ``max_tokens`` (I5), in-flight steps are in id
-    order and hold exactly the busy slots (I2, I4)."""
+    order, hold exactly the busy slots and name only sequences not yet
+    released (I2, I4, I6)."""
     sched.pages.check_integrity()
     sched.rows.check_integrity()
     sched.adapters.check_integrity()
     owned = sum(len(s.pages) for s in sched.seqs.values())
     if owned != sched.pages.num_owned:
         raise InvariantViolation(f"I6: sequences own {owned} pages, allocator says {sched.pages.num_owned}")
+    check_owners(sched)
     for s in sched.seqs.values():
         refs = sum(s.seq_id in st.seq_ids for st in sched.inflight)
         if s.inflight_refs != refs or not 0 <= refs <= 2:
@@ -31,6 +34,9 @@ def check_integrity(sched) -> None:
                 f"I3: sequence {s.seq_id} inflight_refs={s.inflight_refs}, in {refs} steps")
         if len(s.tokens) > s.request.max_tokens:
             raise InvariantViolation(f"I5: sequence {s.seq_id} has {len(s.tokens)} tokens")
+    gone = [sid for st in sched.inflight for sid in st.seq_ids if sid not in sched.seqs]
+    if gone:
+        raise InvariantViolation(f"I6: in-flight steps include sequences {gone}, already released")
     ids = [st.step_id for st in sched.inflight]
     if ids != sorted(ids) or len(ids) > len(sched.pool.slots):
         raise InvariantViolation(f"I2/I4: in-flight steps {ids}")
@@ -38,3 +44,31 @@ def check_integrity(sched) -> None:
     busy = sorted(s.index for s in sched.pool.slots if s.state is not SlotState.FREE)
     if held != busy:
         raise InvariantViolation(f"I4: steps hold slots {held}, busy slots {busy}")
+
+
+def check_owners(sched) -> None:
+    """I6, ownership: from admission to teardown a sequence holds what it was
+    admitted with (its KV pages, a row slot, and an adapter slot if its
+    request names an adapter). A zombie is no exception: it owns them until
+    its last in-flight step commits, since that step's forward may still
+    write its pages and read its adapter on the device. Each pool owns
+    exactly its sequences' ids, none of them twice."""
+    pages: list[int] = []
+    rows: list[int] = []
+    adapters: list[int] = []
+    for s in sched.seqs.values():
+        admitted = s.phase is not Phase.QUEUED
+        adapter = admitted and s.request.adapter is not None
+        if (bool(s.pages), s.row_slot is not None, s.adapter_slot is not None) != (admitted, admitted, adapter):
+            raise InvariantViolation(
+                f"I6: sequence {s.seq_id} ({s.phase.value}, inflight_refs={s.inflight_refs}) holds pages "
+                f"{s.pages}, row slot {s.row_slot}, adapter slot {s.adapter_slot}")
+        pages += s.pages
+        if admitted:
+            rows.append(s.row_slot)
+        if adapter:
+            adapters.append(s.adapter_slot)
+    for pool, ids in ((sched.pages, pages), (sched.rows, rows), (sched.adapters, adapters)):
+        if sorted(ids) != sorted(pool.owned):
+            raise InvariantViolation(
+                f"I6: sequences hold {pool.name} {sorted(ids)}, the pool owns {sorted(pool.owned)}")

@@ -37,6 +37,10 @@ class IdPool:
         return len(self._free)
 
     @property
+    def owned(self) -> frozenset[int]:
+        return frozenset(self._owned)
+
+    @property
     def num_owned(self) -> int:
         return len(self._owned)
 

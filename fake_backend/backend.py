@@ -3,7 +3,8 @@
 Each call does what the CUDA backend does, in virtual time (``clock``), on
 simulated memory (``kv``), through the contract's slot table (``slots``):
 
-    launch    check the plan (the contract's checks, then step order); run the forward's KV writes and read-back
+    launch    check the plan (the contract's checks, step order, and that no other
+              sequence's device work still uses its pages and slots); run the forward's KV writes and read-back
               (compute order, I1); enqueue it on the compute queue
     finalize  sample each row (``model``) under its mask; write the token to
               the row's device slot; record an event; enqueue the host copy
@@ -15,6 +16,13 @@ simulated memory (``kv``), through the contract's slot table (``slots``):
 Work takes effect at enqueue time. That is exact, not a shortcut: the compute
 queue is in order, so device state as seen by the n-th enqueued item is the
 state after the n-1 before it, whenever the host happens to enqueue it.
+
+What the data model cannot see is *when* the device touches memory relative
+to the host's decisions: a forward enqueued at t runs later, while the host
+already plans the next step. So ownership is kept on the device's timeline
+(``owners``): a plan that names a page, row slot or adapter slot another
+sequence's forward or sampling still uses at that moment raises
+``KVCorruption`` (I6), however the data would have turned out.
 
 The fake decides nothing: durations and faults come from the caller
 (``Timing``, ``faults``), so every run is a pure function of its inputs.
@@ -34,6 +42,7 @@ from bubblefree.fake_backend.clock import Clock
 from bubblefree.fake_backend.errors import HardwareMisuse
 from bubblefree.fake_backend.kv import DeviceMemory
 from bubblefree.fake_backend.model import FakeModel
+from bubblefree.fake_backend.owners import Ownership
 from bubblefree.fake_backend.slots import Slot, SlotState
 from bubblefree.fake_backend.stats import Stats, measure
 from bubblefree.fake_backend.timing import Fault, Timing, Work
@@ -60,6 +69,7 @@ class FakeBackend:
     log: list[tuple] = attrs.field(init=False, factory=list)  # (what, step_id, slot, start, end)
     clock: Clock = attrs.field(init=False, factory=Clock)
     memory: DeviceMemory = attrs.field(init=False)
+    owners: Ownership = attrs.field(init=False, factory=Ownership)  # pages and slots in device time (I6)
     slots: tuple[Slot, ...] = attrs.field(init=False)
     _capacity: Capacity = attrs.field(init=False)
     _masks: dict[int, frozenset[int]] = attrs.field(init=False, factory=dict)
@@ -102,6 +112,7 @@ class FakeBackend:
         nxt = s.check("launch")
         check_plan(plan, self._capacity, self.vocab_size, error=HardwareMisuse)
         check_step_order(plan, self._last_step_id)
+        self.owners.claim(plan, self.clock.host)  # raises before any write
         writes, contexts = self.memory.forward(plan)  # raises before any write
         work = Work(step_id=plan.step_id, index=self._launches, kind=plan.kind, rows=len(plan.rows),
                     tokens=sum(r.num_tokens for r in plan.rows))
@@ -122,6 +133,7 @@ class FakeBackend:
         self.memory.store(writes)
         start, end = self.clock.compute.enqueue(plan.step_id, "forward", self.clock.host, duration)
         self.log.append(("forward", plan.step_id, slot, start, end))
+        self.owners.forward(plan, end, self.clock.host)
         s.state, s.plan, s.contexts, s.fault = nxt, plan, contexts, fault
         self._works[slot] = work
         self._last_step_id = plan.step_id
@@ -150,7 +162,9 @@ class FakeBackend:
         self.log.append(("sampling", plan.step_id, slot, start, end))
         for ctx, token in zip(s.contexts, tokens):
             self.memory.sampled(ctx, token)  # on the device, in compute order
+        self.owners.sampled(plan, end, self.clock.host)
         if faulted:
+            self.owners.forget(plan.step_id)  # abandoned: nothing will read what it wrote
             s.state = SlotState.FAILED
             self._fire("finalize", plan.step_id, slot)
             raise StepFailed(s.fault.reason)

@@ -44,6 +44,7 @@ class Cycle2:
 
     mask_ids: tuple[int, int]
     at: int = 0
+    got: tuple[int, ...] = ()  # every token advance received, in order: the world checks it
 
     def mask_id(self) -> int:
         return self.mask_ids[self.at % 2]
@@ -53,12 +54,14 @@ class Cycle2:
         if token not in allowed:
             raise InvariantViolation(f"I9: token {token} at index {self.at} not allowed by the current state")
         self.at += 1
+        self.got += (token,)
         return self.at >= DONE_AFTER
 
 
 def cycle2_finish(tokens: tuple[int, ...], state: Cycle2 | None) -> tuple:
-    """The skill's result assembly: the result must carry what it returns."""
-    return ("cycle2", tokens)
+    """The skill's result assembly, from what the skill itself received: the
+    result must carry the committed tokens (skills contract, contracts.md)."""
+    return ("cycle2", tokens if state is None else state.got)
 
 
 @attrs.frozen
@@ -101,12 +104,15 @@ class Bounds:
     timings: tuple[str, ...] = tuple(TIMINGS)
     num_pages: int = 8  # two text requests' pages fit; a third fits only beside the constrained one
     page_size: int = 2
+    adapter_eos: tuple[int, ...] = (0,)  # text requests with these EOS positions name an adapter
+    adapter_slots: int = 1  # so two such requests contend for it
     max_rows: int = 2
     max_prefill_tokens: int = 4
     max_ticks: int = 60  # a path longer than this is a livelock
 
     def contents(self, mask_ids: tuple[int, int]) -> tuple[Request, ...]:
-        texts = [Request(prompt=(k, 6), max_tokens=self.max_tokens, stop_ids={EOS}, tag=f"eos{k}")
+        texts = [Request(prompt=(k, 6), max_tokens=self.max_tokens, stop_ids={EOS}, tag=f"eos{k}",
+                         adapter="a" if k in self.adapter_eos else None)
                  for k in self.eos]
         if self.constrained:
             # A one-token prompt: one KV page fewer, so whether a third request

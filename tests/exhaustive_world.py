@@ -89,7 +89,7 @@ class World:
             model=FakeModel(vocab_size=VOCAB), timing=TIMINGS[bounds.timings[0]], num_pages=bounds.num_pages,
             page_size=bounds.page_size, max_rows=bounds.max_rows, max_seqs=bounds.requests,
             max_prefill_tokens=bounds.max_prefill_tokens,
-            max_context=2 + bounds.max_tokens, num_adapter_slots=0)
+            max_context=2 + bounds.max_tokens, num_adapter_slots=bounds.adapter_slots)
         engine = PhaseChecked(backend, pipelined=pipelined, probe=probe)
         return cls(engine, backend, bounds, cancels_left=bounds.cancels, faults_left=int(bool(bounds.faults)))
 
@@ -130,8 +130,8 @@ class World:
             return max(0.0, t - host)
 
         seqs = tuple(
-            (q.seq_id, q.phase.value, q.inflight_refs, tuple(q.tokens), q.launched, q.pages, q.row_slot,
-             q.finish_reason, rel(q.last_step), getattr(q.state, "at", None))
+            (q.seq_id, q.phase.value, q.inflight_refs, tuple(q.tokens), q.launched, q.pages, q.row_slot, q.adapter_slot,
+             q.finish_reason, rel(q.last_step), getattr(q.state, "got", None))
             for q in sorted(s.seqs.values(), key=lambda q: q.seq_id))
         steps = tuple((rel(st.step_id), st.kind.value, st.slot, st.seq_ids, st.mask_ids, st.failed)
                       for st in s.inflight)
@@ -146,7 +146,8 @@ class World:
         pages, rows = s.pages._owned, s.rows._owned
         device = (tuple(sorted(kv for kv in b.memory.kv.items() if kv[0][0] in pages)),
                   tuple(sorted(rt for rt in b.memory.row_tokens.items() if rt[0] in rows)),
-                  rel(b._last_step_id), ahead(b.clock.compute.free_at), ahead(b.clock.copy.free_at))
+                  rel(b._last_step_id), ahead(b.clock.compute.free_at), ahead(b.clock.copy.free_at),
+                  b.owners.key(host, rel))
         # An ended request was checked when it ended (check_state): only that
         # it ended, how, and that nothing came after stays in the key.
         outside = tuple((tuple(h.tokens) if h.result is None else h.result.status, w.ends, w.late_tokens, w.arm)
@@ -182,7 +183,7 @@ class World:
         """Every invariant the core keeps, in any reachable state."""
         self.engine.check_integrity()  # I2, I3, I4, I6 structure
         s = self.engine.scheduler
-        for pool, field in ((s.pages, "pages"), (s.rows, "row_slot")):
+        for pool, field in ((s.pages, "pages"), (s.rows, "row_slot"), (s.adapters, "adapter_slot")):
             held: list[int] = []
             for q in s.seqs.values():
                 v = getattr(q, field)
@@ -213,6 +214,10 @@ class World:
                 raise InvariantViolation(f"I7: request {h.request_id} lost: no result and not live")
             if seq is not None and seq.phase is Phase.RELEASED:
                 raise InvariantViolation(f"I6: released sequence {seq.seq_id} still in the engine")
+        for q in s.seqs.values():  # after the ends: a skill's own raise is reported as such first
+            if q.state is not None and q.state.got != tuple(q.tokens):
+                raise InvariantViolation(f"skill: sequence {q.seq_id}'s skill received {q.state.got}, "
+                                         f"committed {q.tokens}")
 
     def check_terminal(self) -> None:
         """Every path ends: all answered, nothing in flight, all freed; I8."""
@@ -220,8 +225,9 @@ class World:
         if s.seqs or s.inflight or s.queue or self.engine.handles:
             raise InvariantViolation(
                 f"termination: idle with seqs {sorted(s.seqs)}, {len(s.inflight)} steps in flight, queue {list(s.queue)}")
-        if s.pages.num_free != s.pages.size or s.rows.num_free != s.rows.size:
-            raise InvariantViolation(f"I6: idle with {s.pages.num_owned} pages, {s.rows.num_owned} row slots held")
+        if any(p.num_free != p.size for p in (s.pages, s.rows, s.adapters)):
+            raise InvariantViolation(f"I6: idle with {s.pages.num_owned} pages, {s.rows.num_owned} row slots, "
+                                     f"{s.adapters.num_owned} adapter slots held")
         if any(sl.state.value != "free" for sl in b.slots):
             raise InvariantViolation("I4: idle with a device slot not released")
         for h, w in zip(self.handles, self.watchers):
@@ -246,6 +252,10 @@ class World:
               "cancelled": res.status is Status.CANCELLED,
               }.get(res.finish_reason, res.status is Status.FAILED and res.finish_reason.endswith(" fault"))
         want_output = None if req.finisher is None else req.finisher(res.tokens, None)
+        if req.decode_state is not None and res.output != want_output:
+            # The skills contract: every committed token reaches advance, in order, once.
+            raise InvariantViolation(f"skill: request {h.request_id}'s skill received {res.output[1]}, "
+                                     f"committed {res.tokens}")
         if (res.request_id, res.tag, res.output) != (h.request_id, req.tag, want_output):
             raise InvariantViolation(f"I7: request {h.request_id} answered as {res}")
         if not ok:

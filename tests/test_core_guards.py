@@ -137,6 +137,13 @@ def test_append_refuses_a_token_past_max_tokens_I5():
     (lambda s: setattr(s.seqs[0], "tokens", [1] * 5), "I5: sequence 0 has 5 tokens"),
     (lambda s: s.inflight.reverse(), r"I2/I4: in-flight steps \[1, 0\]"),
     (lambda s: setattr(s.pool.slots[1], "state", SlotState.FREE), r"I4: steps hold slots \[0, 1\], busy slots \[0\]"),
+    # I6 ownership: a sequence in flight keeps its pages; pools hold exactly
+    # their sequences' ids; a step never names a released sequence.
+    (lambda s: (s.pages.release(s.seqs[0].pages), setattr(s.seqs[0], "pages", ())),
+     r"I6: sequence 0 \(running, inflight_refs=2\) holds pages \(\), row slot 0, adapter slot None"),
+    (lambda s: s.rows.allocate(), r"I6: sequences hold row slots \[0\], the pool owns \[0, 1\]"),
+    (lambda s: (s.pages.release(s.seqs[0].pages), s.rows.release((0,)), s.seqs.pop(0)),
+     r"I6: in-flight steps include sequences \[0, 0\], already released"),
 ])
 def test_check_integrity_names_what_is_wrong(corrupt, message):
     sched, _ = two_steps_in_flight()

@@ -1,14 +1,16 @@
 """The simulated GPU's own misuse checks, beyond the contract that
 test_backend_contract.py runs against both backends: a copy in flight, step
-order, decode inputs read on the device, and the paged KV (I4, I6). Each
-raises and changes nothing."""
+order, decode inputs read on the device, the paged KV, and who owns each
+page and slot while the device uses it (I4, I6). Each raises and changes
+nothing."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
-from bubblefree.core.values import StepRow
-from bubblefree.fake_backend import FakeBackend, HardwareMisuse, KVCorruption, Timing
+from bubblefree.core.values import StepFailed, StepRow
+from bubblefree.fake_backend import FakeBackend, Fault, HardwareMisuse, KVCorruption, Timing
 from fake_plans import SlotState, blocking_step, decode, drow, finalize, prefill, prow, to_state
 
 
@@ -104,3 +106,72 @@ def test_model_reads_its_prompt_back_from_the_kv():
     blocking_step(b, 0, decode(2, drow(0, 6, (0, 1))))
     with pytest.raises(KVCorruption, match="after generated"):
         b.launch(1, prefill(3, StepRow(0, 0, (1,), 7, (0, 1))))
+
+
+# ------------------------------------------- ownership on the device's timeline
+# The host plans the next step while the last one still runs on the device:
+# a page, row slot or adapter slot named for another sequence at that moment
+# would be touched by both on a GPU (I6). Default timing: the host plans at
+# t=0.15; the forward of step 0 runs until t=1.12 and its sampling until 1.17.
+
+def _in_flight(b, row):
+    plan = prefill(0, row)
+    b.launch(0, plan)
+    finalize(b, 0, plan)
+    return plan
+
+
+def test_a_page_named_while_another_sequences_forward_runs_is_corruption_and_changes_nothing():
+    b = FakeBackend()
+    _in_flight(b, prow(0, (1, 2), (0,)))
+    kv, log = dict(b.memory.kv), list(b.log)
+    thief = prefill(1, prow(1, (3,), (1, 0), row_slot=1))
+    with pytest.raises(KVCorruption, match=r"^step 1: KV page 0 named for seq 1 at t=0\.15, while seq 0's step 0 "
+                                           r"touches it on the device until t=1\.12"):
+        b.launch(1, thief)
+    assert b.memory.kv == kv and b.log == log and b.slots[1].state is SlotState.FREE
+    b.wait(0)
+    b.release(0)
+    blocking_step(b, 1, thief)  # after the owner's commit the page may go on
+
+
+def test_a_row_slot_named_while_another_sequences_sampling_runs_is_corruption():
+    b = FakeBackend()
+    _in_flight(b, prow(0, (1, 2), (0,)))
+    with pytest.raises(KVCorruption, match="row slot 0 named for seq 1 .* until t=1\\.17"):
+        b.launch(1, prefill(1, prow(1, (3,), (1,), row_slot=0)))
+
+
+def test_an_adapter_slot_named_while_another_sequences_forward_reads_it_is_corruption():
+    b = FakeBackend()
+    _in_flight(b, attrs.evolve(prow(0, (1, 2), (0,)), adapter_slot=1))
+    with pytest.raises(KVCorruption, match="adapter slot 1 named for seq 1"):
+        b.launch(1, prefill(1, attrs.evolve(prow(1, (3,), (1,)), adapter_slot=1)))
+    b.launch(1, prefill(1, attrs.evolve(prow(1, (3,), (1,)), adapter_slot=0)))  # another slot is free
+
+
+def test_every_row_of_a_step_holds_its_pages():
+    b = FakeBackend()
+    _in_flight(b, prow(0, (1, 2), (0,)))
+    b.launch(1, prefill(1, prow(1, (3,), (1,)), prow(2, (4,), (2,))))  # two rows, behind step 0
+    b.wait(0)
+    b.release(0)
+    with pytest.raises(KVCorruption, match="KV page 1 named for seq 3 .* seq 1's step 1"):
+        b.launch(0, prefill(2, prow(3, (5,), (1,), row_slot=3)))
+
+
+def test_the_same_sequence_may_name_its_own_pages_while_its_step_runs():
+    b = FakeBackend()
+    first = _in_flight(b, prow(0, (1, 2), (0,)))
+    b.launch(1, decode(1, drow(0, 2, (0,))))  # the pipelined decode behind its prefill
+    assert b.slots[1].state is SlotState.LAUNCHED and first.rows[0].pages == (0,)
+
+
+def test_a_step_abandoned_at_finalize_holds_nothing():
+    b = FakeBackend(faults={0: Fault("finalize", "kernel")})
+    plan = prefill(0, prow(0, (1, 2), (0,)))
+    b.launch(0, plan)
+    with pytest.raises(StepFailed):
+        finalize(b, 0, plan)
+    b.release(0)
+    b.launch(0, prefill(1, prow(1, (3,), (0,), row_slot=0)))  # nothing reads what step 0 wrote

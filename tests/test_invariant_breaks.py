@@ -3,14 +3,18 @@
 For every invariant the core keeps (I2–I9), a small, realistic bug is
 patched into the core's source — commit the newest step first, skip the
 inflight_refs decrement, reuse a slot whose copy is in flight, append to a
-finalized sequence, tear a zombie down early, release pages twice, drop or
-double a result, build masks before the commit, read the wrong row — and
+finalized sequence, tear a zombie down early, release pages twice, hand a
+cancelled zombie's pages or adapter slot to the next request while its step
+is in flight, drop or double a result, build masks before the commit, read
+the wrong row, keep a committed token from the skill — and
 the exhaustive search on its quick bound must report a violation naming
 what broke (an invariant id, or the simulated GPU's misuse error).
 
 Where the core has a second guard (the I2 order check in ``commit``, the
 teardown check in ``Sequence.move``), a variant removes that guard too, so
-the search itself, check_integrity or the fake backend must catch the bug.
+the search itself, check_integrity or the fake backend must catch the bug;
+likewise, removing check_integrity's ownership check leaves a zombie's
+early-released page or adapter slot to the fake's device-time check.
 
 A patch names the exact source it replaces: when the core changes under
 it, the test fails with "cannot find", never passes vacuously.
@@ -57,6 +61,15 @@ def masks_now(sched, step) -> tuple:
     states = [sched.seqs[sid] for sid in step.seq_ids]
     return tuple(None if s.state is None or s.finalized else s.state.mask_id() for s in states)
 
+
+# Realistic patches a reviewer could approve: "free a cancelled request's
+# pages at once", "give the adapter back when the request is done".
+ZOMBIE_PAGES_BACK = P(Scheduler, "cancel", (
+    "self._end(s, status, reason)", "self._end(s, status, reason); self.pages.release(s.pages); s.pages = ()"))
+ADAPTER_BACK_AT_END = P(Scheduler, "_end", (
+    "s.finish(status, reason)", "s.finish(status, reason)\n    if s.adapter_slot is not None: "
+    "self.adapters.release((s.adapter_slot,)); s.adapter_slot = None"))
+NO_OWNERS_CHECK = P(scheduler, "check_integrity", ("check_owners(sched)", "pass"))
 
 BREAKS = [
     Break("I2", "commit the newest in-flight step first",
@@ -109,6 +122,18 @@ BREAKS = [
     Break("I6", "one KV page too few is reserved",
           (P(scheduler, "pages_needed", ("prompt_len + max_tokens - 1", "prompt_len + max_tokens - 2")),),
           r"HardwareMisuse|KVCorruption"),
+    # Device time (fake_backend/owners.py): the host hands a page on when it
+    # plans; the device still runs a zombie's launched forward over it.
+    Break("I6", "a cancelled zombie's pages go back at once, so a waiting request is admitted sooner",
+          (ZOMBIE_PAGES_BACK,), r"I6: sequence \d+ \(finalized, inflight_refs=[12]\) holds pages \(\)",
+          modes=(True,)),
+    Break("I6", "the same, with check_integrity's ownership check removed", (ZOMBIE_PAGES_BACK, NO_OWNERS_CHECK),
+          r"KVCorruption: .*KV page \d+ named for seq \d+ .* handed on while still owned", modes=(True,)),
+    Break("I6", "an adapter slot is given back when its request ends, before its zombie's last step commits",
+          (ADAPTER_BACK_AT_END,), r"I6: sequence \d+ \(finalized, inflight_refs=[12]\) holds .* adapter slot None",
+          modes=(True,)),
+    Break("I6", "the same, with check_integrity's ownership check removed", (ADAPTER_BACK_AT_END, NO_OWNERS_CHECK),
+          r"KVCorruption: .*adapter slot 0 named for seq \d+ .* handed on while still owned", modes=(True,)),
     Break("I7", "a cancelled request is never answered",
           (P(Scheduler, "_end", ("self.events.append(SequenceEnded(s))",
                                 "if status is not Status.CANCELLED: self.events.append(SequenceEnded(s))")),),
@@ -132,6 +157,11 @@ BREAKS = [
                                      "self.inflight.append(step); step.mask_ids = MASKS_NOW(self, step)")),
            P(Scheduler, "plan_finalize", ("step.mask_ids = tuple(masks)", "step.mask_ids = step.mask_ids or tuple(masks)"))),
           r"I9", modes=(True,)),
+    Break("skill", "the token that reaches max_tokens is not fed to the skill (the request ends anyway)",
+          (P(Scheduler, "_append", ('done, error = (False, None) if s.state is None else guarded(',
+                                    'done, error = (False, None) if s.state is None or len(s.tokens) >= '
+                                    'req.max_tokens else guarded(')),),
+          r"skill: .* received \(\d+, \d+\), committed \[?\(?\d+, \d+, \d+"),
     Break("I9", "the mask is not sent to sampling",
           (P(Scheduler, "plan_finalize", ('mask, error = guarded(s.request, "mask_id", s.state.mask_id)',
                                          "mask, error = None, None")),), r"I9"),
@@ -179,7 +209,7 @@ def test_a_broken_invariant_is_caught(brk, monkeypatch):
 
 
 def test_every_core_invariant_has_a_break():
-    assert {b.invariant for b in BREAKS} == {f"I{i}" for i in range(2, 10)}
+    assert {b.invariant for b in BREAKS} == {f"I{i}" for i in range(2, 10)} | {"skill"}
 
 
 def test_the_patches_leave_the_core_intact():

@@ -39,6 +39,7 @@ RARE = (
     "stop_with_successor_launched",
     "cancel_in_flight",
     "queued_for_pages",
+    "queued_for_adapters",
     "admitted_after_waiting",
     "zombie_last_commit_frees_pages",
     "prefill_launched_while_decode_in_flight",
@@ -49,7 +50,10 @@ SEEN: collections.Counter[str] = collections.Counter()
 @attrs.define(eq=False)
 class Cycle:
     """A tiny constrained skill: allowed sets cycle; done after ``length``
-    tokens. Records (mask id, token) pairs so the test checks I9 itself."""
+    tokens. Records (mask id, token) pairs so the test checks I9 itself, and
+    so that what it received is checked against the committed tokens (the
+    skills contract: every committed token, the stop token included, in
+    order, exactly once)."""
 
     mask_ids: tuple[int, ...]
     length: int
@@ -73,6 +77,7 @@ class Spec:
     max_tokens: int
     constrained: int  # 0: free text; else the Cycle length
     temperature: float
+    adapter: bool = False  # names an adapter: contends for the one adapter slot
 
 
 def build_request(spec: Spec, mask_ids: tuple[int, ...], states: list) -> Request:
@@ -84,7 +89,7 @@ def build_request(spec: Spec, mask_ids: tuple[int, ...], states: list) -> Reques
             return state
     sampling = SamplingParams(temperature=spec.temperature, seed=len(spec.prompt) * 31 + spec.prompt[-1])
     return Request(prompt=spec.prompt, max_tokens=spec.max_tokens, stop_ids={EOS},
-                   sampling=sampling, decode_state=factory)
+                   sampling=sampling, decode_state=factory, adapter="lora" if spec.adapter else None)
 
 
 def new_engine(pipelined: bool, timing: Timing | None, faults: dict, probe=lambda s: None) -> Engine:
@@ -114,7 +119,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.specs: dict[int, Spec] = {}
         self.all: list = []
         self.ends: collections.Counter[int] = collections.Counter()
-        self.states: list[Cycle] = []
+        self.skill_of: dict[int, list[Cycle]] = {}  # request id -> its skill state, once admitted
         self.faulted = False
 
     def _probe(self, situation: str) -> None:
@@ -127,11 +132,14 @@ class PipelineMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
     @rule(target=handles,
           prompt_len=st.integers(1, 4), max_tokens=st.integers(1, 6), eos_at=st.integers(0, 7),
-          constrained=st.integers(0, 5), sampled=st.booleans(), rest=st.integers(1, VOCAB - 1))
-    def submit(self, prompt_len, max_tokens, eos_at, constrained, sampled, rest):
+          constrained=st.integers(0, 5), sampled=st.booleans(), rest=st.integers(1, VOCAB - 1),
+          adapter=st.booleans())
+    def submit(self, prompt_len, max_tokens, eos_at, constrained, sampled, rest, adapter):
         prompt = (eos_at,) + tuple((rest + i) % (VOCAB - 1) + 1 for i in range(prompt_len - 1))
-        spec = Spec(prompt, max_tokens, constrained, 0.8 if sampled else 0.0)
-        handle = self.engine.submit(build_request(spec, self.mask_ids, self.states))
+        spec = Spec(prompt, max_tokens, constrained, 0.8 if sampled else 0.0, adapter)
+        states = []  # the request's skill state, once admitted
+        handle = self.engine.submit(build_request(spec, self.mask_ids, states))
+        self.skill_of[handle.request_id] = states
         handle.listeners.append(self._listen)
         self.specs[handle.request_id] = spec
         self.all.append(handle)
@@ -141,7 +149,8 @@ class PipelineMachine(RuleBasedStateMachine):
     def exhaust_pages(self, max_tokens):
         """A request needing most of the cache: others queue behind it."""
         spec = Spec((0, 3, 4), max_tokens, 0, 0.0)
-        handle = self.engine.submit(build_request(spec, self.mask_ids, self.states))
+        handle = self.engine.submit(build_request(spec, self.mask_ids, []))
+        self.skill_of[handle.request_id] = []
         handle.listeners.append(self._listen)
         self.specs[handle.request_id] = spec
         self.all.append(handle)
@@ -222,9 +231,19 @@ class PipelineMachine(RuleBasedStateMachine):
     @invariant()
     def masks_hold_I9(self):
         allowed = dict(zip(self.mask_ids, MASK_SETS))
-        for state in self.states:
-            for mask_id, token in state.seen:
-                assert token in allowed[mask_id], "I9: committed token outside its mask"
+        for states in self.skill_of.values():
+            for state in states:
+                for mask_id, token in state.seen:
+                    assert token in allowed[mask_id], "I9: committed token outside its mask"
+
+    @invariant()
+    def a_skill_receives_every_committed_token(self):
+        # The skills contract (docs/contracts.md): every committed token, the
+        # stop token included, in order, exactly once; none after the end.
+        for h in self.all:
+            for state in self.skill_of[h.request_id]:
+                got = [token for _, token in state.seen]
+                assert got == list(h.tokens), f"skill received {got}, committed {h.tokens}"
 
     @invariant()
     def one_compute_stream_I1(self):
