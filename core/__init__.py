@@ -24,7 +24,8 @@ callers.
 
 from bubblefree.core.protocol import Backend, Capacity
 from bubblefree.core.decode_state import DecodeState
-from bubblefree.core.engine import Engine, Handle
+from bubblefree.core.engine import Engine
+from bubblefree.core.handle import Handle
 from bubblefree.core.pages import DoubleRelease, IdPool, pages_needed
 from bubblefree.core.scheduler import InvariantViolation, Scheduler
 from bubblefree.core.sequence import IllegalTransition, Phase, Sequence

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from bubblefree.core import Engine, Request, Status, StepFailed
-from bubblefree.core.engine import Handle
+from bubblefree.core.handle import Handle
 from bubblefree.fake_backend import FakeBackend, FakeModel, Fault
 
 MODEL = FakeModel()
