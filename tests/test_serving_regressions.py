@@ -225,11 +225,12 @@ def test_an_end_listener_raising_inside_a_cancel_does_not_skip_teardown(gated, g
 
 # -- 3. asyncio and abandoned streams ---------------------------------------
 
-def test_cancelling_the_task_awaiting_arun_cancels_the_request(gated, gate):
-    """The request went on decoding after its awaiting task was cancelled."""
+def cancel_task_mid_request(engine, gate, coroutine) -> None:
+    """Run ``coroutine`` as a task, cancel it while the decode thread is held
+    inside the request's step, and check the request ended cancelled."""
     async def main():
         gate.arm(at=2)
-        task = asyncio.ensure_future(gated.arun("query", question=GATED, max_tokens=150))
+        task = asyncio.ensure_future(coroutine())
         await asyncio.get_running_loop().run_in_executor(None, gate.wait_reached)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -237,8 +238,13 @@ def test_cancelling_the_task_awaiting_arun_cancels_the_request(gated, gate):
         gate.open()
 
     asyncio.run(main())
-    wait_idle(gated)
-    assert last_end(gated)[2] == "cancelled"
+    wait_idle(engine)
+    assert last_end(engine)[2] == "cancelled"
+
+
+def test_cancelling_the_task_awaiting_arun_cancels_the_request(gated, gate):
+    """The request went on decoding after its awaiting task was cancelled."""
+    cancel_task_mid_request(gated, gate, lambda: gated.arun("query", question=GATED, max_tokens=150))
     assert_serves(gated)
 
 
@@ -265,18 +271,7 @@ def test_cancelling_the_task_iterating_astream_cancels_the_request(gated, gate):
     async def read():
         return [p async for p in gated.astream("query", question=GATED, max_tokens=150)]
 
-    async def main():
-        gate.arm(at=2)
-        task = asyncio.ensure_future(read())
-        await asyncio.get_running_loop().run_in_executor(None, gate.wait_reached)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        gate.open()
-
-    asyncio.run(main())
-    wait_idle(gated)
-    assert last_end(gated)[2] == "cancelled"
+    cancel_task_mid_request(gated, gate, read)
 
 
 # The orphaned task's own asyncio.Queue complains, when it is collected, that
