@@ -29,7 +29,7 @@ import textwrap
 import attrs
 import pytest
 
-from bubblefree.core import engine, pages, scheduler, sequence, slots
+from bubblefree.core import engine, scheduler, sequence, slots
 from exhaustive import BOUNDS, search
 
 Engine, Scheduler = engine.Engine, scheduler.Scheduler
