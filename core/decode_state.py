@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+from bubblefree.core.values import Request
+
 
 @runtime_checkable
 class DecodeState(Protocol):
@@ -33,11 +35,11 @@ class DecodeState(Protocol):
 
 # -- calls into a skill, guarded: a skill's bug fails its own request only ---
 
-def who(request: Any) -> str:
-    return f"skill {request.skill!r}" if getattr(request, "skill", None) else "decode state"
+def who(request: Request) -> str:
+    return f"skill {request.skill!r}" if request.skill else "decode state"
 
 
-def guarded(request: Any, call: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+def guarded(request: Request, call: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
     """``(fn(*args), None)``, or ``(None, reason)`` when the skill raised; the
     reason names the skill and keeps its own exception's type and message."""
     try:
@@ -46,7 +48,7 @@ def guarded(request: Any, call: str, fn: Callable[..., Any], *args: Any) -> tupl
         return None, f"{who(request)} raised {type(err).__name__} in {call}: {err}"
 
 
-def bad_mask(request: Any, mask: Any, masks: Mapping[int, frozenset[int]]) -> str | None:
+def bad_mask(request: Request, mask: Any, masks: Mapping[int, frozenset[int]]) -> str | None:
     """Why ``mask`` (from ``mask_id()``) cannot go to sampling, or None. Checked
     before the backend sees it: an unknown id would fail every row sharing
     the step, a non-int would stop the engine."""

@@ -5,6 +5,7 @@ test_exhaustive.py; here each piece is pinned on its own, including that an
 illegal move raises and leaves state unchanged (h11's rule).
 """
 
+import attrs
 import pytest
 
 from bubblefree.core import (
@@ -193,3 +194,49 @@ def test_a_bounded_trace_keeps_the_newest_entries():
     engine.run_until_idle(max_ticks=200)
     assert 10 <= len(engine.trace) <= 20
     assert engine.trace[-1][0] in ("end", "commit")
+
+
+@attrs.define
+class FixedMask:
+    """A decode state that always names ``mask`` and never finishes."""
+
+    mask: object
+
+    def mask_id(self):
+        return self.mask
+
+    def advance(self, token, value):
+        return False
+
+
+@pytest.mark.parametrize("bad", [7, True, "1", 1.0], ids=["unregistered", "bool", "str", "float"])
+def test_a_mask_id_that_is_not_a_registered_int_fails_its_own_request_only(bad):
+    # Checked before the backend sees it: an unknown id would fail every row
+    # sharing the step, a non-int would stop the engine.
+    from bubblefree.core import Engine, Status
+    from bubblefree.fake_backend import FakeBackend
+    engine = Engine(FakeBackend(zero_cost=True))
+    allowed = engine.register_mask(range(1, 30))
+    assert bad != allowed or type(bad) is not int
+    broken = engine.submit(Request(prompt=(2, 1), max_tokens=3, decode_state=lambda: FixedMask(bad),
+                                   skill="point"))
+    fine = engine.submit(Request(prompt=(2, 1), max_tokens=3, decode_state=lambda: FixedMask(allowed)))
+    engine.run_until_idle(max_ticks=50)
+    assert broken.result.status is Status.FAILED
+    assert broken.result.finish_reason == f"skill 'point': mask_id() returned {bad!r}, not a registered mask id"
+    assert fine.result.status is Status.COMPLETED and len(fine.result.tokens) == 3
+    engine.check_integrity()
+
+
+def test_a_skill_s_own_error_is_named_as_the_skill_s():
+    from bubblefree.core import Engine, Status
+    from bubblefree.fake_backend import FakeBackend
+
+    def broken():
+        raise RuntimeError("boom")
+
+    engine = Engine(FakeBackend(zero_cost=True))
+    h = engine.submit(Request(prompt=(2, 1), max_tokens=3, decode_state=broken, skill="detect"))
+    engine.run_until_idle(max_ticks=50)
+    assert h.result.status is Status.FAILED
+    assert h.result.finish_reason == "skill 'detect' raised RuntimeError in decode_state: boom"
