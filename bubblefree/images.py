@@ -78,7 +78,7 @@ def _from_bytes(data) -> Image.Image:
     data = bytes(data)
     if not data:
         raise _refuse("empty bytes")
-    return _open_encoded(io.BytesIO(data), "the bytes")
+    return _open_encoded(io.BytesIO(data), "the data")
 
 
 def _from_array(array) -> Image.Image:

@@ -4,15 +4,31 @@ keeps serving. The cases are the table in docs/server.md, row for row."""
 from __future__ import annotations
 
 import base64
+import io
 import pathlib
 import re
+import struct
+import zlib
 
 import httpx
 import pytest
+from PIL import Image
 
 from server_support import fake_engine, serving
 
-PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(24)).decode()
+def png(width: int, height: int, pixels: bool = True) -> str:
+    """A base64 PNG of ``width`` x ``height``: a real one, or (``pixels=False``)
+    only its header, which is all a pixel limit needs to read."""
+    if pixels:
+        out = io.BytesIO()
+        Image.new("RGB", (width, height), (200, 30, 30)).save(out, format="PNG")
+        return base64.b64encode(out.getvalue()).decode()
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = struct.pack(">I", len(ihdr)) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return base64.b64encode(b"\x89PNG\r\n\x1a\n" + chunk).decode()
+
+
+PNG = png(4, 3)
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "server.md"
 
 
@@ -54,6 +70,9 @@ CASES = [
      422, "image_url"),
     ("data not an image", "POST", "/v1/query",
      {"question": "a", "image_url": "data:image/png;base64," + base64.b64encode(b"hello").decode()},
+     422, "image_url"),
+    ("image over the pixel limit", "POST", "/v1/query",
+     {"question": "a", "image_url": "data:image/png;base64," + png(10_000, 10_000, pixels=False)},
      422, "image_url"),
     ("image as a web URL", "POST", "/v1/query", {"question": "a", "image_url": "http://example.com/a.png"},
      422, "image_url"),

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import urllib.error
 
@@ -107,7 +109,11 @@ def test_openai_models(oa):
 
 
 def test_openai_image_part_is_refused(oa):
-    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUg=="}}
+    # A real image (the server reads it before refusing it on a text model).
+    tiny = io.BytesIO()
+    Image.new("RGB", (2, 2)).save(tiny, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(tiny.getvalue()).decode()
+    part = {"type": "image_url", "image_url": {"url": url}}
     with pytest.raises(openai.UnprocessableEntityError) as caught:
         oa.chat.completions.create(model="any", messages=[{"role": "user", "content": [part]}])
     assert "messages[0].content[0].image_url.url: this model takes no images" in str(caught.value)

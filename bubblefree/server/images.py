@@ -1,9 +1,11 @@
 """Images as clients send them: ``data:<type>;base64,<data>`` URIs.
 
 A text model takes no images, but a bad one is still named as bad first
-(not base64, not an image), so the caller learns the most specific thing
-that is wrong. The check reads the file's signature only: decoding the
-pixels is the vision model's job, when there is one.
+(not base64, not an image, over the pixel limit), so the caller learns the
+most specific thing that is wrong. The image is checked by the project's one
+image reader, ``bubblefree.images.load_image``, with the server's pixel
+limit: the same refusals, decompression bombs included, as a caller of the
+Python API gets.
 """
 
 from __future__ import annotations
@@ -11,13 +13,12 @@ from __future__ import annotations
 import base64
 import binascii
 
+from bubblefree.core import InvalidRequest
+from bubblefree.images import load_image
 from bubblefree.server.errors import ApiError
 
-_SIGNATURES = ((b"\xff\xd8\xff", "jpeg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"GIF87a", "gif"),
-               (b"GIF89a", "gif"), (b"BM", "bmp"))
 
-
-def check_image(url: object, field: str, takes_images: bool) -> bytes:
+def check_image(url: object, field: str, takes_images: bool, max_pixels: int) -> bytes:
     """The image's bytes, or a 422 naming ``field``."""
     if not isinstance(url, str):
         raise ApiError(422, f"{field}: must be a data URI string, got {type(url).__name__}", field)
@@ -29,14 +30,11 @@ def check_image(url: object, field: str, takes_images: bool) -> bytes:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(422, f"{field}: not valid base64", field) from None
-    if not _is_image(raw):
-        raise ApiError(422, f"{field}: the data is not an image (JPEG, PNG, GIF, WebP or BMP)", field)
+    try:
+        load_image(raw, max_pixels=max_pixels)
+    except InvalidRequest as err:  # "image: <why>", named here by the request's field
+        raise ApiError(422, f"{field}: {str(err).removeprefix('image: ')}", field) from None
     if not takes_images:
         raise ApiError(422, f"{field}: this model takes no images; ask without one", field)
     return raw
 
-
-def _is_image(raw: bytes) -> bool:
-    if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
-        return True
-    return any(raw.startswith(sig) for sig, _ in _SIGNATURES)

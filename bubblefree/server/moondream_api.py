@@ -60,7 +60,7 @@ async def _text_skill(served: Served, request: Request, body: Fields, skill: str
     max_tokens, sampling = _settings(body, spatial=False)
     body.done()
     if image is not None and image is not Fields.MISSING:
-        check_image(image, "image_url", served.takes_images)
+        check_image(image, "image_url", served.takes_images, served.settings.max_image_pixels)
 
     def begin() -> Run:
         return run_skill(served.engine, skill, max_tokens=max_tokens, sampling=sampling, **args)
@@ -106,7 +106,7 @@ def _spatial(served: Served, skill: str):
                 raise ApiError(422, f"image_url: {skill} needs an image, and this model takes no "
                                "images; it answers query and caption as text", "image_url")
             raise ApiError(422, "image_url: is required", "image_url")
-        check_image(image, "image_url", served.takes_images)
+        check_image(image, "image_url", served.takes_images, served.settings.max_image_pixels)
         # Reached only by a model that takes images, which the engine cannot run yet.
         raise ApiError(501, f"{skill}: images are not served yet", "image_url")
     route.__name__ = skill

@@ -99,7 +99,8 @@ def _content(content: Any, where: str, served: Served) -> str:
         elif kind == "image_url":
             image = fields.nested("image_url")
             url = image.raw("url") if image is not None else None
-            check_image(url, f"{at}.image_url.url", served.takes_images)
+            check_image(url, f"{at}.image_url.url", served.takes_images,
+                        served.settings.max_image_pixels)
         else:
             raise fields.refuse("type", f"must be text or image_url, got {kind!r}")
     return "".join(texts)

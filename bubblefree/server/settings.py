@@ -11,13 +11,14 @@ class ServerSettings:
     port: int = 2020  # where Moondream's client looks for a local server
     api_key: str | None = None  # None: no key asked for
     max_body_bytes: int = 20 * 1024 * 1024  # room for one large base64 image
+    max_image_pixels: int = 50_000_000  # checked from the header, before decoding (bombs)
     max_live: int = 64  # requests decoding or waiting at once; more get 429
     request_timeout_s: float = 300.0  # a request still running then is cancelled (504)
     retry_after_s: int = 1  # the Retry-After a 429 suggests
     model_name: str = "bubblefree"  # what /v1/models lists and responses name
 
     def __attrs_post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_live", "retry_after_s"):
+        for name in ("max_body_bytes", "max_image_pixels", "max_live", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.request_timeout_s > 0:
