@@ -20,6 +20,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=defaults.port)
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     serve.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    serve.add_argument("--max-image-pixels", type=int, default=defaults.max_image_pixels,
+                       help="larger images are refused (422) before they are decoded")
     serve.add_argument("--max-live", type=int, default=defaults.max_live,
                        help="requests live at once; more are answered 429")
     serve.add_argument("--timeout", type=float, default=defaults.request_timeout_s,
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     from bubblefree.server.app import create_app
 
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
-                              max_body_bytes=args.max_body_bytes, max_live=args.max_live,
+                              max_body_bytes=args.max_body_bytes, max_image_pixels=args.max_image_pixels,
+                              max_live=args.max_live,
                               request_timeout_s=args.timeout, model_name=args.model or "smollm2-135m-instruct")
     options = {"location_tokens": True} if args.location_tokens else {}
     if args.replicas > 0:
