@@ -1,11 +1,15 @@
-"""Two engine replicas on Ray Serve (CPU, the fake engine): both answer,
-the load is spread over both, and a replica killed mid-request fails its
-in-flight request at once (the stream is cut short, it does not hang) while
-Ray Serve replaces it. Ray's own start is most of this file's time."""
+"""Two engine replicas on Ray Serve behind the relay (CPU, the fake engine):
+both answer, the load is spread over both, a replica killed mid-request
+fails its in-flight requests at once in the server's error shape (a 503
+JSON error, or a last error event on a stream) while Ray Serve replaces it,
+and a client that leaves frees its request on the replica. Ray's own start
+is most of this file's time."""
 
 from __future__ import annotations
 
 import functools
+import json
+import threading
 import time
 
 import httpx
@@ -56,22 +60,12 @@ def test_both_replicas_answer(url):
     assert len(replicas_answering(url)) == 2
 
 
-def test_a_replica_killed_mid_stream_cuts_the_stream_at_once_and_is_replaced(url):
-    with httpx.Client(trust_env=False, timeout=30) as http:
-        with http.stream("POST", f"{url}/v1/query", json={
-                "question": "what", "stream": True, "settings": {"max_tokens": 200}}) as response:
-            victim = response.headers[REPLICA_HEADER]
-            lines = response.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            ray.kill(ray.get_actor(f"SERVE_REPLICA::bubblefree#{DEPLOYMENT}#{victim}", namespace="serve"),
-                     no_restart=True)
-            start = time.monotonic()
-            # Ray's proxy cuts the stream off: the client sees the body end
-            # short at once, instead of waiting on a replica that is gone.
-            with pytest.raises(httpx.RemoteProtocolError, match="incomplete"):
-                for line in lines:
-                    assert '"completed":true' not in line
-            assert time.monotonic() - start < 5
+def kill(replica: str) -> None:
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::bubblefree#{DEPLOYMENT}#{replica}", namespace="serve"),
+             no_restart=True)
+
+
+def wait_replaced(url: str, victim: str) -> None:
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline:
         seen = replicas_answering(url, 12)
@@ -79,3 +73,82 @@ def test_a_replica_killed_mid_stream_cuts_the_stream_at_once_and_is_replaced(url
             break
         time.sleep(0.5)
     assert victim not in seen and len(seen) == 2
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_replaced(url):
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        with http.stream("POST", f"{url}/v1/query", json={
+                "question": "what", "stream": True, "settings": {"max_tokens": 200}}) as response:
+            victim = response.headers[REPLICA_HEADER]
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            kill(victim)
+            start = time.monotonic()
+            rest = list(lines)  # the stream ends, it does not hang
+            assert time.monotonic() - start < 5
+    assert not any('"completed":true' in line for line in rest)
+    assert "event: error" in rest
+    error = json.loads(next(line for line in rest if line.startswith("data:") and '"error"' in line)[5:])
+    assert error["error"]["param"] == "replica" and error["error"]["code"] == 503
+    wait_replaced(url, victim)
+
+
+def test_replicas_killed_mid_wait_answer_503_naming_the_replica(url):
+    """Two requests waiting for their whole answer (~4 s each), one per
+    replica as the router spreads them; both replicas die (which one holds
+    a request is not visible before the answer, so both are killed)."""
+    answers: list = []
+
+    def wait_for_answer():
+        with httpx.Client(trust_env=False, timeout=30) as http:
+            response = ask(http, url, tokens=200)
+            answers.append((response, time.monotonic()))
+
+    waiting = [threading.Thread(target=wait_for_answer) for _ in range(2)]
+    for t in waiting:
+        t.start()
+    time.sleep(1.0)  # both are decoding
+    victims = [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith(f"SERVE_REPLICA::bubblefree#{DEPLOYMENT}#")]
+    assert len(victims) == 2
+    for victim in victims:
+        kill(victim)
+    killed = time.monotonic()
+    for t in waiting:
+        t.join(timeout=30)
+    assert len(answers) == 2
+    for response, at in answers:
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["param"] == "replica"
+        assert response.headers["retry-after"] == "1"
+        assert at - killed < 5
+    for victim in victims:
+        wait_replaced(url, victim)
+
+
+def test_a_client_that_leaves_through_the_relay_frees_its_request_on_the_replica(url):
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        with http.stream("POST", f"{url}/v1/query", json={
+                "question": "what", "stream": True, "settings": {"max_tokens": 250}}) as response:
+            replica = response.headers[REPLICA_HEADER]
+            assert next(line for line in response.iter_lines() if line.startswith("data:"))
+        # The client has closed the connection mid-stream; the request would
+        # run ~5 s more, so freed within 2.5 s means cancelled.
+        deadline = time.monotonic() + 2.5
+        stats = None
+        while time.monotonic() < deadline:
+            r = http.get(f"{url}/v1/stats")
+            if r.headers[REPLICA_HEADER] == replica:
+                stats = r.json()
+                if stats["live_requests"] == 0 and stats["kv_pages"]["free"] == stats["kv_pages"]["total"]:
+                    break
+            time.sleep(0.1)
+    assert stats is not None and stats["live_requests"] == 0
+    assert stats["kv_pages"]["free"] == stats["kv_pages"]["total"]
+
+
+def test_a_body_over_the_limit_is_refused_by_the_relay(url):
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        r = http.post(f"{url}/v1/query", content=b"x" * (ServerSettings().max_body_bytes + 1),
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"

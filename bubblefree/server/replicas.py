@@ -1,54 +1,46 @@
-"""``bubblefree serve --replicas N``: N engines on Ray Serve, each serving
-the same app (``create_app``) as its ingress; Ray's proxy spreads requests
-over them and its health checks replace one that dies.
+"""``bubblefree serve --replicas N``: N engines on Ray Serve behind a relay.
 
-Each replica builds its own engine when it starts (on its GPU, where the
-cluster has GPUs), so nothing but the factory and the settings travels to
-it. Every answer carries ``X-Bubblefree-Replica``, the replica's id, so a
+Two deployments. ``EngineReplica`` (N copies, one GPU each where the
+cluster has GPUs) builds its own engine when it starts and runs the app
+(``create_app``) on the requests handed to it. ``Relay`` is the HTTP
+ingress: it reads a request's body (bounded by the body limit), hands the
+request to a replica through Ray's handle, and relays the answer's ASGI
+messages as they come, so streams stay streams.
+
+Why a relay instead of the replicas as Ray's ingress: when a replica dies,
+Ray's proxy answers its in-flight requests with a bare ``500 Internal Server
+Error`` in plain text, or cuts a stream off mid-body. The relay sees the
+replica's death as an exception and answers in the server's own error
+shape: a ``503`` JSON error naming ``replica`` (with ``Retry-After``) when
+no answer had started, else, on an event stream, a last ``error`` event
+before the stream ends. A client that leaves cancels the handle's call; the
+replica then tells the app the client is gone, which cancels the engine's
+request and frees its pages, as it would behind one server.
+
+Every answer carries ``X-Bubblefree-Replica``, the replica's id, so a
 client or a test can see how the load was spread and which replica failed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import asyncio
+import json
+from typing import Any, AsyncIterator, Callable
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Message
 
 from bubblefree.engine import Engine
+from bubblefree.server.errors import error_body
 from bubblefree.server.settings import ServerSettings
 
 REPLICA_HEADER = "x-bubblefree-replica"
 DEPLOYMENT = "bubblefree"
-
-
-class ReplicaApp:
-    """The app of one replica: adds its id to every answer and closes its
-    engine when Ray shuts the replica down (the app does not own it)."""
-
-    def __init__(self, app: ASGIApp, engine: Engine, replica_id: str):
-        self.app, self.engine, self.replica_id = app, engine, replica_id
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
-        tag = (REPLICA_HEADER.encode(), self.replica_id.encode())
-
-        async def tagged(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), tag]}
-            await send(message)
-        await self.app(scope, receive, tagged)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                self.engine.close()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+RELAY = "bubblefree-relay"
+# What of an ASGI scope travels to a replica: plain values only.
+_SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path",
+               "query_string", "root_path", "headers", "server", "client")
 
 
 def replica_id() -> str:
@@ -57,22 +49,128 @@ def replica_id() -> str:
     return str(getattr(getattr(context, "replica_id", None), "unique_id", None) or context.replica_tag)
 
 
+class EngineReplica:
+    """One engine and its app; ``http`` runs one request through the app and
+    yields the app's ASGI messages."""
+
+    def __init__(self, make_engine: Callable[[], Engine], settings: ServerSettings):
+        from bubblefree.server.app import create_app
+        self.engine = make_engine()
+        self.app = create_app(self.engine, settings)
+        self.tag = (REPLICA_HEADER.encode(), replica_id().encode())
+
+    async def http(self, scope: dict, body: bytes) -> AsyncIterator[Message]:
+        sent: asyncio.Queue[Message | None] = asyncio.Queue()
+        left = asyncio.Event()  # the relay cancelled: its client is gone
+        delivered = False
+
+        async def receive() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.tag]}
+            await sent.put(message)
+
+        async def run() -> None:
+            try:
+                await self.app(dict(scope, state={}), receive, send)
+            finally:
+                await sent.put(None)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while (message := await sent.get()) is not None:
+                yield message
+            await task  # the app's own exception, if it raised
+        finally:
+            if not task.done():
+                # Cancelled by the relay: let the app see its client leave
+                # (it cancels the request), then give it a moment to finish.
+                left.set()
+                try:
+                    await asyncio.wait_for(asyncio.shield(task), 5.0)
+                except BaseException:  # noqa: BLE001 - already leaving
+                    task.cancel()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+
+class Relay:
+    """The HTTP ingress: one request, relayed to one replica."""
+
+    def __init__(self, replicas: Any, settings: ServerSettings):
+        self.replicas = replicas.options(stream=True)
+        self.max_body = settings.max_body_bytes
+
+    async def __call__(self, request: Request) -> Response:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body:
+                # The replica's guard would refuse it too; no need to carry it there.
+                return JSONResponse(error_body(413, f"body: larger than {self.max_body} bytes", "body"), 413)
+        scope = {k: request.scope[k] for k in _SCOPE_KEYS if k in request.scope}
+        messages = self.replicas.http.remote(scope, bytes(body))
+        try:
+            start = await messages.__anext__()
+        except StopAsyncIteration:
+            return unavailable("the replica ended the request without an answer")
+        except asyncio.CancelledError:
+            messages.cancel()
+            raise
+        except Exception as err:  # noqa: BLE001 - the replica died or could not be reached
+            return unavailable(f"the replica serving this request stopped ({type(err).__name__}); retry")
+        headers = dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", []))
+        streamed = headers.get("content-type", "").startswith("text/event-stream")
+        response = StreamingResponse(_bodies(messages, streamed), status_code=start["status"])
+        response.raw_headers = [(k, v) for k, v in start.get("headers", [])
+                                if k.lower() != b"content-length"] if streamed else list(start.get("headers", []))
+        return response
+
+
+async def _bodies(messages: Any, streamed: bool) -> AsyncIterator[bytes]:
+    try:
+        async for message in messages:
+            if message["type"] == "http.response.body" and message.get("body"):
+                yield message["body"]
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the replica died mid-answer
+        if not streamed:
+            raise  # a JSON body cut short: the connection closes incomplete
+        event = error_body(503, f"replica: the replica serving this request stopped "
+                                f"({type(err).__name__}) before the end; retry", "replica")
+        yield f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+    finally:
+        messages.cancel()  # a no-op once the answer is complete; else the client left
+
+
+def unavailable(why: str) -> JSONResponse:
+    return JSONResponse(error_body(503, f"replica: {why}", "replica"), 503, {"Retry-After": "1"})
+
+
 def application(make_engine: Callable[[], Engine], settings: ServerSettings, replicas: int, *,
                 gpus: bool, health_check_period_s: float = 2.0) -> Any:
-    """The Ray Serve application: ``replicas`` copies of the app, each around
-    ``make_engine()``, one GPU each if ``gpus``. ``serve.run`` it."""
+    """The Ray Serve application: the relay in front of ``replicas`` engine
+    replicas, each around ``make_engine()``, one GPU each if ``gpus``.
+    ``serve.run`` it."""
     from ray import serve
 
-    from bubblefree.server.app import create_app
-
-    def build() -> ReplicaApp:
-        engine = make_engine()
-        return ReplicaApp(create_app(engine, settings), engine, replica_id())
-
-    options = {"num_gpus": 1} if gpus else {"num_cpus": 1}
-    deployment = serve.deployment(serve.ingress(build)(), name=DEPLOYMENT, num_replicas=replicas,
-                                  ray_actor_options=options, max_ongoing_requests=settings.max_live,
-                                  health_check_period_s=health_check_period_s,
-                                  health_check_timeout_s=max(10.0, 5 * health_check_period_s))
-    return deployment.bind()
-
+    engines = serve.deployment(EngineReplica, name=DEPLOYMENT, num_replicas=replicas,
+                               ray_actor_options={"num_gpus": 1} if gpus else {"num_cpus": 1},
+                               max_ongoing_requests=settings.max_live,
+                               health_check_period_s=health_check_period_s,
+                               health_check_timeout_s=max(10.0, 5 * health_check_period_s))
+    # The relay only moves bytes: no CPU reserved, so it never waits for one.
+    relay = serve.deployment(Relay, name=RELAY, num_replicas=1, ray_actor_options={"num_cpus": 0},
+                             max_ongoing_requests=max(1000, 4 * replicas * settings.max_live))
+    return relay.bind(engines.bind(make_engine, settings), settings)
