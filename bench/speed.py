@@ -1,7 +1,8 @@
 """Speed benchmark: the engine pipelined and blocking, and plain transformers,
-in one process on one GPU, on the moondream2 text decoder's shape.
+in one process on one GPU, on one model shape: moondream2's text decoder
+(Phi-1.5), Llama-3.2-1B or Qwen2-0.5B, with random bf16 weights.
 
-    python -m bubblefree.bench.speed [--tiny] [--quick] [--streams 1,8,32,64]
+    python -m bubblefree.bench.speed [--model phi|llama1b|qwen05b] [--tiny] [--quick] [--streams 1,8,32,64]
                           [--workloads text,detect,point,mix] [--decode fused+compile]
                           [--split-below PROGRAMS] [--attention 4x32w4s1] [--gemm cublas]
                           [--out docs/benchmarks.md] [--plot docs/benchmarks.png]
@@ -10,15 +11,17 @@ One backend is built (its CUDA graphs captured once); every cell runs a
 closed loop of requests on a fresh Engine over it, alternating pipelined and
 blocking runs. Per cell: tokens/s, requests/s, ms per step, GPU idle per
 step (CUDA events on the compute stream, read after the run), the step as a
-multiple of the bandwidth floor, latency p50/p99. Then the peers on the text
+multiple of the read floor (the weights ÷ the read bandwidth measured at the
+start of the same run: a batch-1 step reads every weight once), latency
+p50/p99. Then the peers on the text
 workload, the seed's speedup model for the detect workload, and the main
 table last. Each cell prints a JSON line as it completes (also appended to
 $OUT/bench.jsonl when OUT is set, with copies of the docs file and the
 plot at the end); a failing cell prints its error and the run goes on; a
 cell or a peer that runs past its time limit is stopped, no engine cell
 starts after ``--budget`` seconds and nothing runs past ``--deadline``.
-``--tiny`` runs a tiny random Phi on the CPU, so the whole command can be
-tested without a GPU.
+``--tiny`` runs a tiny random model of the shape's architecture on the
+CPU, so the whole command can be tested without a GPU.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from bubblefree.bench import speed_report as report
 from bubblefree.bench.peers import NAMES as PEER_NAMES, Peers
 from bubblefree.bench.speed_cells import (FULL_TOKENS, PROMPT, QUICK_TOKENS, WORKLOADS, TimedBackend,
                                bin_masks, make_requests, request_count, run_closed_loop)
-from bubblefree.bench.speed_setup import (DECODE_PATHS, Clock, TimeLimit, build_model, copy_bandwidth,
-                               time_limit)
+from bubblefree.bench.speed_setup import (DECODE_PATHS, SHAPES, Clock, TimeLimit, build_model,
+                                          read_bandwidth, time_limit, weight_bytes)
 from bubblefree.core import Engine
 from bubblefree.cuda_backend.kernel_config import KernelConfig, Launch, TileTable
 
@@ -50,7 +53,10 @@ CONTEXT = 256  # prompt + the longest output (152) fits; one page bucket of grap
 
 def parse(argv):
     ap = argparse.ArgumentParser(prog="python -m bubblefree.bench.speed", description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="a tiny random Phi on the CPU")
+    ap.add_argument("--model", choices=list(SHAPES), default="phi",
+                    help="the model's shape: Phi-1.5 (moondream2's text decoder), Llama-3.2-1B or "
+                         "Qwen2-0.5B, random bf16 weights (default phi)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model of that architecture on the CPU")
     ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and runs")
     ap.add_argument("--streams", default=None, help="concurrency levels (default 1,8,32,64; "
                     "1,8 with --quick)")
@@ -145,7 +151,8 @@ def peer_cells(args, device) -> list[dict]:
     if "text" not in args.workloads:
         return []
     new_tokens = args.tokens["text"]
-    peers = Peers(lambda: build_model(args.tiny, seed=1)[0], device) if device.type == "cuda" else None
+    peers = (Peers(lambda: build_model(args.tiny, seed=1, shape=args.model)[0], device)
+             if device.type == "cuda" else None)
     rows = []
     for streams in args.peer_streams:
         for key, name in PEER_NAMES.items():
@@ -215,17 +222,23 @@ def kernels_note(backend) -> str:
     return f" ({backend.kernels})" if backend.device.type == "cuda" else ""
 
 
+def read_floor(weights: int, bytes_per_s: float, probe: str) -> dict:
+    """A decode step's floor: its weights read once at the measured read bandwidth."""
+    return dict(read_gbps=bytes_per_s / 1e9, probe=probe, weight_gb=weights / 1e9,
+                floor_ms=weights / bytes_per_s * 1e3)
+
+
 def run(args, command: str) -> str:
-    model, label = build_model(args.tiny)
+    model, label = build_model(args.tiny, shape=args.model)
     device = next(model.parameters()).device
     env = dict(device=(torch.cuda.get_device_name(device) if device.type == "cuda"
                        else f"CPU ({platform.processor() or platform.machine()})"),
                torch=torch.__version__, transformers=transformers.__version__, model=label)
     args.clock.say(f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}")
-    bw = copy_bandwidth(device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    floor = dict(bw_tbps=bw / 1e12, weight_gb=weight_bytes / 1e9, floor_ms=weight_bytes / (bw / 2) * 1e3)
+    floor = read_floor(weight_bytes(model), *read_bandwidth(device))
     report.emit(dict(measure="floor", **floor))
+    args.clock.say(f"read bandwidth {floor['read_gbps']:,.0f} GB/s ({floor['probe']}); weights "
+                   f"{floor['weight_gb']:.3f} GB; read floor {floor['floor_ms']:.3f} ms/step")
     top = max(args.streams)
     t = time.perf_counter()
     try:
@@ -253,7 +266,7 @@ def run(args, command: str) -> str:
         seed_table = "(no detect results in this run)"
     for r in seed_rows:
         report.emit(dict(measure="seed_model", **r))
-    table = report.main_table(rows, floor["floor_ms"])
+    table = report.main_table(rows, floor["floor_ms"], floor["read_gbps"])
     if args.out:
         notes = report.notes(args.tokens, args.repeats)
         report.append_docs(args.out, report.header(env, command, floor, notes),

@@ -29,8 +29,10 @@ def notes(tokens: dict[str, int], repeats: int) -> str:
         f"tokens, cap {p + 1}. *mix*: the three interleaved. {timing}: CUDA events around each "
         "forward and each sampling on the compute stream, the gaps between them summed "
         "(*GPU idle/step*), host clocks around launch and wait. *ms/step* is wall time per "
-        "launched step (prefills included); *÷ floor* divides it by weight bytes ÷ (copy "
-        "bandwidth / 2). Peers submit all their requests at once (text only).")
+        "launched step (prefills included); *÷ read floor* divides it by the read floor, the "
+        "weight bytes ÷ the read bandwidth measured at the start of the same run (a batch-1 step "
+        "reads every weight once; the KV cache and activations are left out, so the floor is a "
+        "minimum). Peers submit all their requests at once (text only).")
 
 
 def emit(row: dict) -> None:
@@ -58,10 +60,15 @@ def _f(x, fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
 
 
-def main_table(rows: list[dict], floor_ms: float | None) -> str:
+def main_table(rows: list[dict], floor_ms: float | None, read_gbps: float | None) -> str:
+    """One row per cell; *÷ read floor* is ms/step over ``floor_ms``, the
+    weights read at ``read_gbps`` (named in its column's header)."""
     base = {(r["workload"], r["streams"]): r.get("tok_s") for r in rows if r["mode"] == "blocking"}
+    named = (f" ({floor_ms:.3f} ms" + (f" at {read_gbps:,.0f} GB/s)" if read_gbps else ")")
+             if floor_ms else "")
     lines = ["| workload | streams | mode | requests | tok/s | req/s | ms/step | "
-             "GPU idle/step (ms) | ÷ floor | latency p50 / p99 (ms) | ÷ blocking | note |",
+             f"GPU idle/step (ms) | ÷ read floor{named} | "
+             "latency p50 / p99 (ms) | ÷ blocking | note |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         head = f"| {r['workload']} | {r['streams']} | {r['mode']} |"
@@ -128,10 +135,10 @@ def header(env: dict, command: str, floor: dict, notes_text: str) -> str:
             f"Device: {env['device']}; torch {env['torch']}, transformers "
             f"{env['transformers']}. Command: `{command}`.\n\n"
             f"Model: {env['model']}; decode step: {env.get('decode', 'n/a')}; prefill: "
-            f"{env.get('prefill', 'n/a')}; weights {floor['weight_gb']:.3f} GB; copy bandwidth "
-            f"{floor['bw_tbps']:.3f} TB/s (read + written); floor "
-            f"{floor['floor_ms']:.3f} ms/step (weights ÷ (bandwidth / 2); the input embedding, "
-            "only gathered, is counted too).\n\n" + notes_text)
+            f"{env.get('prefill', 'n/a')}; weights {floor['weight_gb']:.3f} GB; read bandwidth "
+            f"{floor['read_gbps']:,.0f} GB/s ({floor['probe']}); read floor "
+            f"{floor['floor_ms']:.3f} ms/step (weights ÷ read bandwidth; an untied input "
+            "embedding, only gathered, is counted too).\n\n" + notes_text)
 
 
 def plot(rows: list[dict], path: str, title: str) -> str | None:

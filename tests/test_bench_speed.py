@@ -7,8 +7,13 @@ the docs entry and the JSON lines are written, and the seed's model is run.
 
 import json
 
-from bubblefree.bench import speed
+import pytest
+import torch
+import transformers
+
+from bubblefree.bench import speed, speed_report
 from bubblefree.bench.speed_cells import Cycle, bin_masks, zombie_stats
+from bubblefree.bench.speed_setup import SHAPES, weight_bytes
 
 
 def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
@@ -28,6 +33,11 @@ def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert "The seed's model on the detect workload" in doc
     # what ran is recorded: the fused step (compile is CUDA-only), padded prefill
     assert "decode step: fused phi; prefill: transformers;" in doc
+    # the floor is the weights read once at the read bandwidth measured in this run
+    assert "read bandwidth " in doc and "read floor " in doc and "bandwidth / 2" not in doc
+    floor = next(r for r in (json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines())
+                 if r.get("measure") == "floor")
+    assert f"÷ read floor ({floor['floor_ms']:.3f} ms at {floor['read_gbps']:,.0f} GB/s)" in table
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith(table.splitlines()[-1])  # the table is printed last
     lines = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
@@ -57,3 +67,59 @@ def test_zombie_stats_counts_rows_after_the_end():
              ("launch", 2, "decode", 0, (0, 1)), ("launch", 3, "decode", 1, (1,))]
     # seq 0 committed 2 tokens (step 2 was a zombie row); seq 1 committed 3 (step 3 wasted)
     assert zombie_stats(trace, {0: 2, 1: 3}) == (4, 2, 1)
+
+
+def test_the_model_shape_is_an_argument():
+    assert speed.parse([]).model == "phi"
+    assert speed.parse(["--model", "llama1b", "--tiny"]).model == "llama1b"
+    assert speed.parse(["--model", "qwen05b"]).model == "qwen05b"
+    with pytest.raises(SystemExit):
+        speed.parse(["--model", "gpt2"])
+
+
+@pytest.mark.parametrize("shape, gigabytes, layers, tied", [
+    ("phi", 2.837, 24, False), ("llama1b", 2.472, 16, True), ("qwen05b", 0.988, 24, True)])
+def test_each_shape_has_its_published_size(shape, gigabytes, layers, tied):
+    """Built on the meta device: the shapes only, no memory, no weights."""
+    spec = SHAPES[shape]
+    with torch.device("meta"):
+        model = getattr(transformers, spec["cls"])(spec["config"]()).to(torch.bfloat16)
+    assert round(weight_bytes(model) / 1e9, 3) == gigabytes
+    assert model.config.num_hidden_layers == layers
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def test_the_read_floor_is_the_weights_at_the_read_bandwidth():
+    floor = speed.read_floor(2_000_000_000, 4e12, "a probe")
+    assert floor == dict(read_gbps=4000.0, probe="a probe", weight_gb=2.0, floor_ms=0.5)
+
+
+def _cell(mode, ms_step, tok_s):
+    return dict(workload="text", streams=1, mode=mode, requests=4, tok_s=tok_s, req_s=1.0,
+                ms_step=ms_step, idle_ms=0.01, p50_ms=10.0, p99_ms=12.0)
+
+
+def test_the_table_divides_each_step_by_the_read_floor():
+    rows = [_cell("pipelined", 0.75, 1200.0), _cell("blocking", 1.0, 1000.0),
+            dict(workload="text", streams=8, mode="pipelined", error="skipped: time budget")]
+    table = speed_report.main_table(rows, 0.5, 4000.0).splitlines()
+    assert "| ÷ read floor (0.500 ms at 4,000 GB/s) |" in table[0]
+    cells = {tuple(line.split(" | ")[1:3]): line.split(" | ") for line in table[2:]}
+    column = table[0].split(" | ").index("÷ read floor (0.500 ms at 4,000 GB/s)")
+    assert cells["1", "pipelined"][column] == "1.50" and cells["1", "blocking"][column] == "2.00"
+    assert len(table) == 5 and "skipped: time budget" in table[-1]
+
+
+def test_without_a_floor_the_column_says_so():
+    table = speed_report.main_table([_cell("blocking", 1.0, 1000.0)], None, None).splitlines()
+    assert "| ÷ read floor |" in table[0]
+    assert table[2].split(" | ")[8] == "—"
+
+
+def test_the_docs_header_names_the_read_bandwidth_and_the_floor():
+    env = dict(device="NVIDIA H200", torch="2.11", transformers="5.17", model="a shape")
+    floor = speed.read_floor(2_837_000_000, 4.19e12, "torch's sum over 4.29 GB of float32, best of 10")
+    text = speed_report.header(env, "python -m bubblefree.bench.speed --model phi", floor, "notes")
+    assert "read bandwidth 4,190 GB/s (torch's sum over 4.29 GB of float32, best of 10)" in text
+    assert "read floor 0.677 ms/step (weights ÷ read bandwidth" in text
+    assert "copy" not in text and "/ 2" not in text
