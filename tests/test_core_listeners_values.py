@@ -1,0 +1,130 @@
+"""The core's own edges that the serving-layer tests reach only from above:
+a listener that raises (core.Engine), and SamplingParams' checks at their
+exact bounds. Kept in the mutation subset, so mutants of these functions
+meet a test of the core itself."""
+
+import math
+
+import pytest
+
+from bubblefree.core import Engine, InvalidRequest, Request, SamplingParams, Status
+from bubblefree.core.engine import LISTENER_ERRORS_KEPT
+from bubblefree.core.values import GREEDY
+from bubblefree.fake_backend import FakeBackend, FakeModel
+
+VOCAB, EOS = 32, 0
+
+
+def engine() -> Engine:
+    return Engine(FakeBackend(model=FakeModel(vocab_size=VOCAB, eos_id=EOS), num_pages=32, max_rows=4))
+
+
+def raising(when):
+    def listener(handle, token):
+        if when(token):
+            raise ValueError("boom")
+    return listener
+
+
+def test_a_listener_raising_on_a_token_fails_its_own_request_only():
+    e = engine()
+    victim = e.submit(Request(prompt=(1, 2), max_tokens=6))
+    victim.listeners.append(raising(lambda token: token is not None))
+    other = e.submit(Request(prompt=(1, 3), max_tokens=6))
+    e.run_until_idle()
+    assert victim.result.status is Status.FAILED
+    assert victim.result.finish_reason == "a listener raised ValueError: boom"
+    assert len(victim.result.tokens) == 1  # failed at its first token, nothing after
+    assert other.result.status is Status.COMPLETED and len(other.result.tokens) == 6
+    assert ("cancel", victim.request_id) in e.trace
+    assert not e.listener_errors
+    assert e.scheduler.pages.num_free == e.scheduler.pages.size  # I6: its pages came back
+    e.check_integrity()
+
+
+def test_a_listener_raising_on_an_ended_request_is_recorded_not_lost():
+    e = engine()
+    done = e.submit(Request(prompt=(1, 2), max_tokens=3))
+    done.listeners.append(raising(lambda token: token is None))  # on the end
+    e.run_until_idle()
+    assert done.result.status is Status.COMPLETED  # an ended request stays ended (I7)
+    assert list(e.listener_errors) == [f"request {done.request_id}: a listener raised ValueError: boom"]
+    assert ("cancel", done.request_id) not in e.trace
+
+
+def test_listener_errors_keep_the_newest():
+    e = engine()
+    handles = [e.submit(Request(prompt=(1, 2), max_tokens=1)) for _ in range(LISTENER_ERRORS_KEPT + 5)]
+    for h in handles:
+        h.listeners.append(raising(lambda token: token is None))
+    e.run_until_idle()
+    assert len(e.listener_errors) == LISTENER_ERRORS_KEPT
+    assert e.listener_errors[-1].startswith(f"request {handles[-1].request_id}:")
+    assert e.listener_errors[0].startswith(f"request {handles[5].request_id}:")
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 1e-5, 1, 100, 100.0])
+def test_temperature_at_its_bounds_is_taken_as_a_float(value):
+    t = SamplingParams(temperature=value).temperature
+    assert t == float(value) and type(t) is float
+
+
+@pytest.mark.parametrize("value", [-1e-9, 9.99e-6, 100.0001, -1, math.inf, -math.inf, math.nan])
+def test_temperature_outside_is_refused_naming_the_range(value):
+    with pytest.raises(InvalidRequest, match=r"^sampling\.temperature: must be 0 or in \[1e-05, 100\], got "):
+        SamplingParams(temperature=value)
+
+
+@pytest.mark.parametrize("value", [1e-5, 0.5, 1, 1.0])
+def test_top_p_at_its_bounds_is_taken(value):
+    p = SamplingParams(top_p=value).top_p
+    assert p == float(value) and type(p) is float
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 9.99e-6, 1.0001, math.nan])
+def test_top_p_outside_is_refused_naming_the_range(value):
+    with pytest.raises(InvalidRequest, match=r"^sampling\.top_p: must be in \[1e-05, 1\], got "):
+        SamplingParams(top_p=value)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [True, False, "0.5", None, [0.5]])
+def test_a_non_number_is_refused_naming_the_field(field, value):
+    with pytest.raises(InvalidRequest, match=rf"^sampling\.{field}: must be a number, got "):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**64 - 1])
+def test_seeds_in_range(seed):
+    assert SamplingParams(seed=seed).seed == seed
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.0, "1", None])
+def test_seeds_outside_are_refused(seed):
+    with pytest.raises(InvalidRequest, match=r"^sampling\.seed: must be an int in \[0, 2\*\*64\), got "):
+        SamplingParams(seed=seed)
+
+
+def test_of_none_is_greedy_and_of_params_is_themselves():
+    assert SamplingParams.of(None) is GREEDY
+    params = SamplingParams(temperature=0.5, seed=3)
+    assert SamplingParams.of(params) is params
+
+
+def test_of_a_mapping_builds_and_checks():
+    assert SamplingParams.of({"temperature": 1, "top_p": 0.5, "seed": 7}) == SamplingParams(1.0, 0.5, 7)
+    assert SamplingParams.of({}) == GREEDY
+    with pytest.raises(InvalidRequest, match=r"^sampling\.top_p: "):
+        SamplingParams.of({"top_p": 2})
+
+
+def test_of_unknown_fields_are_named_sorted():
+    with pytest.raises(InvalidRequest, match=r"^sampling: unknown field\(s\) max, temp; "
+                                             r"expected temperature, top_p, seed$"):
+        SamplingParams.of({"temp": 1, "max": 2, "seed": 1})
+
+
+@pytest.mark.parametrize("value", [[("temperature", 1)], "greedy", 0.5, (1,)])
+def test_of_anything_else_is_refused_naming_its_type(value):
+    with pytest.raises(InvalidRequest, match=rf"^sampling: must be SamplingParams or a mapping, got {type(value).__name__}$"):
+        SamplingParams.of(value)
