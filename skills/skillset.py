@@ -130,8 +130,7 @@ class SkillSet:
         templates = templates_of(self.tokenizer)
         if templates is not None and image is None:
             if templates.requires_image(name):
-                raise invalid(name, "image", "is required: this model answers "
-                              f"{name} about an image")
+                raise invalid(name, "image", f"is required: on this model {name} is about an image")
             if prompt[:1] != (templates.bos_id,):
                 prompt = (templates.bos_id, *prompt)
         prefix = len(prompt) + (image.length if image is not None else 0)
