@@ -48,23 +48,36 @@ class ImageIntake:
         return bool(getattr(self.backend.capacity, "images", False))
 
     def ref(self, image: Any) -> ImageRef:
+        """The ``ImageRef`` a request about ``image`` carries."""
+        self._check_takes()
         if isinstance(image, ImageRef):
-            self._check_takes()
             return image
-        return self.encode(image).ref
+        if isinstance(image, EncodedImage):
+            return self._own(image).ref
+        return self.backend.image_ref(self._load(image))
 
     def encode(self, image: Any) -> EncodedImage:
+        """``image`` made ready for many requests. A backend that keeps
+        encoded features (``encode_image``: moondream's, which encodes once,
+        on the device) makes its own; otherwise the ref is shared."""
         self._check_takes()
         if isinstance(image, EncodedImage):
-            if not image.made_by(self.backend):
-                raise InvalidRequest("image: this EncodedImage was made by another engine; encode it "
-                                     "with this one")
-            return image
+            return self._own(image)
+        pil = self._load(image)
+        encode = getattr(self.backend, "encode_image", None)
+        ref = self.backend.image_ref(encode(pil) if encode is not None else pil)
+        return EncodedImage(ref=ref, width=pil.width, height=pil.height, backend=self.backend)
+
+    def _load(self, image: Any):
         if image is None:
             raise InvalidRequest("image: is required")
-        pil = load_image(image, max_pixels=self.max_pixels)
-        ref = self.backend.image_ref(pil)
-        return EncodedImage(ref=ref, width=pil.width, height=pil.height, backend=self.backend)
+        return load_image(image, max_pixels=self.max_pixels)
+
+    def _own(self, image: EncodedImage) -> EncodedImage:
+        if not image.made_by(self.backend):
+            raise InvalidRequest("image: this EncodedImage was made by another engine; encode it "
+                                 "with this one")
+        return image
 
     def _check_takes(self) -> None:
         if not self.takes_images:

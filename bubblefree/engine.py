@@ -57,15 +57,32 @@ class Engine(SkillCalls):
     @classmethod
     def from_pretrained(cls, path_or_default: str | None = None, *, device: str | None = None,
                         pipelined: bool = True, dtype: Any = None, **backend_options: Any) -> "Engine":
-        """Load a decoder (a directory, a ``.gguf`` file, or ``None`` for the
+        """Load a model (a directory, a ``.gguf`` file, or ``None`` for the
         embedded SmolLM2-135M-Instruct), build the CUDA backend (CPU without a
-        GPU), compile the skills. ``location_tokens=True`` adds the spatial
+        GPU), compile the skills. A local moondream2 checkpoint directory
+        (config.json, .safetensors, tokenizer.json) gives an engine that
+        answers about images, with its region head and prompt templates. ``location_tokens=True`` adds the spatial
         skills' location tokens to a text model (point, detect and segment
         need them, or a region head); options are checked before loading."""
         from bubblefree.build import build_engine  # torch is imported only here
 
         return build_engine(cls, path_or_default, device=device, pipelined=pipelined,
                             dtype=dtype, **backend_options)
+
+    @classmethod
+    def moondream_random(cls, config: Any = "tiny", *, device: str | None = None, seed: int = 0,
+                         pipelined: bool = True, dtype: Any = None, tokenizer: Any = None,
+                         **backend_options: Any) -> "Engine":
+        """moondream2 with random weights from ``seed``, for tests and
+        benchmarks: ``config`` is ``"tiny"`` (small widths, moondream2's image
+        geometry; runs on a CPU), ``"full"`` (moondream2's shapes) or a
+        ``MoondreamConfig``. The tokenizer is a small word-level one unless a
+        ``tokenizers.Tokenizer`` is given. Its answers are noise; its shapes,
+        images, values and timings are moondream2's."""
+        from bubblefree.build import build_moondream, random_config
+
+        return build_moondream(cls, random_config(config), device=device, pipelined=pipelined,
+                               dtype=dtype, seed=seed, tokenizer=tokenizer, **backend_options)
 
     # ------------------------------------------------------------ submitting
     def submit(self, skill: str, *, sampling: SamplingParams | dict | None = None,
