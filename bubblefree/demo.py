@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Callable
 
 from bubblefree.checkpoints import is_moondream
 from bubblefree.engine import Engine
@@ -53,15 +54,17 @@ def ask_all(engine: Engine, max_tokens: int, stream_first: bool) -> tuple[list, 
     return results, time.perf_counter() - start
 
 
-def timed_modes(engine: Engine, max_tokens: int, rounds: int) -> dict[str, tuple[list, float]]:
-    """Each mode ``rounds`` times, alternating, after one warm-up round, so
-    neither gets the cold caches or the other's luck; the best time each."""
-    ask_all(engine, max_tokens, stream_first=False)
+def timed_modes(engine: Engine, ask: Callable[[], tuple[list, float]],
+                rounds: int) -> dict[str, tuple[list, float]]:
+    """``ask()`` in each mode ``rounds`` times, alternating, after one warm-up
+    round, so neither gets the cold caches or the other's luck; the best
+    time each."""
+    ask()
     best: dict[str, tuple[list, float]] = {}
     for _ in range(rounds):
         for mode in ("pipelined", "blocking"):
             engine.pipelined = mode == "pipelined"
-            results, secs = ask_all(engine, max_tokens, stream_first=False)
+            results, secs = ask()
             if mode not in best or secs < best[mode][1]:
                 best[mode] = (results, secs)
     engine.pipelined = True
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n")
         for q, r in zip(QUESTIONS[1:], answers[1:]):
             print(f"Q: {q}\nA: {r.output['answer']}\n")
-        modes = timed_modes(engine, args.max_tokens, args.rounds)
+        modes = timed_modes(engine, lambda: ask_all(engine, args.max_tokens, stream_first=False), args.rounds)
     finally:
         engine.close()
     same = len({tuple(r.tokens for r in results) for results, _ in modes.values()}) == 1

@@ -16,6 +16,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from bubblefree.demo import timed_modes
 from bubblefree.engine import Engine
 from bubblefree.skills import TextStream
 
@@ -57,19 +58,6 @@ def ask_all(engine: Engine, image: Any, max_tokens: int, stream_caption: bool) -
     return results, time.perf_counter() - start
 
 
-def timed_modes(engine: Engine, image: Any, max_tokens: int, rounds: int) -> dict[str, tuple[list, float]]:
-    ask_all(engine, image, max_tokens, stream_caption=False)  # warm-up
-    best: dict[str, tuple[list, float]] = {}
-    for _ in range(rounds):
-        for mode in ("pipelined", "blocking"):
-            engine.pipelined = mode == "pipelined"
-            results, secs = ask_all(engine, image, max_tokens, stream_caption=False)
-            if mode not in best or secs < best[mode][1]:
-                best[mode] = (results, secs)
-    engine.pipelined = True
-    return best
-
-
 def run(engine: Engine, picture: Any, max_tokens: int, rounds: int) -> bool:
     """Print the answers and the table; True when both modes gave the same tokens."""
     image = engine.encode_image(picture)
@@ -83,7 +71,7 @@ def run(engine: Engine, picture: Any, max_tokens: int, rounds: int) -> bool:
         f"[{b['x_min']:.3f}, {b['y_min']:.3f}, {b['x_max']:.3f}, {b['y_max']:.3f}]"
         for b in boxes["objects"]) or "none found"))
     print("(coordinates are fractions of the picture's width and height, from its top left)\n")
-    modes = timed_modes(engine, image, max_tokens, rounds)
+    modes = timed_modes(engine, lambda: ask_all(engine, image, max_tokens, stream_caption=False), rounds)
     same = len({tuple(r.tokens for r in results) for results, _ in modes.values()}) == 1
     print(f"Both modes, the 4 requests submitted together on the encoded picture, best of {rounds} "
           "alternating rounds after a warm-up:\n")
