@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bubblefree.core.protocol import Backend
-from bubblefree.core.values import GREEDY, SamplingParams
+from bubblefree.core.values import GREEDY, SamplingParams, ValueKind
 from bubblefree.fake_backend import FakeBackend, FakeModel, stable_hash
 from bubblefree.fake_backend.model import sample
 from fake_plans import (
@@ -69,11 +69,12 @@ def test_custom_scores_and_values_are_used():
     def scores(prompt, position, prev):
         return [1.0 if v == (prev + 1) % 8 else 0.0 for v in range(8)]
 
-    model = FakeModel(vocab_size=8, score_fn=scores, value_fn=lambda p, pos, tok: pos + tok / 10)
+    model = FakeModel(vocab_size=8, score_fn=scores, value_fn=lambda p, pos, tok, kind: (pos + tok) / 10)
     b = FakeBackend(model=model)
-    out = blocking_step(b, 0, prefill(0, prow(0, (2, 6), (0,)), prow(1, (5,), (1,))))
-    assert out.tokens == (7, 6)
-    assert out.values == (2.7, 1.6)
+    rows = prefill(0, prow(0, (2, 6), (0,)), prow(1, (5,), (1,)), prow(2, (1,), (2,)))
+    out = blocking_step(b, 0, rows, values=(ValueKind.COORD, None, ValueKind.COORD))
+    assert out.tokens == (7, 6, 2)
+    assert out.values == (0.9, None, 0.3)  # only the rows that asked
     assert blocking_step(FakeBackend(), 0, prefill(0, prow(0, (2, 6), (0,)))).values is None
 
 
