@@ -47,6 +47,8 @@ DEFAULT_TOKEN_PREFILL = 2048
 
 class CudaBackend:
     runner_class = ModelRunner  # what runs the forwards (a subclass may extend it)
+    takes_images = False  # Capacity.images: runs IMAGE_PREFILL steps
+    decodes_values = False  # Capacity.values: has a region head
 
     def __init__(self, model: LoadedModel | torch.nn.Module, *, page_size: int = 16,
                  num_pages: int | None = None, kv_memory_fraction: float = 0.9,
@@ -78,7 +80,8 @@ class CudaBackend:
                                       max_context=context)
         self._cap = Capacity(num_pages=num_pages, page_size=page_size, max_rows=max_rows,
                              max_seqs=max_seqs, max_prefill_tokens=max_prefill_tokens,
-                             max_context=context)
+                             max_context=context, images=self.takes_images,
+                             values=self.decodes_values)
         self.cache = PagedKVCache(layers=dims.layers, kv_heads=dims.kv_heads,
                                   head_dim=dims.head_dim, num_pages=num_pages,
                                   page_size=page_size, dtype=self.dtype, device=self.device)
@@ -213,11 +216,12 @@ class CudaBackend:
     def release(self, slot: int) -> None:
         s = self._slot(slot)
         s.check("release")
-        if s.state is SlotState.FAILED:  # the failed work may still hold the slot's buffers
+        failed = s.state is SlotState.FAILED
+        if failed:  # the failed work may still hold the slot's buffers
             self._quiesce()
         s.advance("release")
         s.plan = None
-        self._released(s)
+        self._released(s, failed)
 
     # -- what a step runs (a subclass with more step kinds or outputs overrides) --
 
@@ -247,7 +251,7 @@ class CudaBackend:
     def _check_sample(self, sample: SamplePlan, plan: StepPlan) -> None:
         # A misuse, not StepFailed: the slot stays LAUNCHED and may be finalized
         # again with a right plan (row 0 of the table is no registered mask).
-        check_sample(sample, plan, range(1, self._masks.count))
+        check_sample(sample, plan, range(1, self._masks.count), values=self._cap.values)
 
     def _after_sampling(self, s: DecodeSlot, sample: SamplePlan, b: int, greedy: bool) -> None:
         """More device work of the finalize phase, on the compute stream after
@@ -258,8 +262,9 @@ class CudaBackend:
         when there is one)."""
         s.landing[:n].copy_(s.sampled[:n], non_blocking=self._copy is not None)
 
-    def _released(self, s: DecodeSlot) -> None:
-        """The slot was released: drop what its step kept alive."""
+    def _released(self, s: DecodeSlot, failed: bool) -> None:
+        """The slot was released (after a reported failure with ``failed``):
+        drop what its step kept alive."""
 
     def _output(self, s: DecodeSlot) -> StepOutput:
         """The step's output, read from the landing buffers once copied."""
@@ -319,6 +324,12 @@ class CudaBackend:
             self._sync()
 
     def _capture_sampling(self) -> None:
+        self._capture_per_slot(self._sample_graphs, lambda s, b, g: self._sample(s, b, g))
+
+    def _capture_per_slot(self, graphs: GraphSet, fn, reset=None) -> None:
+        """A graph of ``fn(slot, b, greedy)`` per slot, row bucket and greedy
+        flag (finalize-phase work: it reads the slot's sampling inputs, which
+        hold padded rows only while capturing; ``reset(slot)`` clears more)."""
         def items():
             for s in self._slots:
                 for b in reversed(self._rows):
@@ -326,8 +337,9 @@ class CudaBackend:
                         def prepare(s=s, b=b):
                             s.sample_inputs.zero_()
                             s.sample_inputs[:b].fill_(self._runner.scratch_row)
-                        yield (s.index, b, greedy), prepare, (
-                            lambda s=s, b=b, g=greedy: self._sample(s, b, g))
+                            if reset is not None:
+                                reset(s)
+                        yield (s.index, b, greedy), prepare, (lambda s=s, b=b, g=greedy: fn(s, b, g))
         with self._on(self._compute):
-            self._sample_graphs.capture_all(items())
+            graphs.capture_all(items())
         self._sync()
