@@ -8,31 +8,18 @@ time."""
 
 from __future__ import annotations
 
-import numpy as np
+import attrs
 import pytest
-import torch
-from PIL import Image
 
-from bubblefree.core.engine import Engine
-from bubblefree.core.values import (Request, SamplePlan, SamplingParams, Status, StepKind,
-                                    StepPlan, StepRow, ValueKind)
+from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
 from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.moondream.backend import MoondreamBackend
 from bubblefree.cuda_backend.moondream.build import build
 from bubblefree.cuda_backend.moondream.config import tiny_config
 from bubblefree.cuda_backend.moondream.image_crops import plan_crops
-from bubblefree.cuda_backend.moondream.region import coordinate_value, size_value
 from bubblefree.cuda_backend.moondream.weights import random_model
-
-C, S = ValueKind.COORD, ValueKind.SIZE
-OPTIONS = dict(page_size=16, num_pages=400, max_rows=4, max_seqs=8, max_prefill_tokens=3200,
-               min_graph_context=16)
-# A point-like run (token and x from the prefill's hidden, then y), a
-# detect-like one (x, y, size, then a token with the next x), and plain text
-# between values, so flags are set and cleared in every order.
-POINT = (C, C, C, C)
-DETECT = (C, C, S, C, C, S)
-MIXED = (None, C, None, S, S, None, C)
+from tests.moondream_world import (C, DETECT, MIXED, OPTIONS, POINT, S, picture,
+                                   recording, reference, request, run)
 
 
 @pytest.fixture(scope="module")
@@ -43,88 +30,6 @@ def model():
 @pytest.fixture(scope="module")
 def backend(model):
     return MoondreamBackend(model, **OPTIONS)
-
-
-def picture(height: int, width: int, seed: int) -> Image.Image:
-    # Smooth gradients plus noise: crops of one image differ, images differ.
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 // max(width, 1), y * 255 // max(height, 1),
-                     (x + y) * 127 // max(height + width, 1)], axis=-1)
-    noise = rng.integers(0, 60, (height, width, 3))
-    return Image.fromarray(((base + noise) % 256).astype(np.uint8))
-
-
-def reference(model, image, prompt, kinds):
-    """The native model over the whole sequence at every step (no cache):
-    each step's token is the argmax of the last position's logits; where a
-    step asks a value it is decoded from the same hidden state, greedily,
-    and its encoding is the next input, else the token's embedding."""
-    region, text = model.region, model.text
-    tokens, values = [], []
-    with torch.no_grad():
-        x = torch.cat([model.image_prefix(image), text.embed(torch.tensor(prompt))])  # [L, D]
-        for kind in kinds:
-            h = text(x[None])[0, -1]  # before the final norm
-            tokens.append(int(text.logits(h).argmax()))
-            if kind is C:
-                value = coordinate_value(region.decode_coordinate(h).argmax(), 1024)
-                nxt = region.encode_coordinate(value.reshape(1))
-                values.append(float(value))
-            elif kind is S:
-                size = size_value(region.decode_size(h).argmax(-1), 1024)  # [2]
-                nxt = region.encode_size(size)
-                values.append((float(size[0]), float(size[1])))
-            else:
-                nxt = text.embed(torch.tensor(tokens[-1]))
-                values.append(None)
-            x = torch.cat([x, nxt[None]])
-    return [tokens, values]
-
-
-class Script:
-    """A decode state asking the values of ``kinds``, one per step, and
-    keeping what it was given."""
-
-    def __init__(self, kinds):
-        self.kinds, self.values = kinds, []
-
-    def mask_id(self):
-        return None
-
-    def value_kind(self):
-        return self.kinds[len(self.values)]
-
-    def advance(self, token, value):
-        self.values.append(value)
-        return len(self.values) == len(self.kinds)
-
-
-def request(ref, prompt, kinds, sampling=SamplingParams()):
-    return Request(prompt=tuple(prompt), max_tokens=len(kinds) + 1, image=ref,
-                   decode_state=lambda: Script(kinds), sampling=sampling,
-                   finisher=lambda tokens, state: tuple(state.values))
-
-
-def run(backend, requests, pipelined=True):
-    engine = Engine(backend, pipelined=pipelined)
-    handles = [engine.submit(r) for r in requests]
-    engine.run_until_idle(max_ticks=10_000)
-    engine.check_integrity()
-    results = [h.result for h in handles]
-    assert all(r.status is Status.COMPLETED for r in results), results
-    return [[list(r.tokens), list(r.output)] for r in results]
-
-
-def recording(backend, monkeypatch):
-    """Record every plan the backend launches."""
-    plans, launch = [], backend.launch
-
-    def record(slot, plan):
-        plans.append(plan)
-        return launch(slot, plan)
-    monkeypatch.setattr(backend, "launch", record)
-    return plans
 
 
 SIZES = [(200, 300), (379, 1001), (700, 900), (1234, 401)]
@@ -195,17 +100,9 @@ def test_an_encoded_image_is_encoded_once_and_answers_like_a_fresh_one(backend, 
 
 
 def test_a_text_prefill_is_causal_and_values_work_without_an_image(model, backend):
-    # No image: the native model over BOS and the prompt, plain causal.
-    prompt = [1, 30, 31, 32]
-    [got] = run(backend, [Request(prompt=tuple(prompt), max_tokens=4,
-                                  decode_state=lambda: Script((None, C, S, None)),
-                                  finisher=lambda tokens, state: tuple(state.values))])
-    text, region = model.text, model.region
-    with torch.no_grad():
-        x = text.embed(torch.tensor(prompt))
-        h = text(x[None], prefix=0)[0, -1]
-        first = int(text.logits(h).argmax())
-    assert got[0][0] == first and got[1][0] is None
+    kinds = (None, C, S, None, C)
+    [got] = run(backend, [request(None, [1, 30, 31, 32], kinds)])
+    assert got == reference(model, None, [1, 30, 31, 32], kinds)
 
 
 def test_values_are_none_when_no_row_asks(backend):
@@ -222,17 +119,12 @@ def test_values_are_none_when_no_row_asks(backend):
 def test_image_sources_the_backend_did_not_make_are_refused_before_anything_runs(backend):
     other, _ = build(tiny_config(), seed=3, **OPTIONS)
     foreign = other.encode_image(picture(200, 200, 10))
-    for ref in (attrs_evolve(backend.image_ref(picture(200, 200, 10)), source="pixels"),
-                attrs_evolve(backend.image_ref(picture(200, 200, 10)), length=729),
-                attrs_evolve(backend.image_ref(picture(200, 200, 10)), source=foreign)):
+    for ref in (attrs.evolve(backend.image_ref(picture(200, 200, 10)), source="pixels"),
+                attrs.evolve(backend.image_ref(picture(200, 200, 10)), length=729),
+                attrs.evolve(backend.image_ref(picture(200, 200, 10)), source=foreign)):
         rows = (StepRow(seq_id=0, row_slot=0, tokens=(3,), position=0, pages=tuple(range(46)),
                         image=ref),)
         with pytest.raises(PlanRejected):
             backend.launch(0, StepPlan(0, StepKind.IMAGE_PREFILL, rows))
     with pytest.raises(Exception, match="another backend"):
         backend.image_ref(foreign)
-
-
-def attrs_evolve(ref, **changes):
-    import attrs
-    return attrs.evolve(ref, **changes)
