@@ -6,6 +6,8 @@ with the reason, where there is no GPU."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -81,42 +83,38 @@ def test_image_prefill_and_steady_decode_make_no_sync_and_decode_no_allocation(m
                          sampling=sampling[i], image=refs[i]) for i in range(n))
     start = be.prefix_len + 2
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with strict():
         be.launch(0, StepPlan(0, StepKind.IMAGE_PREFILL, rows))
         be.finalize(0, SamplePlan(0, (None,) * n, (C, None, S)))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     schedule = [(C, C, S), (None,) * n, (S, C, None), (C, None, C)]
     last_step = 14  # asks (S, C, None): the last output holds values
     for step in range(1, last_step + 1):
-        slot = step % 2
+        slot, steady = step % 2, step > 4
         rows = tuple(StepRow(seq_id=i, row_slot=i, tokens=(), position=start + step - 1,
                              pages=pages[i], sampling=sampling[i]) for i in range(n))
         kinds = schedule[step % len(schedule)]
         sample = SamplePlan(step, (None,) * n, () if kinds == (None,) * n else kinds)
-        steady = step > 4
-        if steady:
-            torch.cuda.synchronize()
-            allocs = torch.cuda.memory_stats()["allocation.all.allocated"]
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        torch.cuda.synchronize()
+        allocs = torch.cuda.memory_stats()["allocation.all.allocated"]
+        with strict(steady):
             be.launch(slot, StepPlan(step, StepKind.DECODE, rows))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        out = be.wait(1 - slot)
+        assert len(be.wait(1 - slot).tokens) == n  # commit t while t+1 runs
         be.release(1 - slot)
-        assert len(out.tokens) == n
-        if steady:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with strict(steady):
             be.finalize(slot, sample)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        if steady:
-            torch.cuda.synchronize()
-            assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocs
+        torch.cuda.synchronize()
+        assert not steady or torch.cuda.memory_stats()["allocation.all.allocated"] == allocs
     last = be.wait(last_step % 2)
     be.release(last_step % 2)
     kinds = schedule[last_step % len(schedule)]
     assert [v is None for v in last.values] == [k is None for k in kinds]
+
+
+@contextlib.contextmanager
+def strict(on: bool = True):
+    """Any host sync inside raises (when ``on``)."""
+    torch.cuda.set_sync_debug_mode("error" if on else "default")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
