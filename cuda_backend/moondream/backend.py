@@ -112,7 +112,7 @@ class MoondreamBackend(CudaBackend):
         ``EncodedImage`` of this backend -> the ``ImageRef`` a request
         carries. Thread safe; crops the image here, encodes nothing."""
         if isinstance(image, EncodedImage):
-            if image.owner is not self:
+            if not image.made_by(self):
                 raise InvalidRequest("image: an EncodedImage made by another backend")
             return ImageRef(length=image.length, source=image)
         return ImageRef(length=self.prefix_len, source=self._prepare(image))
@@ -143,7 +143,7 @@ class MoondreamBackend(CudaBackend):
             if r.image.length != self.prefix_len:
                 why = f"image length {r.image.length}, this model's prefix is {self.prefix_len}"
             elif isinstance(src, EncodedImage):
-                if src.owner is not self:
+                if not src.made_by(self):
                     why = "an EncodedImage made by another backend"
                 elif src.features is None and src.prepared is None:
                     why = "an EncodedImage with neither features nor crops"

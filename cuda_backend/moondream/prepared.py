@@ -15,6 +15,8 @@ fields below are the decode thread's once the image is handed to the engine.
 
 from __future__ import annotations
 
+import weakref
+
 import attrs
 import torch
 from PIL import Image
@@ -47,16 +49,20 @@ def prepare(image: Image.Image, config: VisionConfig, pin: bool) -> PreparedImag
 class EncodedImage:
     """An image to encode once and ask many questions of.
 
-    ``owner`` is the backend that made it (its device holds the features).
+    ``owner`` is the backend that made it (its device holds the features),
+    held weakly: an image a caller keeps does not keep a backend alive.
     ``prepared`` holds the crops until a step that encoded them has
     completed; ``features`` ``[729, D]`` (device, the model's dtype) are
     set by the decode thread when that step is launched.
     """
 
-    owner: object = attrs.field(repr=False)
+    owner: object = attrs.field(repr=False, converter=weakref.ref)
     prepared: PreparedImage | None
     length: int  # KV positions its prefix takes: BOS and the image features
     features: torch.Tensor | None = attrs.field(default=None, repr=False)
+
+    def made_by(self, backend: object) -> bool:
+        return self.owner() is backend
 
     @property
     def encoded(self) -> bool:
