@@ -27,6 +27,9 @@ from bubblefree.core.values import (
     InvalidRequest, SamplePlan, SamplingParams, StepFailed, StepKind, StepPlan, StepRow,
 )
 from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.moondream.backend import MoondreamBackend
+from bubblefree.cuda_backend.moondream.config import tiny_config
+from bubblefree.cuda_backend.moondream.weights import random_model
 from bubblefree.cuda_backend.tiny import tiny_model
 from bubblefree.fake_backend import FakeBackend, FakeModel, Fault, HardwareMisuse
 
@@ -70,8 +73,13 @@ def llama():
     return tiny_model("llama", device=DEVICE)
 
 
-def cuda_kit(model) -> Kit:
-    be = CudaBackend(model, min_graph_context=8, use_graphs=False, **CAP)
+@pytest.fixture(scope="module")
+def moondream():
+    return random_model(tiny_config(), device=DEVICE)
+
+
+def cuda_kit(model, backend=CudaBackend) -> Kit:
+    be = backend(model, min_graph_context=8, use_graphs=False, **CAP)
 
     def fail(step_id):
         def broken(*args):
@@ -81,10 +89,12 @@ def cuda_kit(model) -> Kit:
     return Kit(be, "cuda", lambda slot: be._slots[slot].state, fail)
 
 
-@pytest.fixture(params=["fake", "cuda"])
+@pytest.fixture(params=["fake", "cuda", "moondream"])
 def kit(request):
     if request.param == "fake":
         return fake_kit()
+    if request.param == "moondream":  # its text steps; the same vocabulary as tiny_model's
+        return cuda_kit(request.getfixturevalue("moondream"), MoondreamBackend)
     return cuda_kit(request.getfixturevalue("llama"))
 
 
