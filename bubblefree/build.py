@@ -94,8 +94,9 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool, dtype: An
         raise InvalidRequest(f"seed: must be an int >= 0, got {seed!r}")
     device, dtype = check_device(device), check_dtype(dtype)
     check_backend_options(backend_options)
+    raw = tokenizer
     if isinstance(source, MoondreamConfig):
-        raw = tokenizer if tokenizer is not None else word_tokenizer()
+        raw = raw if raw is not None else word_tokenizer()
         end = raw.token_to_id("<|endoftext|>")
         if end is None:
             raise InvalidRequest("tokenizer: must hold <|endoftext|> (moondream2's BOS and EOS)")
@@ -105,7 +106,7 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool, dtype: An
             raise InvalidRequest(f"tokenizer: {raw.get_vocab_size()} tokens, more than the config's "
                                  f"vocab_size {source.text.vocab_size}")
     backend, info = build(source, device=device, dtype=dtype, seed=seed, **backend_options)
-    raw = tokenizer if tokenizer is not None else info.tokenizer
+    raw = raw if raw is not None else info.tokenizer
     if raw is None:
         raise ValueError(f"{source}: has no tokenizer.json; the skills need one")
     skills_tokenizer = moondream_tokenizer(raw, info.config.tokenizer)
