@@ -23,6 +23,7 @@ from bubblefree.skills import TextStream
 QUESTION = "What shapes are in this picture, and what colours are they?"
 POINT = "the red circle"
 DETECT = "the blue square"
+MAX_OBJECTS = 10
 
 
 def drawn_picture() -> Image.Image:
@@ -39,8 +40,8 @@ def drawn_picture() -> Image.Image:
 def calls(image: Any, max_tokens: int, show=None) -> list[tuple[str, dict]]:
     return [("caption", dict(image=image, length="normal", max_tokens=max_tokens, listener=show)),
             ("query", dict(image=image, question=QUESTION, max_tokens=max_tokens)),
-            ("point", dict(image=image, object=POINT)),
-            ("detect", dict(image=image, object=DETECT))]
+            ("point", dict(image=image, object=POINT, max_objects=MAX_OBJECTS)),
+            ("detect", dict(image=image, object=DETECT, max_objects=MAX_OBJECTS))]
 
 
 def ask_all(engine: Engine, image: Any, max_tokens: int, stream_caption: bool) -> tuple[list, float]:

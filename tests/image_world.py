@@ -123,3 +123,29 @@ def expected(engine: Engine, skill: str, *, image: Any = None, sampling: Any = N
     got = backend.model.expect(request.prompt, request.max_tokens, request.sampling, request.stop_ids,
                                image=request.image, state=state, masks=_Masks(backend))
     return got.tokens, request.finisher(got.tokens, state)
+
+
+def tiny_checkpoint(folder, seed: int = 0):
+    """A moondream2 checkpoint directory as ``from_pretrained`` reads one
+    (config.json, model.safetensors, tokenizer.json): the tiny config with
+    ``random_model``'s weights from ``seed`` and the small word tokenizer,
+    its templates in the config. Returns ``folder``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from bubblefree.checkpoints import END, text_templates, word_tokenizer
+    from bubblefree.cuda_backend.moondream.config import tiny_config
+    from bubblefree.cuda_backend.moondream.weights import config_to_json, random_model
+
+    raw = word_tokenizer()
+    model = random_model(tiny_config(), seed=seed, dtype=torch.float32)
+    save_file({f"model.{k}": v.contiguous() for k, v in model.state_dict().items()},
+              str(folder / "model.safetensors"))
+    config = config_to_json(tiny_config())
+    end = raw.token_to_id(END)
+    config["tokenizer"] = {"bos_id": end, "eos_id": end, "templates": text_templates(raw)}
+    (folder / "config.json").write_text(json.dumps({"model_type": "moondream1", "config": config}))
+    raw.save(str(folder / "tokenizer.json"))
+    return folder

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import threading
 
 import moondream
@@ -21,8 +20,7 @@ import pytest
 from PIL import Image
 
 from bubblefree import Engine, InvalidRequest, Status
-from bubblefree.checkpoints import END, text_templates, word_tokenizer
-from tests.image_world import png
+from tests.image_world import png, tiny_checkpoint
 from tests.serving_world import WAIT, wait_idle
 from tests.server_support import serving
 from tests.test_images import BAD
@@ -134,22 +132,7 @@ def test_bad_images_are_refused_and_the_engine_keeps_serving(engine, tmp_path, k
 
 
 def test_a_checkpoint_directory_loads_to_the_same_answers(engine, tmp_path):
-    import torch
-    from safetensors.torch import save_file
-
-    from bubblefree.cuda_backend.moondream.config import tiny_config
-    from bubblefree.cuda_backend.moondream.weights import config_to_json, random_model
-
-    raw = word_tokenizer()
-    model = random_model(tiny_config(), seed=5, dtype=torch.float32)
-    save_file({f"model.{k}": v.contiguous() for k, v in model.state_dict().items()},
-              str(tmp_path / "model.safetensors"))
-    config = config_to_json(tiny_config())
-    end = raw.token_to_id(END)
-    config["tokenizer"] = {"bos_id": end, "eos_id": end, "templates": text_templates(raw)}
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "moondream1", "config": config}))
-    raw.save(str(tmp_path / "tokenizer.json"))
-    loaded = Engine.from_pretrained(tmp_path, **OPTIONS)
+    loaded = Engine.from_pretrained(tiny_checkpoint(tmp_path, seed=5), **OPTIONS)
     try:
         for skill, args in CALLS:
             assert loaded.run(skill, image=WIDE, **args) == engine.run(skill, image=WIDE, **args)
