@@ -6,6 +6,11 @@ asked for, are added to the tokenizer and the embeddings grown *before* the
 backend is built, because the backend sizes its buffers and captures its
 CUDA graphs from the vocabulary.
 
+A local moondream2 checkpoint directory (``checkpoints.is_moondream``)
+builds the moondream backend instead (``build_moondream``): its region
+head, its tokenizer.json and its prompt templates; a ``MoondreamConfig``
+gives it random weights, for tests and benchmarks.
+
 Location tokens are opt-in (``location_tokens=True``): a text model has
 never seen them, so by default it keeps its own vocabulary and serves the
 text skills; the spatial skills then refuse requests (``SkillSet``). A model
@@ -23,12 +28,17 @@ from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.loader import load_model
 from bubblefree.cuda_backend.options import check_backend_options, check_device, check_dtype, flag
 from bubblefree.cuda_backend.quiet import quiet_transformers
-from bubblefree.skills import HFTokenizer, LocationCodec, SkillSet, location_tokens
+from bubblefree.skills import HFTokenizer, LocationCodec, RegionHeadCodec, SkillSet, location_tokens
 from bubblefree.skills.codec import CodecError
 
 
 def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool,
                  dtype: Any = None, **backend_options: Any):
+    from bubblefree.checkpoints import is_moondream
+
+    if is_moondream(source):
+        return build_moondream(cls, os.fspath(source), device=device, pipelined=pipelined, dtype=dtype,
+                               **backend_options)
     add_locations = backend_options.pop("location_tokens", False)
     if source is not None and not isinstance(source, (str, os.PathLike)):
         raise InvalidRequest(f"path_or_default: must be a path or None, got {source!r}")
@@ -58,3 +68,62 @@ def _codec(tokenizer: HFTokenizer) -> LocationCodec | None:
         return LocationCodec.for_tokenizer(tokenizer)
     except CodecError:  # no location tokens: the text skills only
         return None
+
+
+# -- moondream2 ---------------------------------------------------------------
+
+def build_moondream(cls, source: Any, *, device: Any, pipelined: bool, dtype: Any = None,
+                    seed: int = 0, tokenizer: Any = None, **backend_options: Any):
+    """An engine on moondream2: a local checkpoint directory (its weights,
+    config and tokenizer.json), or a ``MoondreamConfig`` with random weights
+    from ``seed`` (``tokenizer``: a ``tokenizers.Tokenizer``, default a small
+    word-level one, whose BOS/EOS and templates then replace the config's).
+    The region head gives the spatial skills their values; the prompts are
+    moondream's templates."""
+    import attrs
+
+    from bubblefree.checkpoints import moondream_tokenizer, text_templates, word_tokenizer
+    from bubblefree.cuda_backend.moondream.build import build
+    from bubblefree.cuda_backend.moondream.config import MoondreamConfig, TokenizerConfig
+
+    if backend_options.pop("location_tokens", False):
+        raise InvalidRequest("location_tokens: moondream2 points and detects through its region head; "
+                             "it takes no location tokens")
+    flag()("pipelined", pipelined)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InvalidRequest(f"seed: must be an int >= 0, got {seed!r}")
+    device, dtype = check_device(device), check_dtype(dtype)
+    check_backend_options(backend_options)
+    raw = tokenizer
+    if isinstance(source, MoondreamConfig):
+        raw = raw if raw is not None else word_tokenizer()
+        end = raw.token_to_id("<|endoftext|>")
+        if end is None:
+            raise InvalidRequest("tokenizer: must hold <|endoftext|> (moondream2's BOS and EOS)")
+        source = attrs.evolve(source, tokenizer=TokenizerConfig(bos_id=end, eos_id=end,
+                                                                templates=text_templates(raw)))
+        if raw.get_vocab_size(with_added_tokens=True) > source.text.vocab_size:
+            raise InvalidRequest(f"tokenizer: {raw.get_vocab_size()} tokens, more than the config's "
+                                 f"vocab_size {source.text.vocab_size}")
+    backend, info = build(source, device=device, dtype=dtype, seed=seed, **backend_options)
+    raw = raw if raw is not None else info.tokenizer
+    if raw is None:
+        raise ValueError(f"{source}: has no tokenizer.json; the skills need one")
+    skills_tokenizer = moondream_tokenizer(raw, info.config.tokenizer)
+    core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
+    skills = SkillSet(skills_tokenizer, core.register_mask,
+                      codec=RegionHeadCodec.for_tokenizer(skills_tokenizer)).compile_all()
+    return cls(core, skills, backend=backend)
+
+
+def random_config(config: Any):
+    """``"tiny"`` (CPU tests: moondream2's geometry, small widths), ``"full"``
+    (moondream2's shapes), or a ``MoondreamConfig`` as it is."""
+    from bubblefree.cuda_backend.moondream.config import MOONDREAM2, MoondreamConfig, tiny_config
+
+    if isinstance(config, MoondreamConfig):
+        return config
+    named = {"tiny": tiny_config, "full": lambda: MOONDREAM2}
+    if config not in named:
+        raise InvalidRequest(f"config: must be 'tiny', 'full' or a MoondreamConfig, got {config!r}")
+    return named[config]()

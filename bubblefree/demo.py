@@ -6,15 +6,23 @@ decoded while the others share its batches, prints every answer, then times
 the same questions in both modes (pipelined and blocking: the same engine,
 one flag flipped), alternating after a warm-up, and prints a summary table.
 
-    python -m bubblefree.demo [--max-tokens 64] [--model PATH]
+Given a local moondream2 checkpoint (``--model PATH`` or the environment's
+``BUBBLEFREE_MODEL``), it answers about a picture instead (``--image PATH``,
+or one it draws): a caption streamed, a question, point and detect, all
+submitted together on one encoded image, then the same timing of both modes.
+
+    python -m bubblefree.demo [--max-tokens 64] [--model PATH] [--image PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from typing import Callable
 
+from bubblefree.checkpoints import is_moondream
 from bubblefree.engine import Engine
 from bubblefree.skills import TextStream
 
@@ -46,15 +54,17 @@ def ask_all(engine: Engine, max_tokens: int, stream_first: bool) -> tuple[list, 
     return results, time.perf_counter() - start
 
 
-def timed_modes(engine: Engine, max_tokens: int, rounds: int) -> dict[str, tuple[list, float]]:
-    """Each mode ``rounds`` times, alternating, after one warm-up round, so
-    neither gets the cold caches or the other's luck; the best time each."""
-    ask_all(engine, max_tokens, stream_first=False)
+def timed_modes(engine: Engine, ask: Callable[[], tuple[list, float]],
+                rounds: int) -> dict[str, tuple[list, float]]:
+    """``ask()`` in each mode ``rounds`` times, alternating, after one warm-up
+    round, so neither gets the cold caches or the other's luck; the best
+    time each."""
+    ask()
     best: dict[str, tuple[list, float]] = {}
     for _ in range(rounds):
         for mode in ("pipelined", "blocking"):
             engine.pipelined = mode == "pipelined"
-            results, secs = ask_all(engine, max_tokens, stream_first=False)
+            results, secs = ask()
             if mode not in best or secs < best[mode][1]:
                 best[mode] = (results, secs)
     engine.pipelined = True
@@ -64,9 +74,19 @@ def timed_modes(engine: Engine, max_tokens: int, rounds: int) -> dict[str, tuple
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--model", default=None, help="a model directory or .gguf (default: embedded)")
+    ap.add_argument("--model", default=os.environ.get("BUBBLEFREE_MODEL") or None,
+                    help="a model directory or .gguf, or a moondream2 checkpoint directory "
+                         "(default: $BUBBLEFREE_MODEL, else the embedded model)")
+    ap.add_argument("--image", default=None, help="the picture to ask a moondream2 about "
+                                                  "(default: one drawn here)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per mode")
     args = ap.parse_args(argv)
+    if is_moondream(args.model):
+        from bubblefree.picture_demo import main as picture_main
+
+        return picture_main(args)
+    if args.image is not None:
+        ap.error("--image needs a moondream2 checkpoint (--model or BUBBLEFREE_MODEL)")
     print("loading the model (the first run converts the GGUF and caches it)...", flush=True)
     t = time.perf_counter()
     engine = Engine.from_pretrained(args.model, max_rows=8, max_seqs=16, num_pages=1024,
@@ -80,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n")
         for q, r in zip(QUESTIONS[1:], answers[1:]):
             print(f"Q: {q}\nA: {r.output['answer']}\n")
-        modes = timed_modes(engine, args.max_tokens, args.rounds)
+        modes = timed_modes(engine, lambda: ask_all(engine, args.max_tokens, stream_first=False), args.rounds)
     finally:
         engine.close()
     same = len({tuple(r.tokens for r in results) for results, _ in modes.values()}) == 1

@@ -4,7 +4,14 @@
     engine.query("What is the capital of France?")    # {"answer": "..."}
     for text in engine.stream("query", question="Why is the sky blue?"):
         print(text, end="")
-    await engine.arun("detect", object="cat")         # asyncio
+
+    engine = Engine.from_pretrained("path/to/moondream2")   # a local checkpoint
+    engine.point("photo.jpg", "cat")                  # {"points": [{"x": ..., "y": ...}]}
+    await engine.adetect(image, "cat")                # asyncio
+
+The skills' calls in moondream's signatures, image first, are in
+``bubblefree/calls.py``; ``submit``, ``run``, ``stream``, ``arun`` and
+``astream`` take any skill's arguments, ``image=`` included.
 
 Every call may come from any thread; concurrent calls batch together in the
 same decode steps. Bad arguments raise ``InvalidRequest`` naming the field,
@@ -22,21 +29,26 @@ import contextlib
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable
 
+from bubblefree.calls import SkillCalls
 from bubblefree.core import Engine as CoreEngine
 from bubblefree.core import InvalidRequest, SamplingParams
+from bubblefree.encoded import EncodedImage, ImageIntake
 from bubblefree.handle import Handle, RequestFailed
+from bubblefree.images import DEFAULT_MAX_PIXELS
 from bubblefree.loop import EngineStopped, ServingLoop
 from bubblefree.skills import SkillSet
-from bubblefree.streams import AsyncTextStream, TextPieces
+from bubblefree.streams import AsyncPieces, AsyncTextStream, TextPieces
 
-__all__ = ["Engine", "EngineStopped", "Handle", "RequestFailed"]
+__all__ = ["EncodedImage", "Engine", "EngineStopped", "Handle", "RequestFailed"]
 
 
-class Engine:
-    def __init__(self, core: CoreEngine, skills: SkillSet, *, backend: Any = None):
+class Engine(SkillCalls):
+    def __init__(self, core: CoreEngine, skills: SkillSet, *, backend: Any = None,
+                 max_image_pixels: int = DEFAULT_MAX_PIXELS):
         self.core = core
         self.skills = skills
         self.backend = backend
+        self.images = ImageIntake(core.backend, max_image_pixels)
         self.loop = ServingLoop(core)
         # Dropped without close(), the engine still ends its thread, and with
         # it the model and the KV cache: the loop holds no reference back here.
@@ -45,15 +57,32 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path_or_default: str | None = None, *, device: str | None = None,
                         pipelined: bool = True, dtype: Any = None, **backend_options: Any) -> "Engine":
-        """Load a decoder (a directory, a ``.gguf`` file, or ``None`` for the
+        """Load a model (a directory, a ``.gguf`` file, or ``None`` for the
         embedded SmolLM2-135M-Instruct), build the CUDA backend (CPU without a
-        GPU), compile the skills. ``location_tokens=True`` adds the spatial
+        GPU), compile the skills. A local moondream2 checkpoint directory
+        (config.json, .safetensors, tokenizer.json) gives an engine that
+        answers about images, with its region head and prompt templates. ``location_tokens=True`` adds the spatial
         skills' location tokens to a text model (point, detect and segment
         need them, or a region head); options are checked before loading."""
         from bubblefree.build import build_engine  # torch is imported only here
 
         return build_engine(cls, path_or_default, device=device, pipelined=pipelined,
                             dtype=dtype, **backend_options)
+
+    @classmethod
+    def moondream_random(cls, config: Any = "tiny", *, device: str | None = None, seed: int = 0,
+                         pipelined: bool = True, dtype: Any = None, tokenizer: Any = None,
+                         **backend_options: Any) -> "Engine":
+        """moondream2 with random weights from ``seed``, for tests and
+        benchmarks: ``config`` is ``"tiny"`` (small widths, moondream2's image
+        geometry; runs on a CPU), ``"full"`` (moondream2's shapes) or a
+        ``MoondreamConfig``. The tokenizer is a small word-level one unless a
+        ``tokenizers.Tokenizer`` is given. Its answers are noise; its shapes,
+        images, values and timings are moondream2's."""
+        from bubblefree.build import build_moondream, random_config
+
+        return build_moondream(cls, random_config(config), device=device, pipelined=pipelined,
+                               dtype=dtype, seed=seed, tokenizer=tokenizer, **backend_options)
 
     # ------------------------------------------------------------ submitting
     def submit(self, skill: str, *, sampling: SamplingParams | dict | None = None,
@@ -80,6 +109,9 @@ class Engine:
         return self.loop.submit_all(items)
 
     def _request(self, skill: str, sampling: SamplingParams, args: dict[str, Any]):
+        if args.get("image") is not None:
+            self.skills.tables(skill)  # an unknown or unserved skill is refused before the image is read
+            args["image"] = self.images.ref(args["image"])
         cap = self.core.backend.capacity
         return self.skills.request(skill, sampling=sampling, max_context=cap.max_context,
                                    max_positions=cap.num_pages * cap.page_size, **args)
@@ -100,21 +132,6 @@ class Engine:
             handle.cancel()
             raise
 
-    def query(self, question: str, **kw: Any) -> dict:
-        return self.run("query", question=question, **kw)
-
-    def caption(self, length: str = "normal", **kw: Any) -> dict:
-        return self.run("caption", length=length, **kw)
-
-    def point(self, object: str, **kw: Any) -> dict:  # noqa: A002 - Moondream's argument name
-        return self.run("point", object=object, **kw)
-
-    def detect(self, object: str, **kw: Any) -> dict:  # noqa: A002
-        return self.run("detect", object=object, **kw)
-
-    def segment(self, object: str, **kw: Any) -> dict:  # noqa: A002
-        return self.run("segment", object=object, **kw)
-
     # -------------------------------------------------------------- streaming
     def stream(self, skill: str = "query", **args: Any) -> TextPieces:
         """Text pieces as tokens are committed (query, caption). The request is
@@ -122,9 +139,6 @@ class Engine:
         stream cancels it; ``RequestFailed`` ends a stream that did not complete."""
         self.loop.refuse_wait_on_loop_thread("Engine.stream")
         return TextPieces(self.submit(skill, **args), self.skills.tokenizer)
-
-    def stream_query(self, question: str, **kw: Any) -> TextPieces:
-        return self.stream("query", question=question, **kw)
 
     # ---------------------------------------------------------------- asyncio
     async def arun(self, skill: str, **args: Any) -> dict:
@@ -137,6 +151,7 @@ class Engine:
             elif loop.is_closed():  # nobody can await the answer any more
                 handle.cancel()
 
+        args = await self._aimage(args)
         handle = self.submit(skill, listener=_chained(on_event, args.pop("listener", None)), **args)
         try:
             await done
@@ -145,12 +160,10 @@ class Engine:
                 handle.cancel()
         return handle.output(0)
 
-    async def aquery(self, question: str, **kw: Any) -> dict:
-        return await self.arun("query", question=question, **kw)
-
     async def astream(self, skill: str = "query", **args: Any) -> AsyncIterator[str]:
         """``stream`` for asyncio: an async iterator of text pieces; closing it,
         or cancelling the task iterating it, cancels the request."""
+        args = await self._aimage(args)
         pieces = AsyncTextStream(asyncio.get_running_loop(), self.skills.tokenizer)
         handle = self.submit(skill, listener=_chained(pieces.listener, args.pop("listener", None)), **args)
         # Closed at once when this generator is: left to the garbage collector,
@@ -160,7 +173,20 @@ class Engine:
             async for piece in run:
                 yield piece
 
+    async def astream_now(self, skill: str = "query", **args: Any) -> AsyncPieces:
+        """``astream``, submitted now: bad arguments raise at the await, and
+        the request runs whether or not the pieces are read yet."""
+        args = await self._aimage(args)
+        pieces = AsyncTextStream(asyncio.get_running_loop(), self.skills.tokenizer)
+        handle = self.submit(skill, listener=_chained(pieces.listener, args.pop("listener", None)), **args)
+        return AsyncPieces(handle, pieces.run(handle))
+
     # ------------------------------------------------------------------ misc
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model answers about images (its backend runs image prefills)."""
+        return self.images.takes_images
+
     @property
     def pipelined(self) -> bool:
         """Pipelined ticks (the default) or the blocking baseline."""

@@ -84,3 +84,34 @@ class AsyncTextStream:
         result = handle.result(0)
         if result.status is not Status.COMPLETED:
             raise RequestFailed(result)
+
+
+class AsyncPieces:
+    """An async iterator of text pieces for a request already submitted (the
+    asyncio calls' ``stream=True``): closing it, cancelling the task reading
+    it, or dropping it unread cancels the request."""
+
+    def __init__(self, handle: Handle, pieces: AsyncIterator[str]):
+        self.handle = handle
+        self._pieces = pieces
+        self._cancel = weakref.finalize(self, handle.cancel)
+
+    def __aiter__(self) -> "AsyncPieces":
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self._pieces.__anext__()
+        except StopAsyncIteration:
+            self._cancel.detach()  # completed: nothing to cancel
+            raise
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop reading: the request is cancelled if it is still running."""
+        try:
+            await self._pieces.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._cancel()

@@ -15,7 +15,7 @@ step; ``SlotState.FINALIZED``, ``Scheduler.finalized``), and a *finalized
 sequence* (its request has ended; ``Phase.FINALIZED``, ``Sequence.finalized``).
 A finalized sequence that a launched step still includes is a *zombie*.
 
-Where things are: ``scheduler.py`` keeps the invariants (DESIGN.md I2-I9),
+Where things are: ``scheduler.py`` keeps the invariants (DESIGN.md I2-I9, I11),
 ``policy.py`` chooses each step's rows, ``integrity.py`` checks,
 ``events.py`` is what the scheduler reports, ``engine.py`` drives a backend
 (``protocol.py``: the backend contract, stated once) and delivers results to
@@ -31,14 +31,14 @@ from bubblefree.core.scheduler import InvariantViolation, Scheduler
 from bubblefree.core.sequence import IllegalTransition, Phase, Sequence
 from bubblefree.core.slots import DecodeSlot, SlotPool, SlotState, Step
 from bubblefree.core.values import (
-    GREEDY, InvalidRequest, Request, Result, SamplePlan, SamplingParams, Status, StepFailed,
-    StepKind, StepOutput, StepPlan, StepRow,
+    GREEDY, ImageRef, InvalidRequest, Request, Result, SamplePlan, SamplingParams, Status, StepFailed,
+    StepKind, StepOutput, StepPlan, StepRow, ValueKind,
 )
 
 __all__ = [
     "Backend", "Capacity", "DecodeSlot", "DecodeState", "DoubleRelease", "Engine", "GREEDY",
-    "Handle", "IdPool", "IllegalTransition", "InvalidRequest", "InvariantViolation", "Phase",
+    "Handle", "IdPool", "ImageRef", "IllegalTransition", "InvalidRequest", "InvariantViolation", "Phase",
     "Request", "Result", "SamplePlan", "SamplingParams", "Scheduler", "Sequence", "SlotPool",
     "SlotState", "Status", "Step", "StepFailed", "StepKind", "StepOutput", "StepPlan", "StepRow",
-    "pages_needed",
+    "ValueKind", "pages_needed",
 ]

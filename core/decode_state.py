@@ -10,13 +10,18 @@ I9: the engine asks ``mask_id()`` in the finalize phase, after the commit of
 the previous step has called ``advance`` — so the mask for step t+1 always
 reflects the token committed at step t — and checks at commit that the
 sampled token lies in the set it registered under that id.
+
+Values: a state that also has ``value_kind()`` is asked it right after
+``mask_id()``; a ``ValueKind`` makes the backend decode that value beside the
+token (its region head) and hand it to ``advance``. The commit checks it has
+its kind's shape and range (I11). A state without the method asks none.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
-from bubblefree.core.values import Request
+from bubblefree.core.values import Request, ValueKind
 
 
 @runtime_checkable
@@ -25,12 +30,16 @@ class DecodeState(Protocol):
         """Registered mask id for the next token; ``None`` allows any token."""
         ...
 
-    def advance(self, token: int, value: float | None) -> bool:
-        """Consume one committed token (and its spatial value, if the model
-        decoded one). Return True when the output is complete. Called for
+    def advance(self, token: int, value: float | tuple[float, float] | None) -> bool:
+        """Consume one committed token and the value its step decoded: a float
+        (COORD), a (width, height) pair (SIZE), or None when ``value_kind()``
+        asked none. Return True when the output is complete. Called for
         every committed token, in order, once: the stop token and the token
         that reaches ``max_tokens`` included (docs/contracts.md)."""
         ...
+
+    # Optional: ``value_kind(self) -> ValueKind | None``, the value to decode
+    # beside the next token; absent means None (``ask_value``).
 
 
 # -- calls into a skill, guarded: a skill's bug fails its own request only ---
@@ -55,3 +64,23 @@ def bad_mask(request: Request, mask: Any, masks: Mapping[int, frozenset[int]]) -
     if mask is None or (type(mask) is int and mask in masks):
         return None
     return f"{who(request)}: mask_id() returned {mask!r}, not a registered mask id"
+
+
+def ask_value(request: Request, state: Any, values_ok: bool) -> tuple[ValueKind | None, str | None]:
+    """``(kind, None)`` from the state's optional ``value_kind()``, or
+    ``(None, reason)`` when it raised, returned something else than a
+    ``ValueKind`` or None, or asked a value of a backend without a region
+    head (``values_ok``): each fails this request only."""
+    ask = getattr(state, "value_kind", None)
+    if ask is None:
+        return None, None
+    kind, error = guarded(request, "value_kind", ask)
+    if error is not None:
+        return None, error
+    if kind is None:
+        return None, None
+    if not isinstance(kind, ValueKind):
+        return None, f"{who(request)}: value_kind() returned {kind!r}, not a ValueKind or None"
+    if not values_ok:
+        return None, f"{who(request)}: asked a {kind.value} value; this backend decodes no values"
+    return kind, None

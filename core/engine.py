@@ -38,7 +38,7 @@ from bubblefree.core.integrity import InvariantViolation
 from bubblefree.core.pages import pages_needed
 from bubblefree.core.scheduler import Scheduler
 from bubblefree.core.sequence import Sequence
-from bubblefree.core.values import InvalidRequest, Request, Result, SamplingParams, Status, StepFailed
+from bubblefree.core.values import ImageRef, InvalidRequest, Request, Result, SamplingParams, Status, StepFailed
 
 @attrs.define(eq=False)
 class Engine:
@@ -269,12 +269,22 @@ class Engine:
         for name in ("decode_state", "finisher"):
             if getattr(req, name) is not None and not callable(getattr(req, name)):
                 raise InvalidRequest(f"{name}: must be callable or None")
-        if n > cap.max_prefill_tokens:
-            raise InvalidRequest(f"prompt: {n} tokens, more than the {cap.max_prefill_tokens} one prefill takes")
-        if n + req.max_tokens > cap.max_context:
-            raise InvalidRequest(
-                f"max_tokens: prompt ({n}) + max_tokens ({req.max_tokens}) exceeds the context ({cap.max_context})")
-        need = pages_needed(n, req.max_tokens, cap.page_size)
+        if req.image is not None:
+            if not isinstance(req.image, ImageRef):
+                raise InvalidRequest(f"image: must be an ImageRef or None, got {type(req.image).__name__}")
+            if not cap.images:
+                raise InvalidRequest("image: this backend takes no images")
+            if type(req.image.length) is not int or req.image.length < 1:
+                raise InvalidRequest(f"image: length must be an int >= 1, got {req.image.length!r}")
+        # An image's prefix shares the prompt's prefill budget, context and pages.
+        image = "" if req.image is None else f"image ({req.image.length}) + "
+        if req.prefix_len > cap.max_prefill_tokens:
+            size = f"{n} tokens" if not image else f"{req.prefix_len} tokens with the image's {req.image.length}"
+            raise InvalidRequest(f"prompt: {size}, more than the {cap.max_prefill_tokens} one prefill takes")
+        if req.prefix_len + req.max_tokens > cap.max_context:
+            raise InvalidRequest(f"max_tokens: {image}prompt ({n}) + max_tokens ({req.max_tokens}) exceeds "
+                                 f"the context ({cap.max_context})")
+        need = pages_needed(req.prefix_len, req.max_tokens, cap.page_size)
         if need > cap.num_pages:
             raise InvalidRequest(f"max_tokens: needs {need} KV pages, the cache has {cap.num_pages}")
         if req.adapter is not None and cap.num_adapter_slots == 0:

@@ -1,4 +1,5 @@
-"""The scheduler's integrity check: what must hold between any two calls.
+"""The scheduler's integrity check: what must hold between any two calls,
+and the check of a step's values at its commit (I11).
 
 Kept apart from ``scheduler.py`` so the keeper of the invariants and their
 checker are read separately; the proof suite calls this after every phase.
@@ -7,7 +8,8 @@ checker are read separately; the proof suite calls this after every phase.
 from __future__ import annotations
 
 from bubblefree.core.sequence import Phase
-from bubblefree.core.slots import SlotState
+from bubblefree.core.slots import SlotState, Step
+from bubblefree.core.values import bad_value
 
 
 class InvariantViolation(AssertionError):
@@ -72,3 +74,21 @@ def check_owners(sched) -> None:
         if sorted(ids) != sorted(pool.owned):
             raise InvariantViolation(
                 f"I6: sequences hold {pool.name} {sorted(ids)}, the pool owns {sorted(pool.owned)}")
+
+
+def check_values(step: Step, values: tuple | None) -> None:
+    """I11: a row that asked a value got one of its kind's shape and range; a
+    row that asked none got None. Like I9 for tokens, a backend that breaks
+    this is a bug, not a device fault: raised, never handed to a skill."""
+    if not step.value_kinds and (values is None or values.count(None) == len(step.seq_ids)):
+        return  # the common case: no row asked, none answered
+    kinds = step.value_kinds or (None,) * len(step.seq_ids)
+    if values is None:
+        values = (None,) * len(kinds)
+    elif len(values) != len(kinds):
+        raise InvariantViolation(f"I11: step {step.step_id} returned {len(values)} values "
+                                 f"for {len(kinds)} rows")
+    for sid, kind, value in zip(step.seq_ids, kinds, values):
+        why = bad_value(kind, value)
+        if why is not None:
+            raise InvariantViolation(f"I11: sequence {sid} in step {step.step_id}: {why}")

@@ -21,25 +21,35 @@ def choose_step(seqs: Iterable[Sequence], capacity: Capacity,
 
     Prefill and decode alternate when both wait, so a stream of arrivals
     cannot starve running sequences and vice versa. A prefill takes admitted
-    sequences in arrival order within the token budget (the first always
-    fits: ``submit`` refused longer prompts); a decode takes the rows that
+    sequences of the oldest one's kind (image or text) in arrival order
+    within the token budget, an image's prefix counted (the first always
+    fits: ``submit`` refused longer ones); a decode takes the rows that
     waited longest, up to ``max_rows``, in id order."""
     seqs = list(seqs)
-    prefill = [s for s in seqs if s.phase is Phase.ADMITTED]
+    prefill = sorted((s for s in seqs if s.phase is Phase.ADMITTED), key=lambda s: s.seq_id)
     decode = [s for s in seqs if s.phase is Phase.RUNNING and s.launched < s.request.max_tokens]
-    if prefill and (not decode or last_kind is not StepKind.PREFILL):
+    if prefill and (not decode or last_kind not in PREFILLS):
+        kind = prefill_kind(prefill[0])
         chosen, budget = [], capacity.max_prefill_tokens
-        for s in sorted(prefill, key=lambda s: s.seq_id):
-            n = len(s.request.prompt)
+        for s in (s for s in prefill if prefill_kind(s) is kind):
+            n = s.request.prefix_len
             if len(chosen) == capacity.max_rows or (chosen and n > budget):
                 break
             chosen.append(s)
             budget -= n
-        return StepKind.PREFILL, chosen
+        return kind, chosen
     if decode:
         chosen = sorted(decode, key=lambda s: (s.last_step, s.seq_id))[:capacity.max_rows]
         return StepKind.DECODE, sorted(chosen, key=lambda s: s.seq_id)
     return None
+
+
+PREFILLS = (StepKind.PREFILL, StepKind.IMAGE_PREFILL)
+
+
+def prefill_kind(s: Sequence) -> StepKind:
+    """A sequence's prefill step kind: image rows and text rows never share one."""
+    return StepKind.PREFILL if s.request.image is None else StepKind.IMAGE_PREFILL
 
 
 def shortfall(pages_needed: int, wants_adapter: bool, pages: IdPool, rows: IdPool,

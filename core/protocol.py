@@ -32,7 +32,14 @@ needs to guess whether a copy is still in flight. A launch that raises
 
 A decode row's input token is the token most recently sampled for its
 ``row_slot``, read on the device: the next forward never waits for the host
-copy. A failure of a forward, sampling or copy is ``StepFailed`` from
+copy. After a row whose SamplePlan asked a value (``ValueKind``), the input is
+that value's encoding instead, also on the device; the value itself lands in
+``StepOutput.values`` beside the token (I11).
+
+An IMAGE_PREFILL row writes its image prefix (``ImageRef``, encoded from its
+backend-owned ``source``) at positions ``position .. position+image.length-1``,
+then its prompt; a backend declares it runs them with ``Capacity.images`` and
+decodes values with ``Capacity.values``. A failure of a forward, sampling or copy is ``StepFailed`` from
 whichever call observes it; the engine fails that step's rows and serves on.
 A call against this contract is ``ProtocolMisuse``, raised before anything
 changes (h11's rule), so the backend stays usable and the state as it was.
@@ -46,7 +53,7 @@ from typing import Container, Mapping, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
-from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepOutput, StepPlan
+from bubblefree.core.values import ImageRef, SamplePlan, SamplingParams, StepKind, StepOutput, StepPlan, ValueKind
 
 NUM_SLOTS = 2
 
@@ -79,6 +86,8 @@ class Capacity:
     max_prefill_tokens: int  # prompt tokens in one prefill step
     max_context: int  # longest sequence (prompt + output) the model takes
     num_adapter_slots: int = 0
+    images: bool = False  # runs IMAGE_PREFILL steps
+    values: bool = False  # has a region head: decodes the values a SamplePlan asks
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_rows", "max_seqs",
@@ -176,12 +185,21 @@ def check_plan(plan: StepPlan, cap: Capacity, vocab_size: int, *,
     if _plan_ok(plan, cap, vocab_size):
         return  # the common case: one pass, no messages built
     rows = plan.rows
+    image_step = plan.kind is StepKind.IMAGE_PREFILL
+    if image_step and not cap.images:
+        raise bad("an image_prefill step on a backend without images")
     if not rows:
         raise bad("a step with no rows")
     if len(rows) > cap.max_rows:
         raise bad(f"{len(rows)} rows, the backend takes 1..{cap.max_rows}")
-    prefill = plan.kind is StepKind.PREFILL
-    total = sum(len(r.tokens) for r in rows)
+    for r in rows:
+        if image_step and not _image_ok(r.image):
+            raise bad(f"row of seq {r.seq_id}: an image_prefill row needs an ImageRef with an int "
+                      f"length > 0, got {r.image!r}")
+        if not image_step and r.image is not None:
+            raise bad(f"row of seq {r.seq_id}: a {plan.kind.value} row carries no image")
+    prefill = image_step or plan.kind is StepKind.PREFILL
+    total = sum(r.num_tokens for r in rows)  # an image's prefix counts
     if prefill and total > cap.max_prefill_tokens:
         raise bad(f"{total} prefill tokens, more than max_prefill_tokens={cap.max_prefill_tokens}")
     seen_seqs: set[int] = set()
@@ -233,17 +251,28 @@ def _plan_ok(plan: StepPlan, cap: Capacity, vocab_size: int) -> bool:
     n = len(rows)
     if not 0 < n <= cap.max_rows:
         return False
-    prefill = plan.kind is StepKind.PREFILL
+    image_step = plan.kind is StepKind.IMAGE_PREFILL
+    if image_step and not cap.images:
+        return False
+    prefill = image_step or plan.kind is StepKind.PREFILL
     total, pages = 0, []
     for r in rows:
-        tokens, row_pages = r.tokens, r.pages
+        tokens, row_pages, image = r.tokens, r.pages, r.image
+        if image_step:
+            if not _image_ok(image):
+                return False
+            size = image.length + len(tokens)
+        elif image is not None:
+            return False
+        else:
+            size = len(tokens) or 1
         if (bool(tokens) is not prefill or r.position < 0
-                or r.position + (len(tokens) or 1) > min(cap.max_context, len(row_pages) * cap.page_size)
+                or r.position + size > min(cap.max_context, len(row_pages) * cap.page_size)
                 or (r.adapter_slot is not None and not 0 <= r.adapter_slot < cap.num_adapter_slots)
                 or type(r.sampling) is not SamplingParams):
             return False
         if tokens:
-            total += len(tokens)
+            total += size
             if min(tokens) < 0 or max(tokens) >= vocab_size:
                 return False
         pages.extend(row_pages)
@@ -255,10 +284,17 @@ def _plan_ok(plan: StepPlan, cap: Capacity, vocab_size: int) -> bool:
             and len(set(pages)) == len(pages))
 
 
+def _image_ok(image: object) -> bool:
+    return (isinstance(image, ImageRef) and type(image.length) is int  # a bool is not a length
+            and image.length > 0)
+
+
 def check_sample(sample: SamplePlan, plan: StepPlan, known_masks: Container[int], *,
-                 error: type[ProtocolMisuse] = PlanRejected) -> None:
-    """A SamplePlan must name the launched step, one mask per row, and only
-    masks ``register_mask`` returned."""
+                 values: bool = False, error: type[ProtocolMisuse] = PlanRejected) -> None:
+    """A SamplePlan must name the launched step, one mask per row, only masks
+    ``register_mask`` returned, and ``values`` () or one ``ValueKind`` or None
+    per row; a kind only where the backend has a region head (``values``,
+    its ``Capacity.values``)."""
     if not isinstance(sample, SamplePlan):
         raise error(f"finalize takes a SamplePlan, got {sample!r}")
     if sample.step_id != plan.step_id:
@@ -268,6 +304,17 @@ def check_sample(sample: SamplePlan, plan: StepPlan, known_masks: Container[int]
     for mask_id in sample.mask_ids:
         if mask_id is not None and mask_id not in known_masks:
             raise error(f"step {plan.step_id}: mask id {mask_id!r} was never registered")
+    kinds = sample.values
+    if kinds == ():
+        return
+    if type(kinds) is not tuple or len(kinds) != len(plan.rows):
+        raise error(f"step {plan.step_id}: values must be () or one entry per row ({len(plan.rows)}), "
+                    f"got {kinds!r}")
+    for kind in kinds:
+        if kind is not None and not isinstance(kind, ValueKind):
+            raise error(f"step {plan.step_id}: values entries must be a ValueKind or None, got {kind!r}")
+        if kind is not None and not values:
+            raise error(f"step {plan.step_id}: a {kind.value} value asked of a backend without a region head")
 
 
 def check_mask(allowed: frozenset[int], vocab_size: int) -> frozenset[int]:

@@ -11,7 +11,8 @@ The bubble this tick removes, and the invariants by id, are pictured in
 ``core/__init__.py``. Kept here: I2 commits go oldest first; I3 refs count
 launched, uncommitted steps (at most 2); I4 a slot is reused only after its
 commit; I5 nothing after the end; I6 release exactly once, at
-``finalized and inflight_refs == 0``; I7 one end each; I9 masks after commit.
+``finalized and inflight_refs == 0``; I7 one end each; I9 masks after commit;
+I11 each row gets the value it asked for, of its kind's shape, and no other.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from typing import Callable, Mapping
 import attrs
 
 from bubblefree.core.protocol import Capacity
-from bubblefree.core.decode_state import bad_mask, guarded
+from bubblefree.core.decode_state import ask_value, bad_mask, guarded
 from bubblefree.core.events import Event, SequenceEnded, TokenCommitted
-from bubblefree.core.integrity import InvariantViolation, check_integrity
+from bubblefree.core.integrity import InvariantViolation, check_integrity, check_values
 from bubblefree.core.pages import IdPool, pages_needed
-from bubblefree.core.policy import choose_step, shortfall
+from bubblefree.core.policy import PREFILLS, choose_step, shortfall
 from bubblefree.core.sequence import Phase, Sequence
 from bubblefree.core.slots import DecodeSlot, SlotPool, SlotState, Step
 from bubblefree.core.values import SamplePlan, Status, StepKind, StepOutput, StepPlan, StepRow
@@ -74,7 +75,7 @@ class Scheduler:
         while self.queue:
             seq = self.seqs[self.queue[0]]
             req = seq.request
-            need = pages_needed(len(req.prompt), req.max_tokens, self.capacity.page_size)
+            need = pages_needed(req.prefix_len, req.max_tokens, self.capacity.page_size)
             want_adapter = req.adapter is not None
             short = shortfall(need, want_adapter, self.pages, self.rows, self.adapters)
             if short:
@@ -114,10 +115,12 @@ class Scheduler:
         return slot, StepPlan(step_id=self._next_step, kind=kind, rows=rows)
 
     def _row(self, s: Sequence, kind: StepKind) -> StepRow:
-        prefill = kind is StepKind.PREFILL  # a decode row's input is read on the device
-        return StepRow(seq_id=s.seq_id, row_slot=s.row_slot, tokens=s.request.prompt if prefill else (),
-                       position=0 if prefill else s.kv_len, pages=s.pages,
-                       sampling=s.request.sampling, adapter_slot=s.adapter_slot)
+        if kind is StepKind.DECODE:  # its input is read on the device
+            return StepRow(seq_id=s.seq_id, row_slot=s.row_slot, tokens=(), position=s.kv_len,
+                           pages=s.pages, sampling=s.request.sampling, adapter_slot=s.adapter_slot)
+        return StepRow(seq_id=s.seq_id, row_slot=s.row_slot, tokens=s.request.prompt, position=0,
+                       pages=s.pages, sampling=s.request.sampling, adapter_slot=s.adapter_slot,
+                       image=s.request.image)
 
     def launched(self, slot: DecodeSlot, plan: StepPlan) -> Step:
         """The backend accepted ``plan``: every row's sequence gains a ref (I3)."""
@@ -129,7 +132,7 @@ class Scheduler:
         self._last_kind = plan.kind
         for sid in step.seq_ids:
             s = self.seqs[sid]
-            if plan.kind is StepKind.PREFILL:
+            if plan.kind in PREFILLS:
                 s.move("prefill")
             s.inflight_refs += 1
             s.launched += 1
@@ -138,11 +141,15 @@ class Scheduler:
                 raise InvariantViolation(f"I3: sequence {sid} in {s.inflight_refs} steps")
             if s.inflight_refs == 2:
                 self.probe("two_steps_in_flight_for_one_sequence")
+                if any(st.value_kinds and st.value_kinds[st.seq_ids.index(sid)] for st in self.inflight
+                       if sid in st.seq_ids):
+                    # Its input is the value's encoding, on the device: the value is not yet on the host.
+                    self.probe("decode_launched_after_an_uncommitted_value")
         self.inflight.append(step)
         if self.pool.busy() == len(self.pool.slots):
             self.probe("both_slots_busy")
-        if plan.kind is StepKind.PREFILL and committing:
-            self.probe("prefill_launched_while_decode_in_flight")
+        if plan.kind in PREFILLS and committing:
+            self.probe(f"{plan.kind.value}_launched_while_decode_in_flight")
         return step
 
     def launch_failed(self, plan: StepPlan, reason: str) -> None:
@@ -161,21 +168,25 @@ class Scheduler:
         if not self.inflight or self.pool.slots[self.inflight[-1].slot].state is not SlotState.LAUNCHED:
             return None
         step = self.inflight[-1]
-        masks = []
+        masks, kinds = [], []
         for sid in step.seq_ids:
             s = self.seqs[sid]
-            mask = None
+            mask = kind = None
             if s.state is not None and not s.finalized:
-                # A skill's bad mask fails its own request only: ended here,
-                # it is a zombie of this step, skipped at commit.
+                # A skill's bad mask or value kind fails its own request only:
+                # ended here, it is a zombie of this step, skipped at commit.
                 mask, error = guarded(s.request, "mask_id", s.state.mask_id)
                 error = error or bad_mask(s.request, mask, self.masks)
+                if error is None:
+                    kind, error = ask_value(s.request, s.state, self.capacity.values)
                 if error is not None:
-                    mask = None
+                    mask = kind = None
                     self._end(s, Status.FAILED, error)
             masks.append(mask)
+            kinds.append(kind)
         step.mask_ids = tuple(masks)
-        return step, SamplePlan(step_id=step.step_id, mask_ids=step.mask_ids)
+        step.value_kinds = tuple(kinds) if any(k is not None for k in kinds) else ()
+        return step, SamplePlan(step_id=step.step_id, mask_ids=step.mask_ids, values=step.value_kinds)
 
     def finalized(self, step: Step, failed: str | None = None) -> None:
         self.pool.slots[step.slot].move("finalize")
@@ -195,10 +206,12 @@ class Scheduler:
         failed. Each appended token becomes a ``TokenCommitted`` event."""
         if self.inflight[0] is not step:
             raise InvariantViolation(f"I2: step {step.step_id} committed out of order")
-        self.inflight.popleft()
         failed = failed or step.failed
         if output is not None and len(output.tokens) != len(step.seq_ids):
             failed = failed or f"backend returned {len(output.tokens)} tokens for {len(step.seq_ids)} rows"
+        if output is not None and failed is None:
+            check_values(step, output.values)  # I11, before anything changes
+        self.inflight.popleft()
         others = {sid for st in self.inflight for sid in st.seq_ids}
         for row, sid in enumerate(step.seq_ids):
             s = self.seqs[sid]
@@ -211,8 +224,8 @@ class Scheduler:
                     self.probe("zombie_last_commit_frees_pages")
             elif failed is not None:
                 self._end(s, Status.FAILED, failed)
-            else:
-                value = output.values[row] if output.values is not None else None
+            else:  # a value the row did not ask for is refused above (I11)
+                value = output.values[row] if step.value_kinds else None
                 self._append(s, output.tokens[row], value, step.mask_ids[row])
                 if s.finalized and sid in others:
                     # The seed's zombie: it ended here, but a later step already includes it.
@@ -294,4 +307,5 @@ class Scheduler:
     def check_integrity(self) -> None:
         """I2-I6 as bookkeeping, in any state between calls (``integrity.py``)."""
         check_integrity(self)
+
 

@@ -71,11 +71,11 @@ class Sequence:
 
     @property
     def kv_len(self) -> int:
-        """Positions written into the KV cache by launched steps: the prompt,
-        then one per launched decode."""
+        """Positions written into the KV cache by launched steps: the image
+        prefix and the prompt, then one per launched decode."""
         if self.launched == 0:
             return 0
-        return len(self.request.prompt) + self.launched - 1
+        return self.request.prefix_len + self.launched - 1
 
     def move(self, event: str) -> None:
         nxt = transition(TRANSITIONS, self.phase, event, f"sequence {self.seq_id}")

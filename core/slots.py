@@ -26,7 +26,7 @@ import enum
 import attrs
 
 from bubblefree.core.protocol import NUM_SLOTS, transition
-from bubblefree.core.values import StepKind
+from bubblefree.core.values import StepKind, ValueKind
 
 
 class SlotState(enum.Enum):
@@ -54,6 +54,7 @@ class Step:
     slot: int
     seq_ids: tuple[int, ...]
     mask_ids: tuple[int | None, ...] = ()  # set at finalize, checked at commit (I9)
+    value_kinds: tuple[ValueKind | None, ...] = ()  # set at finalize, () if none asked (I11)
     failed: str | None = None  # a backend fault seen at finalize
 
 

@@ -18,6 +18,31 @@ class StepKind(enum.Enum):
 
     PREFILL = "prefill"  # a one-shot forward over each row's prompt
     DECODE = "decode"  # one token per row; its input is read on the device
+    # A prefill whose every row carries an image: the image prefix at KV
+    # positions 0 .. image.length-1 (bidirectional among themselves), then the
+    # prompt, causal. Sampling draws the first output token, as after PREFILL.
+    IMAGE_PREFILL = "image_prefill"
+
+
+class ValueKind(enum.Enum):
+    """A value a row asks the region head to decode beside its token."""
+
+    COORD = "coord"  # one float in [0, 1]: bin / 1024
+    SIZE = "size"  # (width, height), each 2 ** (bin / 1023 * 10 - 10), in (0, 1]
+
+
+@attrs.frozen(eq=False)
+class ImageRef:
+    """An image as the core sees it: how many KV positions its prefix takes.
+
+    ``source`` is the backend's (pixels or crops to encode, or an encoded
+    image already on the device); the core never reads it. Made by the
+    backend's ``image_ref``. Compared by identity: two refs to equal pixels
+    are still two images to encode.
+    """
+
+    length: int  # KV positions of the prefix, > 0 (moondream2: BOS + 729 features)
+    source: Any = None
 
 
 class Status(enum.Enum):
@@ -121,6 +146,12 @@ class Request:
     adapter: str | None = None
     tag: Any = None  # caller's own label, carried into the result untouched
     skill: str | None = None  # the skill that built it: named in the reasons of its own errors
+    image: ImageRef | None = None  # prefilled before the prompt (IMAGE_PREFILL)
+
+    @property
+    def prefix_len(self) -> int:
+        """KV positions the prefill writes: the image prefix, then the prompt."""
+        return (self.image.length if self.image is not None else 0) + len(self.prompt)
 
 
 @attrs.frozen
@@ -149,13 +180,17 @@ class StepRow:
     seq_id: int
     row_slot: int
     tokens: tuple[int, ...]  # PREFILL: the prompt; DECODE: () (input read on the device)
-    position: int  # position of the row's first input token
+    position: int  # position of the row's first input (an image row: of its prefix)
     pages: tuple[int, ...]
     sampling: SamplingParams = GREEDY
     adapter_slot: int | None = None
+    image: ImageRef | None = None  # IMAGE_PREFILL rows only: the prefix before ``tokens``
 
     @property
     def num_tokens(self) -> int:
+        """KV positions the row writes: image prefix and prompt, or one input."""
+        if self.image is not None:
+            return self.image.length + len(self.tokens)
         return len(self.tokens) if self.tokens else 1
 
 
@@ -172,18 +207,46 @@ class StepPlan:
 class SamplePlan:
     """The finalize phase: one mask id per row of the launched step, in row
     order; ``None`` means unconstrained. Mask ids come from
-    ``Backend.register_mask``. Built after the previous commit (I9)."""
+    ``Backend.register_mask``. Built after the previous commit (I9).
+
+    ``values`` is () when no row asks a value, else one entry per row: the
+    kind the region head decodes beside that row's token, or None. A value
+    row's next decode input is the value's encoding, on the device."""
 
     step_id: int
     mask_ids: tuple[int | None, ...]
+    values: tuple[ValueKind | None, ...] = ()
+
+
+Value = float | tuple[float, float]
 
 
 @attrs.frozen
 class StepOutput:
     """What a step's host copy holds once its event has fired: one sampled
-    token per row, and a decoded spatial value per row where the model has a
-    region head (``None`` elsewhere)."""
+    token per row, and ``values``: None, or one entry per row, a float for a
+    COORD row, a (width, height) pair for a SIZE row, None otherwise (I11)."""
 
     step_id: int
     tokens: tuple[int, ...]
-    values: tuple[float | None, ...] | None = None
+    values: tuple[Value | None, ...] | None = None
+
+
+def bad_value(kind: ValueKind | None, value: Any) -> str | None:
+    """Why ``value`` is not what a row that asked ``kind`` must get (I11), or
+    None. A finite real in [0, 1] for COORD, a pair of them in (0, 1] for SIZE,
+    None for a row that asked none."""
+    if kind is None:
+        return None if value is None else f"a value {value!r} for a row that asked none"
+    if kind is ValueKind.COORD:
+        return None if _in(value, 0.0, True) else f"coord value {value!r} is not a number in [0, 1]"
+    if type(value) is tuple and len(value) == 2 and _in(value[0], 0.0, False) and _in(value[1], 0.0, False):
+        return None
+    return f"size value {value!r} is not a (width, height) pair in (0, 1]"
+
+
+def _in(x: Any, low: float, closed: bool) -> bool:
+    # bool is an int, but never a coordinate; NaN fails both comparisons.
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return (low <= x if closed else low < x) and x <= 1.0

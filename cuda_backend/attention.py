@@ -39,7 +39,8 @@ class PagedContext:
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, page_table: torch.Tensor,
                  q_pos: torch.Tensor, q_gather: torch.Tensor | None = None,
                  out_gather: torch.Tensor | None = None, group_rows: int | None = None,
-                 gather_keys: bool = True, dispatch: Dispatch | None = None):
+                 gather_keys: bool = True, dispatch: Dispatch | None = None,
+                 prefix_end: torch.Tensor | None = None):
         rows = page_table.shape[0]
         self.cache = cache
         self.dispatch = dispatch
@@ -50,6 +51,9 @@ class PagedContext:
             self.kv_index, self.key_pos = row_keys(page_table, cache.page_size)
         self.q_gather = q_gather  # [R * S] packed token of each padded query (prefill)
         self.out_gather = out_gather  # [T] padded query of each packed token (prefill)
+        # [R] (prefill only, optional): positions below a row's prefix_end
+        # attend to each other both ways (an image prefix); later ones are causal.
+        self.prefix_end = prefix_end
         # Prefill attends in groups of rows so the gathered keys of a group
         # (rows * L) stay bounded however long one row's context is.
         g = group_rows or rows
@@ -63,7 +67,9 @@ class PagedContext:
     def mask(self, window: int | None, r0: int = 0, r1: int | None = None) -> torch.Tensor:
         """``[r1 - r0, S, L]`` bool, True where a query may attend a key: causal
         within its row (so never past its own context), and inside the sliding
-        window if the layer has one (transformers' rule: q - k < window).
+        window if the layer has one (transformers' rule: q - k < window). With
+        ``prefix_end``, a query inside its row's prefix also sees every key of
+        the prefix (bidirectional; moondream's ``text.prefix_mask``).
         Whole-batch masks (decode) are built once per window size per forward
         and shared by all layers; a prefill group's mask is built per layer,
         which keeps it bounded (``row_groups``)."""
@@ -74,6 +80,9 @@ class PagedContext:
         m = self.key_pos <= q  # [g, S, L]
         if window is not None:
             m = m & (self.key_pos > q - window)
+        if self.prefix_end is not None:
+            end = self.prefix_end[r0:r1].view(-1, 1, 1)  # [g, 1, 1]
+            m = m | ((q < end) & (self.key_pos < end))
         if whole:
             self._masks[window] = m
         return m
@@ -100,10 +109,13 @@ def decode_context(cache: PagedKVCache, positions: torch.Tensor, page_table: tor
 
 def prefill_context(cache: PagedKVCache, slot_mapping: torch.Tensor, page_table: torch.Tensor,
                     q_start: torch.Tensor, q_len: torch.Tensor, pos0: torch.Tensor,
-                    out_gather: torch.Tensor, max_q: int, key_budget: int) -> PagedContext:
+                    out_gather: torch.Tensor, max_q: int, key_budget: int,
+                    prefix_end: torch.Tensor | None = None) -> PagedContext:
     """Packed rows: row r's tokens are ``q_start[r] .. + q_len[r]`` of the
     packed batch, at positions ``pos0[r] ..``; ``max_q`` is the longest row;
-    at most ``key_budget`` keys (rows * L) are gathered at once."""
+    at most ``key_budget`` keys (rows * L) are gathered at once. Positions
+    below ``prefix_end[r]`` ``[R]``, when given, attend both ways among
+    themselves."""
     s = torch.arange(max_q, device=q_start.device)  # [S]
     valid = s < q_len.unsqueeze(1)  # [R, S]
     q_gather = torch.where(valid, q_start.unsqueeze(1) + s, 0).view(-1)  # [R * S]
@@ -112,7 +124,7 @@ def prefill_context(cache: PagedKVCache, slot_mapping: torch.Tensor, page_table:
     q_pos = torch.where(valid, pos0.unsqueeze(1) + s, 0)  # [R, S]
     length = page_table.shape[1] * cache.page_size
     return PagedContext(cache, slot_mapping, page_table, q_pos, q_gather, out_gather,
-                        group_rows=max(1, key_budget // length))
+                        group_rows=max(1, key_budget // length), prefix_end=prefix_end)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -134,7 +146,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if ctx.is_decode:
         out = decode_attention(q, keys, values, ctx, scaling, window)
     else:
-        out = _prefill_attention(q, keys, values, window, scaling, ctx)
+        out = prefill_attention(q, keys, values, window, scaling, ctx)
     return out.unsqueeze(0), None
 
 
@@ -195,7 +207,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return out.reshape(b, h, -1)  # [B, H, Dv]
 
 
-def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        window: int | None, scaling: float | None,
                        ctx: PagedContext) -> torch.Tensor:
     """Queries padded per row ``[R, H, S, D]``; one SDPA call per row group."""

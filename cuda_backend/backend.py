@@ -46,6 +46,10 @@ DEFAULT_TOKEN_PREFILL = 2048
 
 
 class CudaBackend:
+    runner_class = ModelRunner  # what runs the forwards (a subclass may extend it)
+    takes_images = False  # Capacity.images: runs IMAGE_PREFILL steps
+    decodes_values = False  # Capacity.values: has a region head
+
     def __init__(self, model: LoadedModel | torch.nn.Module, *, page_size: int = 16,
                  num_pages: int | None = None, kv_memory_fraction: float = 0.9,
                  max_rows: int = 64, max_seqs: int = 256, max_prefill_tokens: int = 2048,
@@ -76,7 +80,8 @@ class CudaBackend:
                                       max_context=context)
         self._cap = Capacity(num_pages=num_pages, page_size=page_size, max_rows=max_rows,
                              max_seqs=max_seqs, max_prefill_tokens=max_prefill_tokens,
-                             max_context=context)
+                             max_context=context, images=self.takes_images,
+                             values=self.decodes_values)
         self.cache = PagedKVCache(layers=dims.layers, kv_heads=dims.kv_heads,
                                   head_dim=dims.head_dim, num_pages=num_pages,
                                   page_size=page_size, dtype=self.dtype, device=self.device)
@@ -86,9 +91,9 @@ class CudaBackend:
             token_prefill = DEFAULT_TOKEN_PREFILL if cuda and use_graphs else 0
         # Which kernels a step runs, chosen once: every graph captures this.
         self.kernels = KernelConfig.measured(self.device) if kernels is None else kernels
-        self._runner = ModelRunner(module, self.cache, self._cap, self.device, self.kernels,
-                                   compile_decode=compile_decode, fused_decode=fused_decode,
-                                   token_prefill=token_prefill)
+        self._runner = self.runner_class(module, self.cache, self._cap, self.device,
+                                         self.kernels, compile_decode=compile_decode,
+                                         fused_decode=fused_decode, token_prefill=token_prefill)
         self._masks = MaskTable(self._vocab, self.device, mask_capacity)
         self._salt = vocab_hash(self._vocab, self.device)  # [V]
         self._slots = [make_slot(i, staging_size=staging_size(self._cap), max_rows=max_rows,
@@ -157,26 +162,14 @@ class CudaBackend:
         s = self._slot(slot)
         s.check("launch")
         check_plan(plan, self._cap, self._vocab, error=PlanRejected)
+        self._check_launch(plan)
         try:
             with self._on(self._compute):
-                n = len(plan.rows)
-                if plan.kind is StepKind.DECODE:
-                    b = bucket(n, self._rows)
-                    p = bucket(self._runner.pages_needed(plan), self._pages)
-                    k = self._runner.pack_decode(plan, s.staging_np, b, p)
-                    self._runner.decode_meta[:k].copy_(s.staging[:k], non_blocking=True)
-                    logits = self._decode_graphs.run(
-                        (b, p), lambda: self._runner.decode_forward(b, p))  # [b, V]
-                elif (tp := self._runner.token_prefill) is not None and tp.fits(plan):
-                    logits, b = tp.launch(plan, s.staging_np, s.staging, self._prefill_graphs)
-                else:
-                    b = bucket(n, self._rows)
-                    k, shape = self._runner.pack_prefill(plan, s.staging_np)
-                    meta = s.staging[:k].to(self.device, non_blocking=True)
-                    logits = self._runner.prefill_forward(meta, shape)  # [n, V]
+                logits, b = self._forward(s, plan)
                 s.logits[:logits.shape[0]].copy_(logits)
         except Exception as ex:  # noqa: BLE001 - any forward failure fails the step's rows
             self._quiesce()
+            self._forward_failed(s)
             raise StepFailed(f"step {plan.step_id}: forward failed: {ex!r}") from ex
         s.advance("launch")
         s.plan, s.bucket = plan, b
@@ -185,9 +178,7 @@ class CudaBackend:
         s = self._slot(slot)
         s.check("finalize")
         plan, b = s.plan, s.bucket
-        # A misuse, not StepFailed: the slot stays LAUNCHED and may be finalized
-        # again with a right plan (row 0 of the table is no registered mask).
-        check_sample(sample, plan, range(1, self._masks.count))
+        self._check_sample(sample, plan)
         greedy = pack_sampling(s.sample_np, plan.rows, sample.mask_ids, b,
                                 self._runner.scratch_row)
         n = len(plan.rows)
@@ -195,14 +186,15 @@ class CudaBackend:
             with self._on(self._compute):
                 s.sample_inputs[:7 * b].copy_(s.sample_staging[:7 * b], non_blocking=True)
                 self._sample_graphs.run((slot, b, greedy), lambda: self._sample(s, b, greedy))
+                self._after_sampling(s, sample, b, greedy)
                 if self._copy is not None:
                     s.sampled_event.record(self._compute)
                     self._copy.wait_event(s.sampled_event)  # this step's outputs, nothing later
                     with torch.cuda.stream(self._copy):
-                        s.landing[:n].copy_(s.sampled[:n], non_blocking=True)
+                        self._copy_out(s, n)
                         s.copied_event.record(self._copy)
                 else:
-                    s.landing[:n].copy_(s.sampled[:n])
+                    self._copy_out(s, n)
         except Exception as ex:  # noqa: BLE001
             self._quiesce()
             s.state = SlotState.FAILED
@@ -219,16 +211,65 @@ class CudaBackend:
             s.state = SlotState.FAILED
             raise StepFailed(f"step {s.plan.step_id}: device error: {ex!r}") from ex
         s.advance("wait")
-        tokens = tuple(s.landing[:len(s.plan.rows)].tolist())
-        return StepOutput(step_id=s.plan.step_id, tokens=tokens)
+        return self._output(s)
 
     def release(self, slot: int) -> None:
         s = self._slot(slot)
         s.check("release")
-        if s.state is SlotState.FAILED:  # the failed work may still hold the slot's buffers
+        failed = s.state is SlotState.FAILED
+        if failed:  # the failed work may still hold the slot's buffers
             self._quiesce()
         s.advance("release")
         s.plan = None
+        self._released(s, failed)
+
+    # -- what a step runs (a subclass with more step kinds or outputs overrides) --
+
+    def _check_launch(self, plan: StepPlan) -> None:
+        """Checks beyond the contract's, before anything is enqueued."""
+
+    def _forward(self, s: DecodeSlot, plan: StepPlan) -> tuple[torch.Tensor, int]:
+        """Enqueue ``plan``'s forward; returns its logits ``[>= rows, V]`` and
+        the row bucket it samples at."""
+        n = len(plan.rows)
+        if plan.kind is StepKind.DECODE:
+            b = bucket(n, self._rows)
+            p = bucket(self._runner.pages_needed(plan), self._pages)
+            k = self._runner.pack_decode(plan, s.staging_np, b, p)
+            self._runner.decode_meta[:k].copy_(s.staging[:k], non_blocking=True)
+            return self._decode_graphs.run(
+                (b, p), lambda: self._runner.decode_forward(b, p)), b  # [b, V]
+        if (tp := self._runner.token_prefill) is not None and tp.fits(plan):
+            return tp.launch(plan, s.staging_np, s.staging, self._prefill_graphs)
+        k, shape = self._runner.pack_prefill(plan, s.staging_np)
+        meta = s.staging[:k].to(self.device, non_blocking=True)
+        return self._runner.prefill_forward(meta, shape), bucket(n, self._rows)  # [n, V]
+
+    def _forward_failed(self, s: DecodeSlot) -> None:
+        """A launch raised: undo what ``_forward`` recorded on the host."""
+
+    def _check_sample(self, sample: SamplePlan, plan: StepPlan) -> None:
+        # A misuse, not StepFailed: the slot stays LAUNCHED and may be finalized
+        # again with a right plan (row 0 of the table is no registered mask).
+        check_sample(sample, plan, range(1, self._masks.count), values=self._cap.values)
+
+    def _after_sampling(self, s: DecodeSlot, sample: SamplePlan, b: int, greedy: bool) -> None:
+        """More device work of the finalize phase, on the compute stream after
+        sampling and before the event the host copy waits on."""
+
+    def _copy_out(self, s: DecodeSlot, n: int) -> None:
+        """The device-to-host copies of a step's outputs (on the copy stream
+        when there is one)."""
+        s.landing[:n].copy_(s.sampled[:n], non_blocking=self._copy is not None)
+
+    def _released(self, s: DecodeSlot, failed: bool) -> None:
+        """The slot was released (after a reported failure with ``failed``):
+        drop what its step kept alive."""
+
+    def _output(self, s: DecodeSlot) -> StepOutput:
+        """The step's output, read from the landing buffers once copied."""
+        tokens = tuple(s.landing[:len(s.plan.rows)].tolist())
+        return StepOutput(step_id=s.plan.step_id, tokens=tokens)
 
     # -- internals ------------------------------------------------------------------
 
@@ -283,6 +324,12 @@ class CudaBackend:
             self._sync()
 
     def _capture_sampling(self) -> None:
+        self._capture_per_slot(self._sample_graphs, lambda s, b, g: self._sample(s, b, g))
+
+    def _capture_per_slot(self, graphs: GraphSet, fn, reset=None) -> None:
+        """A graph of ``fn(slot, b, greedy)`` per slot, row bucket and greedy
+        flag (finalize-phase work: it reads the slot's sampling inputs, which
+        hold padded rows only while capturing; ``reset(slot)`` clears more)."""
         def items():
             for s in self._slots:
                 for b in reversed(self._rows):
@@ -290,8 +337,9 @@ class CudaBackend:
                         def prepare(s=s, b=b):
                             s.sample_inputs.zero_()
                             s.sample_inputs[:b].fill_(self._runner.scratch_row)
-                        yield (s.index, b, greedy), prepare, (
-                            lambda s=s, b=b, g=greedy: self._sample(s, b, g))
+                            if reset is not None:
+                                reset(s)
+                        yield (s.index, b, greedy), prepare, (lambda s=s, b=b, g=greedy: fn(s, b, g))
         with self._on(self._compute):
-            self._sample_graphs.capture_all(items())
+            graphs.capture_all(items())
         self._sync()

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bubblefree.cuda_backend import skinny_gemm
-from bubblefree.cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_attention, store_kv
+from bubblefree.cuda_backend.attention import (CONTEXT_KWARG, PagedContext, decode_attention,
+                                               prefill_attention, store_kv)
 from bubblefree.cuda_backend.kernel_config import KernelConfig, TileTable
 from bubblefree.cuda_backend.rope_attention import ACTIVATIONS, rope_attend, rotate
 
@@ -183,7 +184,7 @@ def _attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims: Dims, window, mlp=None):
     if qk_norm is not None:  # Phi's optional per-head LayerNorms
         q = F.layer_norm(q, (dims.head_dim,), qk_norm[0], qk_norm[1], dims.eps)
         k = F.layer_norm(k, (dims.head_dim,), qk_norm[2], qk_norm[3], dims.eps)
-    if isinstance(kv, torch.Tensor):
+    if isinstance(kv, torch.Tensor):  # a decode step's one op
         out = rope_attend(q, k, v, cos, sin, kv, ctx.slot_mapping, ctx.page_table,
                           ctx.q_pos[:, 0], ctx.cache.page_size, dims.scaling, window, mlp,
                           dims.act, dispatch=ctx.dispatch)
@@ -192,6 +193,8 @@ def _attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims: Dims, window, mlp=None):
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over heads
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     store_kv(keys, values, ctx.slot_mapping, k, v)
+    if not ctx.is_decode:  # a packed prefill: each row's queries over its pages
+        return prefill_attention(q, keys, values, window, dims.scaling, ctx).reshape(b, -1)
     return decode_attention(q, keys, values, ctx, dims.scaling, window).reshape(b, -1)
 
 
@@ -301,20 +304,33 @@ class FusedDecoder:
                  last: torch.Tensor | None = None) -> torch.Tensor:
         """``[B]`` tokens at ``[B]`` positions -> logits ``[B, V]``, or only
         the rows ``last`` ``[R]`` -> ``[R, V]`` (a prefill's last tokens)."""
-        x = self.embed(input_ids)  # [B, hidden]
-        cos, sin = self.rotary(x, positions.view(1, -1))  # [1, B, rot] each, in x's dtype
-        cos, sin = cos[0], sin[0]
-        delta = torch.zeros_like(x)
         # The one op lets each row see the cache as it was before the step,
         # plus its own key. Right for a decode step (a row per sequence); the
         # token rows of a prefill must see each other's keys, so they write
         # first and attend after (three steps).
-        one_op = self.rope_in_kernel and last is None
-        for i, w in enumerate(self.weights):
-            kv = ctx.cache.layer_kv(i) if one_op else ctx.cache.layer(i)
-            x, delta = self.step_layer(x, delta, cos, sin, kv, ctx, w, self.dims, self.act,
-                                       self.windows[i])
-        x = x + delta
+        x = self.hidden(self.embed(input_ids), positions, ctx,
+                        one_op=self.rope_in_kernel and last is None)
         if last is not None:
             x = x.index_select(0, last)
+        return self.head(x)
+
+    def hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx: PagedContext, *,
+               one_op: bool = False, compiled: bool = True) -> torch.Tensor:
+        """Input embeddings ``[T, hidden]`` at ``[T]`` positions -> the last
+        layer's output before the final norm ``[T, hidden]`` (what a region
+        head reads). ``ctx`` is a decode context (a row per token) or a
+        packed prefill's (``attention.prefill_context``); ``one_op`` only
+        for the former. ``compiled=False`` runs the plain layer function
+        (a prefill's shapes change every step: no compile per shape)."""
+        cos, sin = self.rotary(x, positions.view(1, -1))  # [1, T, rot] each, in x's dtype
+        cos, sin = cos[0], sin[0]
+        delta = torch.zeros_like(x)
+        layer = self.step_layer if compiled else self.layer_fn
+        for i, w in enumerate(self.weights):
+            kv = ctx.cache.layer_kv(i) if one_op else ctx.cache.layer(i)
+            x, delta = layer(x, delta, cos, sin, kv, ctx, w, self.dims, self.act, self.windows[i])
+        return x + delta
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[R, hidden]`` before the final norm -> logits ``[R, V]``."""
         return _linear(self.norm(x), self.lm_head.weight, self.lm_head.bias, self.dims.tiles)

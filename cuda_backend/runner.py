@@ -34,7 +34,7 @@ def staging_size(cap: Capacity) -> int:
     """int64 elements a slot's host staging needs for any kind of step."""
     max_pages = -(-cap.max_context // cap.page_size)
     return max(2 * cap.max_rows + cap.max_rows * max_pages,
-               4 * cap.max_prefill_tokens + 4 * cap.max_rows + cap.max_rows * max_pages,
+               4 * cap.max_prefill_tokens + 5 * cap.max_rows + cap.max_rows * max_pages,
                3 * cap.max_prefill_tokens + cap.max_rows + (cap.max_rows + 1) * max_pages)
 
 
@@ -122,11 +122,18 @@ class ModelRunner:
 
     # -- prefill --------------------------------------------------------------
 
-    def pack_prefill(self, plan: StepPlan, staging: np.ndarray) -> tuple[int, tuple[int, ...]]:
+    def pack_prefill(self, plan: StepPlan, staging: np.ndarray, inputs: list | None = None,
+                     prefix: np.ndarray | None = None) -> tuple[int, tuple[int, ...]]:
         """Pack ``[tokens T | positions T | slot T | out_gather T | q_start R |
-        q_len R | pos0 R | last R | pages R*P]``; returns (count, (T, R, S, P))."""
+        q_len R | pos0 R | last R | pages R*P]``, and with ``prefix`` (each
+        row's bidirectional prefix length ``[R]``) ``prefix_end R`` after
+        them; returns (count, (T, R, S, P), plus a 1 with a prefix).
+        ``inputs`` are the rows' input ids (int64 arrays), by default their
+        ``tokens``."""
         ps, rows = self.cap.page_size, plan.rows
-        lens = np.array([len(r.tokens) for r in rows], dtype=np.int64)  # [R]
+        if inputs is None:
+            inputs = [np.asarray(r.tokens, dtype=np.int64) for r in rows]
+        lens = np.array([len(x) for x in inputs], dtype=np.int64)  # [R]
         pos0 = np.array([r.position for r in rows], dtype=np.int64)  # [R]
         t, nr, s = int(lens.sum()), len(rows), int(lens.max())
         p = int(((pos0 + lens + ps - 1) // ps).max())
@@ -139,23 +146,27 @@ class ModelRunner:
         row_of = np.repeat(np.arange(nr), lens)  # [T]
         slot = table[row_of, positions // ps] * ps + positions % ps  # [T]
         out_gather = row_of * s + (np.arange(t) - q_start[row_of])  # [T]
-        parts = [np.fromiter((x for r in rows for x in r.tokens), np.int64, t), positions, slot,
-                 out_gather, q_start, lens, pos0, q_start + lens - 1, table.reshape(-1)]
+        parts = [np.concatenate(inputs), positions, slot, out_gather, q_start, lens, pos0,
+                 q_start + lens - 1, table.reshape(-1)]
+        if prefix is not None:
+            parts.append(pos0 + prefix)
         n = 0
         for part in parts:
             staging[n:n + part.size] = part
             n += part.size
-        return n, (t, nr, s, p)
+        return n, (t, nr, s, p) + ((1,) if prefix is not None else ())
 
     def prefill_inputs(self, meta: torch.Tensor, shape: tuple[int, ...]):
         """From packed metadata on the device: input ids ``[1, T]``, position
         ids ``[1, T]``, each row's last token index ``[R]``, and the context."""
-        t, nr, s, p = shape
+        t, nr, s, p = shape[:4]
         tokens, positions, slot, out_gather = (meta[i * t:(i + 1) * t] for i in range(4))
         q_start, q_len, pos0, last = (meta[4 * t + i * nr:4 * t + (i + 1) * nr] for i in range(4))
-        table = meta[4 * t + 4 * nr:4 * t + 4 * nr + nr * p].view(nr, p)  # [R, P]
+        end = 4 * t + 4 * nr + nr * p
+        table = meta[4 * t + 4 * nr:end].view(nr, p)  # [R, P]
+        prefix_end = meta[end:end + nr] if len(shape) > 4 else None  # [R]
         ctx = prefill_context(self.cache, slot, table, q_start, q_len, pos0, out_gather, s,
-                              self.key_budget)
+                              self.key_budget, prefix_end)
         return tokens.view(1, t), positions.view(1, t), last, ctx
 
     def prefill_forward(self, meta: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -98,13 +98,22 @@ def pack_sampling(a: np.ndarray, rows: tuple[StepRow, ...], mask_ids: tuple[int 
     return all(r.sampling.temperature == 0 for r in rows)
 
 
+def unpack_sampling(inputs: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:
+    """``pack_sampling``'s layout on the device, bucket ``b``: row slots, mask
+    ids, seed halves, positions (int64 ``[b]`` each), temperature and top-p
+    (float32 ``[b]`` each)."""
+    row_slots, mask_ids, seed_lo, seed_hi, position = (inputs[i * b:(i + 1) * b] for i in range(5))
+    temperature = inputs[5 * b:6 * b].view(torch.float64).float()  # [b]
+    top_p = inputs[6 * b:7 * b].view(torch.float64).float()  # [b]
+    return row_slots, mask_ids, seed_lo, seed_hi, position, temperature, top_p
+
+
 def sample_inputs(inputs: torch.Tensor, logits: torch.Tensor, table: torch.Tensor,
                   token_salt: torch.Tensor, b: int, greedy: bool):
     """Unpack ``pack_sampling``'s layout on the device and sample: returns the
     rows' row slots ``[b]`` and tokens ``[b]``."""
-    row_slots, mask_ids, seed_lo, seed_hi, position = (inputs[i * b:(i + 1) * b] for i in range(5))
-    temperature = inputs[5 * b:6 * b].view(torch.float64).float()  # [b]
-    top_p = inputs[6 * b:7 * b].view(torch.float64).float()  # [b]
+    row_slots, mask_ids, seed_lo, seed_hi, position, temperature, top_p = \
+        unpack_sampling(inputs, b)
     tokens = sample_tokens(logits[:b], table, mask_ids, temperature, top_p, seed_lo, seed_hi,
                            position, token_salt, greedy)
     return row_slots, tokens

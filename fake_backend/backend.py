@@ -6,9 +6,10 @@ simulated memory (``kv``), through the contract's slot table (``slots``):
     launch    check the plan (the contract's checks, step order, and that no other
               sequence's device work still uses its pages and slots); run the forward's KV writes and read-back
               (compute order, I1); enqueue it on the compute queue
-    finalize  sample each row (``model``) under its mask; write the token to
-              the row's device slot; record an event; enqueue the host copy
-              on the copy queue behind that event
+    finalize  sample each row (``model``) under its mask, and the value it
+              asks; write the token (or the value's marker) to the row's device
+              slot; record an event; enqueue the host copy on the copy queue
+              behind that event
     wait      advance the host to the copy's end; read the host buffer,
               which only the landed copy has written
     release   the commit is done with the buffer (I4)
@@ -36,10 +37,11 @@ from typing import Mapping
 import attrs
 
 from bubblefree.core.protocol import NUM_SLOTS, Capacity, check_mask, check_plan, check_sample, slot_index
-from bubblefree.core.values import SamplePlan, StepFailed, StepOutput, StepPlan
+from bubblefree.core.values import ImageRef, SamplePlan, StepFailed, StepOutput, StepPlan
 from bubblefree.fake_backend.checks import check_step_order
 from bubblefree.fake_backend.clock import Clock
 from bubblefree.fake_backend.errors import HardwareMisuse
+from bubblefree.fake_backend.images import image_ref, value_marker
 from bubblefree.fake_backend.kv import DeviceMemory
 from bubblefree.fake_backend.model import FakeModel
 from bubblefree.fake_backend.owners import Ownership
@@ -65,6 +67,9 @@ class FakeBackend:
     max_prefill_tokens: int = 64
     max_context: int = 256
     num_adapter_slots: int = 2
+    images: bool = True  # runs IMAGE_PREFILL steps
+    values: bool = True  # decodes the values a SamplePlan asks (a region head)
+    image_length: int = 3  # prefix positions of an image from ``image_ref``
 
     log: list[tuple] = attrs.field(init=False, factory=list)  # (what, step_id, slot, start, end)
     clock: Clock = attrs.field(init=False, factory=Clock)
@@ -87,7 +92,8 @@ class FakeBackend:
         self._capacity = Capacity(
             num_pages=self.num_pages, page_size=self.page_size, max_rows=self.max_rows,
             max_seqs=self.max_seqs, max_prefill_tokens=self.max_prefill_tokens,
-            max_context=self.max_context, num_adapter_slots=self.num_adapter_slots)
+            max_context=self.max_context, num_adapter_slots=self.num_adapter_slots,
+            images=self.images, values=self.values)
         self.memory = DeviceMemory(self.page_size)
         self.slots = tuple(Slot(i) for i in range(NUM_SLOTS))
 
@@ -142,15 +148,19 @@ class FakeBackend:
         s = self._slot(slot)
         nxt = s.check("finalize")
         plan, work = s.plan, self._works[slot]
-        check_sample(sample, plan, self._masks, error=HardwareMisuse)
-        tokens, values = [], []
-        for ctx, row, mask_id in zip(s.contexts, plan.rows, sample.mask_ids):
+        check_sample(sample, plan, self._masks, values=self.values, error=HardwareMisuse)
+        tokens, values, inputs = [], [], []
+        for i, (ctx, row, mask_id) in enumerate(zip(s.contexts, plan.rows, sample.mask_ids)):
             allowed = None if mask_id is None else self._masks[mask_id]
             token = self.model.pick(ctx.prompt, ctx.position, ctx.prev_token, row.sampling, allowed)
+            kind = sample.values[i] if sample.values else None
+            value = None if kind is None else self.model.value(
+                ctx.prompt, ctx.position, ctx.prev_token, token, kind, row.sampling)
             tokens.append(token)
-            values.append(self.model.value(ctx.prompt, ctx.position, token))
+            values.append(value)
+            inputs.append(token if kind is None else value_marker(kind, value))
         output = StepOutput(step_id=plan.step_id, tokens=tuple(tokens),
-                            values=None if self.model.value_fn is None else tuple(values))
+                            values=tuple(values) if sample.values else None)
         cost = self.timing.of("finalize_cost", work)
         sampling = self.timing.of("sampling", work)
         faulted = s.fault is not None and s.fault.kind == "finalize"
@@ -160,8 +170,8 @@ class FakeBackend:
         self.log.append(("finalize", plan.step_id, slot, t0, t1))
         start, end = self.clock.compute.enqueue(plan.step_id, "sampling", self.clock.host, sampling)
         self.log.append(("sampling", plan.step_id, slot, start, end))
-        for ctx, token in zip(s.contexts, tokens):
-            self.memory.sampled(ctx, token)  # on the device, in compute order
+        for ctx, next_input in zip(s.contexts, inputs):
+            self.memory.sampled(ctx, next_input)  # on the device, in compute order
         self.owners.sampled(plan, end, self.clock.host)
         if faulted:
             self.owners.forget(plan.step_id)  # abandoned: nothing will read what it wrote
@@ -216,6 +226,11 @@ class FakeBackend:
 
     def allowed(self, mask_id: int) -> frozenset[int]:
         return self._masks[mask_id]
+
+    def image_ref(self, image: object) -> ImageRef:
+        """An image (an int fingerprint, bytes, str, or a PIL image) as the
+        core's ``ImageRef``; ``InvalidRequest`` naming ``image`` otherwise."""
+        return image_ref(image, self.image_length)
 
     # -------------------------------------------------------------- internal
     def _slot(self, slot: int) -> Slot:

@@ -12,7 +12,12 @@ so the engine cannot get a right answer from a wrong cache.
 ``row_tokens[row_slot]`` is what sampling last wrote for that slot. A decode
 row's input comes from there, never from the host (the seed's central move),
 in compute-queue order: it must be the token of exactly the position the row
-decodes, so reading it before its sampling was enqueued is caught.
+decodes, so reading it before its sampling was enqueued is caught. After a
+row that decoded a value, sampling writes the value's marker there instead
+(the region encoder's output on a GPU; ``images.py``).
+
+An IMAGE_PREFILL row writes its image's markers as prompt entries at the
+prefix positions, then its prompt, through the same page table.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import attrs
 
 from bubblefree.core.values import StepKind, StepPlan, StepRow
 from bubblefree.fake_backend.errors import HardwareMisuse, KVCorruption
+from bubblefree.fake_backend.images import fingerprint, image_markers
 
 
 @attrs.frozen
@@ -61,16 +67,18 @@ class DeviceMemory:
     def store(self, writes: dict[tuple[int, int], Entry]) -> None:
         self.kv.update(writes)
 
-    def sampled(self, ctx: Context, token: int) -> None:
-        """Sampling writes the row's token on the device (in compute order)."""
-        self.row_tokens[ctx.row_slot] = Entry(ctx.seq_id, ctx.position, token, False)
+    def sampled(self, ctx: Context, next_input: int) -> None:
+        """Sampling writes the row's next input on the device (in compute
+        order): its token, or the marker of the value it decoded."""
+        self.row_tokens[ctx.row_slot] = Entry(ctx.seq_id, ctx.position, next_input, False)
 
     def _addr(self, row: StepRow, position: int) -> tuple[int, int]:
         return row.pages[position // self.page_size], position % self.page_size
 
     def _inputs(self, row: StepRow, plan: StepPlan) -> list[Entry]:
-        if plan.kind is StepKind.PREFILL:
-            return [Entry(row.seq_id, row.position + i, tok, True) for i, tok in enumerate(row.tokens)]
+        if plan.kind is not StepKind.DECODE:
+            prefix = () if row.image is None else image_markers(image_source(row, plan), row.image.length)
+            return [Entry(row.seq_id, row.position + i, tok, True) for i, tok in enumerate(prefix + row.tokens)]
         held = self.row_tokens.get(row.row_slot)
         where = f"step {plan.step_id}: decode row of seq {row.seq_id} at position {row.position}"
         if held is None:
@@ -104,3 +112,12 @@ class DeviceMemory:
         if not prompt:
             raise KVCorruption(f"seq {row.seq_id}: no prompt in the KV")
         return Context(row.seq_id, row.row_slot, tuple(prompt), last + 1, prev)
+
+
+def image_source(row: StepRow, plan: StepPlan) -> int:
+    """The fingerprint of a row's image; a source the fake cannot read is the
+    engine's misuse (on a GPU: encoding garbage), raised before any write."""
+    try:
+        return fingerprint(row.image.source)
+    except TypeError as err:
+        raise HardwareMisuse(f"step {plan.step_id}: row of seq {row.seq_id}: image source: {err}") from None

@@ -13,46 +13,46 @@ The default scores let a test choose where EOS falls with the first prompt
 token ``k``: EOS scores top for the ``k``-th generated token (``k >= 1``) and
 lowest everywhere else, so ``k == 0`` never ends on its own. The margin is
 large enough that temperature sampling obeys the same rule.
+
+An image request's "prompt" here is its whole prefix: the image's markers
+(``images.py``), then the prompt tokens; the EOS rule reads the first prompt
+token. A value (a region head's coordinate or size) is a pure function of
+the same context, and the row's next input is a marker of it, not its token.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
 
-from bubblefree.core.values import GREEDY, SamplingParams
+from bubblefree.core.values import GREEDY, ImageRef, SamplingParams, ValueKind
+from bubblefree.fake_backend.hashing import stable_hash
+from bubblefree.fake_backend.images import fingerprint, image_markers, value_marker
 
-_MASK64 = (1 << 64) - 1
+__all__ = ["EOS_BOTTOM", "EOS_TOP", "Expected", "FakeModel", "gumbel", "sample", "stable_hash"]
+
 EOS_TOP = 1.0e6  # beats every other score (all in [0, 1)) and any Gumbel noise
 EOS_BOTTOM = -1.0e6
 
 ScoreFn = Callable[[tuple[int, ...], int, int], Sequence[float]]
-ValueFn = Callable[[tuple[int, ...], int, int], "float | None"]
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finalizer: a bijection on 64-bit ints with good avalanche."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def stable_hash(*parts: int) -> int:
-    """A 64-bit hash of a few ints, the same in every process and run."""
-    h = 0x5851F42D4C957F2D
-    for p in parts:
-        h = _mix(h ^ (p & _MASK64))
-    return h
+ValueFn = Callable[[tuple[int, ...], int, int, ValueKind], Any]
+Value = float | tuple[float, float]
+COORD_BINS = SIZE_BINS = 1024
 
 
 @functools.lru_cache(maxsize=4096)
 def _prompt_digest(prompt: tuple[int, ...]) -> int:
     # Cached: a decode row re-derives its prompt from the KV every step.
     return stable_hash(len(prompt), *prompt)
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_text(prompt: tuple[int, ...]) -> int:
+    """The first prompt token after an image's markers (negative)."""
+    return next((t for t in prompt if t >= 0), 0)
 
 
 def _unit_open(h: int) -> float:
@@ -91,11 +91,21 @@ def sample(scores: Sequence[float], allowed: Iterable[int] | None,
 
 
 @attrs.frozen
+class Expected:
+    """What the engine must return for a request: its tokens, and per token
+    the value its skill asked for (None where it asked none)."""
+
+    tokens: tuple[int, ...]
+    values: tuple[Value | None, ...]
+
+
+@attrs.frozen
 class FakeModel:
     """``score_fn(prompt, position, prev_token)`` overrides the default scores;
-    ``value_fn(prompt, position, token)`` adds a spatial value per row (a
-    region head); without it ``StepOutput.values`` is None. ``position`` is
-    always that of the token being sampled."""
+    ``value_fn(prompt, position, token, kind)`` the default values (it must
+    return one of ``kind``'s shape: a float in [0, 1], or a pair in (0, 1]).
+    ``position`` is always that of the token being sampled, ``prompt`` the
+    whole prefix (an image's markers first)."""
 
     vocab_size: int = 32
     eos_id: int = 0
@@ -116,8 +126,20 @@ class FakeModel:
             raise ValueError(f"score_fn returned {len(out)} scores for a vocabulary of {self.vocab_size}")
         return out
 
-    def value(self, prompt: tuple[int, ...], position: int, token: int) -> float | None:
-        return None if self.value_fn is None else self.value_fn(prompt, position, token)
+    def value(self, prompt: tuple[int, ...], position: int, prev_token: int, token: int,
+              kind: ValueKind, sampling: SamplingParams = GREEDY) -> Value:
+        """The value a region head decodes for this row: from the context the
+        token was sampled in (the hidden state), not from the token. Bins are
+        greedy at temperature 0, else drawn with the request's seed."""
+        if self.value_fn is not None:
+            return self.value_fn(prompt, position, token, kind)
+        base = stable_hash(0x5E, _prompt_digest(prompt), position, prev_token, kind is ValueKind.SIZE)
+        if sampling.temperature != 0.0:
+            base = stable_hash(0xB1, sampling.seed, base)
+        if kind is ValueKind.COORD:
+            return (base % COORD_BINS) / COORD_BINS
+        w, h = (stable_hash(base, axis) % SIZE_BINS for axis in (0, 1))
+        return 2 ** (w / (SIZE_BINS - 1) * 10 - 10), 2 ** (h / (SIZE_BINS - 1) * 10 - 10)
 
     def pick(self, prompt: tuple[int, ...], position: int, prev_token: int,
              sampling: SamplingParams = GREEDY, allowed: Iterable[int] | None = None) -> int:
@@ -125,27 +147,50 @@ class FakeModel:
         return sample(self.scores(prompt, position, prev_token), allowed, sampling, position)
 
     def generate(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams = GREEDY,
-                 stop_ids: Iterable[int] | None = None) -> tuple[int, ...]:
+                 stop_ids: Iterable[int] | None = None, **kw: Any) -> tuple[int, ...]:
         """Unconstrained output of a request, ending at a stop id (kept) or
-        after ``max_tokens``: what the engine must return for it (I8)."""
-        prompt = tuple(prompt)
-        if not prompt:
+        after ``max_tokens``: what the engine must return for it (I8). Takes
+        ``expect``'s keywords (an image, a decode state)."""
+        return self.expect(prompt, max_tokens, sampling, stop_ids, **kw).tokens
+
+    def expect(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams = GREEDY,
+               stop_ids: Iterable[int] | None = None, *, image: ImageRef | None = None,
+               state: Any = None, masks: Mapping[int, frozenset[int]] | None = None) -> Expected:
+        """The tokens and values the engine must return, computed without a
+        backend: after ``image``'s prefix, under ``state`` (a DecodeState: its
+        mask, from ``masks``, and its value kind before each token; ``advance``
+        after), ending at a stop id, the state's end, or ``max_tokens``."""
+        text = tuple(prompt)
+        if not text:
             raise ValueError("prompt must hold at least one token")
+        full = text if image is None else image_markers(fingerprint(image.source), image.length) + text
         stop = frozenset((self.eos_id,) if stop_ids is None else stop_ids)
-        out: list[int] = []
-        prev, position = prompt[-1], len(prompt)
-        while len(out) < max_tokens:
-            prev = self.pick(prompt, position, prev, sampling)
-            out.append(prev)
-            if prev in stop:
+        tokens: list[int] = []
+        values: list[Value | None] = []
+        prev, position = full[-1], len(full)
+        while len(tokens) < max_tokens:
+            allowed = kind = None
+            if state is not None:
+                mask = state.mask_id()
+                allowed = None if mask is None else masks[mask]
+                ask = getattr(state, "value_kind", None)
+                kind = None if ask is None else ask()
+            token = self.pick(full, position, prev, sampling, allowed)
+            value = None if kind is None else self.value(full, position, prev, token, kind, sampling)
+            tokens.append(token)
+            values.append(value)
+            done = state is not None and state.advance(token, value)
+            if token in stop or done:
                 break
+            prev = token if kind is None else value_marker(kind, value)
             position += 1
-        return tuple(out)
+        return Expected(tuple(tokens), tuple(values))
 
     def _default_scores(self, prompt: tuple[int, ...], position: int, prev_token: int) -> list[float]:
         base = stable_hash(_prompt_digest(prompt), position, prev_token)
         out = [(stable_hash(base, v) >> 11) * (1.0 / (1 << 53)) for v in range(self.vocab_size)]
         generated_before = position - len(prompt)
-        eos_now = prompt[0] >= 1 and generated_before == prompt[0] - 1
+        k = _first_text(prompt)
+        eos_now = k >= 1 and generated_before == k - 1
         out[self.eos_id] = EOS_TOP if eos_now else EOS_BOTTOM
         return out

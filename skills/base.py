@@ -108,6 +108,13 @@ class Skill(abc.ABC):
     @abc.abstractmethod
     def finish(self, state: SkillState) -> Any: ...
 
+    def unserved(self, codec: SpatialCodec | None) -> str | None:
+        """Why this skill cannot run on a model with ``codec``, or None."""
+        if self.spatial and codec is None:
+            return ("this model has no location tokens or region head, so it cannot give spatial "
+                    "answers; load a text model with location_tokens=True to add them")
+        return None
+
     def stop_ids(self, ctx: CompileContext) -> frozenset[int]:
         """EOS ends every skill; states also treat it as their end marker, so
         the result is the same whether or not the engine advances them on it."""

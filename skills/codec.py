@@ -9,9 +9,15 @@ a value of a kind and what value a committed token stands for. Two codecs:
   ``<loc_0>``…``<loc_{n-1}>`` for coordinate bins (x and y share them) and
   ``<size_0>``…``<size_{m-1}>`` for log-spaced size bins. The value is the
   bin's, so it works with any model that learned the tokens.
-- ``RegionHeadCodec``: one coordinate token and one size token whose value a
-  small head decodes from the hidden state; the backend delivers it as
-  ``value`` in ``DecodeState.advance``. Skills do not change.
+- ``RegionHeadCodec`` (moondream2): the value is decoded by the model's
+  region head from the step's hidden state, beside whatever token the step
+  samples; no token is reserved for values. A state asks for it with
+  ``value_kind()`` (``core.values.ValueKind``); the backend delivers it as
+  ``value`` in ``DecodeState.advance``: a float for a coordinate, a
+  (width, height) pair for a size, so a box's size is one step.
+
+Skills do not branch on the codec: they ask it for the kinds of an object's
+slots (``size_slots``) and for each slot's value kind.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from bubblefree.core.values import ValueKind
 from bubblefree.skills.tokenizer import Tokenizer
 
 
@@ -45,13 +52,14 @@ class SpatialCodec(Protocol):
         """Every spatial token: free text never samples these."""
         ...
 
-    def decode(self, kind: Kind, token: int, value: float | None) -> float:
-        """The value a committed token of ``kind`` stands for."""
+    def value_kind(self, kind: Kind) -> ValueKind | None:
+        """The value the backend decodes beside a token of ``kind`` (a region
+        head), or None when the token itself carries it."""
         ...
 
-    def encode(self, kind: Kind, value: float) -> int:
-        """The token that carries ``value`` (a region head carries the value
-        itself beside its one token)."""
+    def decode(self, kind: Kind, token: int, value):
+        """The value a committed token of ``kind`` stands for: a float, or a
+        (width, height) pair for a region head's size."""
         ...
 
 
@@ -111,6 +119,9 @@ class LocationCodec:
     def spatial_ids(self) -> frozenset[int]:
         return self._coords | self._sizes
 
+    def value_kind(self, kind: Kind) -> None:
+        return None  # the token is the value
+
     def decode(self, kind: Kind, token: int, value: float | None = None) -> float:
         if token not in self.ids(kind):
             raise CodecError(f"token {token} carries no {kind.value} value")
@@ -133,30 +144,62 @@ class LocationCodec:
 
 @attrs.frozen
 class RegionHeadCodec:
-    """One coordinate token and one size token; the value comes from the
-    model's region head, clamped to [0, 1]."""
+    """moondream2's region head: values decoded from the hidden state.
 
-    coord_id: int
-    size_id: int
+    moondream's reference decides "another object, or the end" by whether the
+    argmax over the whole vocabulary is EOS, and decodes x from that same
+    step's hidden state; y and the size are then decoded from the next
+    steps' hidden states, whose tokens it never reads. So any token but EOS
+    carries a value here, and the token itself means nothing: ``ids`` is
+    every token but EOS (a y or size step cannot end the request), and the
+    value is what ``advance`` receives. A size is one (width, height) step.
+    """
+
+    vocab_size: int
+    eos_id: int
+    _ids: frozenset[int] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.eos_id < self.vocab_size:
+            raise CodecError(f"eos_id {self.eos_id} is not in a vocabulary of {self.vocab_size}")
+        object.__setattr__(self, "_ids", frozenset(range(self.vocab_size)) - {self.eos_id})
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer) -> RegionHeadCodec:
+        return cls(vocab_size=len(tokenizer), eos_id=tokenizer.eos_id)
 
     def ids(self, kind: Kind) -> frozenset[int]:
-        return frozenset({self.size_id if kind is Kind.SIZE else self.coord_id})
+        return self._ids
 
     def spatial_ids(self) -> frozenset[int]:
-        return frozenset({self.coord_id, self.size_id})
+        return frozenset()  # no token is reserved: free text keeps them all
 
-    def decode(self, kind: Kind, token: int, value: float | None) -> float:
-        if token not in self.ids(kind):
-            raise CodecError(f"token {token} carries no {kind.value} value")
-        if value is None or not math.isfinite(value):
-            # The backend must deliver the head's value with the token; a
-            # missing one means a model without a region head was paired
-            # with this codec.
-            raise CodecError(f"region token {token} committed without a decoded value")
+    def value_kind(self, kind: Kind) -> ValueKind:
+        return ValueKind.SIZE if kind is Kind.SIZE else ValueKind.COORD
+
+    def decode(self, kind: Kind, token: int, value):
+        # The token is not read (see the class docstring); the value must be
+        # there: a missing one means a backend without a region head was
+        # paired with this codec.
+        if kind is Kind.SIZE:
+            if not (isinstance(value, tuple) and len(value) == 2 and all(map(_finite, value))):
+                raise CodecError(f"size step (token {token}) committed without a (width, height) value, "
+                                 f"got {value!r}")
+            return (_clamp01(value[0]), _clamp01(value[1]))
+        if not _finite(value):
+            raise CodecError(f"{kind.value} step (token {token}) committed without a decoded value, "
+                             f"got {value!r}")
         return _clamp01(value)
 
-    def encode(self, kind: Kind, value: float) -> int:
-        return self.size_id if kind is Kind.SIZE else self.coord_id
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def size_slots(codec: SpatialCodec) -> tuple[Kind, ...]:
+    """A size's slots: one step when the codec's size value is a (width,
+    height) pair (a region head), width then height otherwise."""
+    return (Kind.SIZE,) if codec.value_kind(Kind.SIZE) is ValueKind.SIZE else (Kind.SIZE, Kind.SIZE)
 
 
 def box_from_centre(cx: float, cy: float, w: float, h: float) -> dict[str, float]:

@@ -9,6 +9,7 @@ import attrs
 from bubblefree.skills.base import CompileContext, Skill, check_fields, positive_int, text_arg
 from bubblefree.skills.codec import Kind
 from bubblefree.skills.objects import ObjectListState, ObjectTables, compile_objects
+from bubblefree.skills.templates import templates_of
 from bubblefree.skills.tokenizer import Tokenizer
 
 
@@ -33,6 +34,9 @@ class Point(Skill):
         return parse_object_args(self.name, args)
 
     def prompt(self, tokenizer: Tokenizer, args: ObjectArgs) -> list[int]:
+        templates = templates_of(tokenizer)
+        if templates is not None:
+            return templates.object_prompt(tokenizer, self.name, args.object)
         return tokenizer.prompt(f"\n\nPoint: {args.object}\n\n", f"Point at: {args.object}")
 
     def default_max_tokens(self, args: ObjectArgs) -> int:

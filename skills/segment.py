@@ -1,5 +1,9 @@
 """``segment(object)`` → ``{"path": svg_path_d, "bbox": {...}}``.
 
+Served by models with location tokens (text models, with an image where the
+backend takes one). moondream2 (a region head) has no segment skill in its
+reference implementation, so it refuses segment requests (``unserved``).
+
 First a bbox, as one ``detect`` box (x or EOS, y, width, height; EOS there
 means "not found": ``{"path": "", "bbox": None}``). Then an SVG path under
 ``path_grammar``: commands as text, numbers as coordinate tokens read
@@ -119,6 +123,15 @@ class Segment(Skill):
     name: str = "segment"
     spatial: ClassVar[bool] = True
     max_tokens: int = 512
+
+    def unserved(self, codec: SpatialCodec | None) -> str | None:
+        if codec is not None and codec.value_kind(Kind.X) is not None:
+            # moondream2's reference answers caption, query, point and detect;
+            # a path of region-head values would be a format it never learned.
+            return ("a model with a region head (moondream2) has no segment skill: its "
+                    "reference answers caption, query, point and detect; segment needs a model "
+                    "with location tokens")
+        return super().unserved(codec)
 
     def parse_args(self, args: Mapping[str, Any]) -> SegmentArgs:
         check_fields(self.name, args, ("object",))

@@ -25,10 +25,11 @@ from typing import Any, Callable
 
 import attrs
 
-from bubblefree.core.values import GREEDY, Request, SamplingParams
+from bubblefree.core.values import GREEDY, ImageRef, Request, SamplingParams
 from bubblefree.skills.base import Skill, SkillError, SkillState, StateFactory, invalid
 from bubblefree.skills.codec import CodecError, LocationCodec, SpatialCodec
 from bubblefree.skills.registry import BUILTIN, Registry
+from bubblefree.skills.templates import templates_of
 from bubblefree.skills.tokenizer import Tokenizer
 
 
@@ -73,16 +74,16 @@ class SkillSet:
     # -- compile once --------------------------------------------------------
 
     def serves(self, name: str) -> bool:
-        """Whether skill ``name`` can run here (a spatial one needs a codec)."""
-        return not self.registry.get(name).spatial or self.codec is not None
+        """Whether skill ``name`` can run here (a spatial one needs a codec;
+        see ``Skill.unserved``)."""
+        return self.registry.get(name).unserved(self.codec) is None
 
     def tables(self, name: str) -> Any:
         tables = self._tables.get(name)
         if tables is None:
-            if not self.serves(name):
-                raise invalid(name, "skill", "this model has no location tokens or region "
-                              "head, so it cannot give spatial answers; load a text model "
-                              "with location_tokens=True to add them")
+            why = self.registry.get(name).unserved(self.codec)
+            if why is not None:
+                raise invalid(name, "skill", why)
             tables = self.registry.get(name).compile(self)
             self._tables[name] = tables
         return tables
@@ -106,37 +107,54 @@ class SkillSet:
     def request(self, name: str, *, max_tokens: int | None = None,
                 sampling: SamplingParams = GREEDY, max_context: int | None = None,
                 max_positions: int | None = None, adapter: str | None = None,
-                tag: Any = None, **args: Any) -> Request:
-        """A request for skill ``name``. ``max_context`` (the model's longest
-        sequence) and ``max_positions`` (KV positions the cache holds) bound
-        the output: a ``max_tokens`` the caller gave that does not fit is
-        refused naming it; a default that does not fit is cut to what fits,
-        unless the caller's own ``max_objects`` asked for more (named then)."""
+                tag: Any = None, image: ImageRef | None = None, **args: Any) -> Request:
+        """A request for skill ``name``, about ``image`` if given (an
+        ``ImageRef`` from the backend's ``image_ref``). ``max_context`` (the
+        model's longest sequence) and ``max_positions`` (KV positions the
+        cache holds) bound the output: a ``max_tokens`` the caller gave that
+        does not fit is refused naming it; a default that does not fit is cut
+        to what fits, unless the caller's own ``max_objects`` asked for more
+        (named then). With moondream's prompts (``skills.templates``) caption,
+        point and detect need an image, and a request without one begins
+        with BOS, as the image prefix would."""
         skill = self.registry.get(name)
         tables = self.tables(name)  # first: a skill this model cannot serve is refused as such
         parsed = skill.parse_args(args)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
             raise invalid(name, "max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
+        if image is not None and not isinstance(image, ImageRef):
+            raise invalid(name, "image", f"must be an ImageRef from the backend's image_ref, "
+                          f"got {type(image).__name__}")
         prompt = tuple(skill.prompt(self.tokenizer, parsed))
-        room = _room(len(prompt), max_context, max_positions)
+        templates = templates_of(self.tokenizer)
+        if templates is not None and image is None:
+            if templates.requires_image(name):
+                raise invalid(name, "image", f"is required: on this model {name} is about an image")
+            if prompt[:1] != (templates.bos_id,):
+                prompt = (templates.bos_id, *prompt)
+        prefix = len(prompt) + (image.length if image is not None else 0)
+        room = _room(prefix, max_context, max_positions)
+        image_part = f" after the image's {image.length} positions" if image is not None else ""
         if room is not None and room < 1:
-            raise invalid(name, "prompt", f"is {len(prompt)} tokens; the model's max_context is {max_context}")
+            raise invalid(name, "prompt", f"is {len(prompt)} tokens{image_part}; the model's "
+                          f"max_context is {max_context}")
         if max_tokens is None:
             max_tokens = skill.default_max_tokens(parsed)
             if room is not None and max_tokens > room:
                 if "max_objects" in args:
                     raise invalid(name, "max_objects", f"{args['max_objects']} objects need up to {max_tokens} "
-                                  f"tokens; after a {len(prompt)}-token prompt the model has room for {room}")
+                                  f"tokens; after a {len(prompt)}-token prompt{image_part} the model has "
+                                  f"room for {room}")
                 max_tokens = room
         elif room is not None and max_tokens > room:
-            raise invalid(name, "max_tokens", f"{max_tokens} after a {len(prompt)}-token prompt exceeds the "
-                          f"room of {room} tokens (max_context {max_context})")
+            raise invalid(name, "max_tokens", f"{max_tokens} after a {len(prompt)}-token prompt{image_part} "
+                          f"exceeds the room of {room} tokens (max_context {max_context})")
         factory = functools.partial(skill.start, tables, parsed, max_tokens)
         return Request(prompt=prompt, max_tokens=max_tokens, stop_ids=skill.stop_ids(self),
                        sampling=sampling, decode_state=factory,
                        finisher=functools.partial(finish_request, skill, factory),
-                       adapter=adapter, tag=tag, skill=name)
+                       adapter=adapter, tag=tag, skill=name, image=image)
 
 
 def _room(prompt_len: int, max_context: int | None, max_positions: int | None) -> int | None:

@@ -12,7 +12,8 @@ from typing import Any, Mapping, Sequence
 import attrs
 
 from bubblefree.skills.base import (CompileContext, Skill, SkillError, SkillState, check_fields,
-                         choice_arg, text_arg)
+                         choice_arg, invalid, text_arg)
+from bubblefree.skills.templates import templates_of
 from bubblefree.skills.tokenizer import Tokenizer
 
 
@@ -69,6 +70,9 @@ class Query(Skill):
         return QueryArgs(question=text_arg(self.name, args, "question"))
 
     def prompt(self, tokenizer: Tokenizer, args: QueryArgs) -> list[int]:
+        templates = templates_of(tokenizer)
+        if templates is not None:
+            return templates.query_prompt(tokenizer, args.question)
         return tokenizer.prompt(f"\n\nQuestion: {args.question}\n\nAnswer:", args.question)
 
     def default_max_tokens(self, args: QueryArgs) -> int:
@@ -103,6 +107,13 @@ class Caption(Skill):
         return CaptionArgs(choice_arg(self.name, args, "length", CAPTION_LENGTHS, "normal"))
 
     def prompt(self, tokenizer: Tokenizer, args: CaptionArgs) -> list[int]:
+        templates = templates_of(tokenizer)
+        if templates is not None:
+            ids = templates.caption_prompt(args.length)
+            if ids is None:
+                raise invalid(self.name, "length", f"this model has no {args.length!r} caption; it has "
+                              f"{', '.join(templates.captions)}")
+            return ids
         ask = {"short": "Describe this image in one sentence.",
                "normal": "Describe this image.",
                "long": "Describe this image in detail."}[args.length]

@@ -8,6 +8,10 @@ word-level one the tests use (``skills.word_tokenizer.WordTokenizer``).
 path grammar runs these strings through its automaton and the spatial codec
 finds its tokens by them, so special tokens must appear under their literal
 names (``<loc_17>``), never as the empty string.
+
+A tokenizer may also carry ``templates`` (``skills.templates.MoondreamTemplates``):
+a model whose skills have fixed prompt ids (moondream2) rather than a chat
+template. None, or absent, for text models.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ class HFTokenizer:
     add_special_tokens: bool
     _vocab: tuple[str, ...]
     _eos_id: int
+    templates: Any = None  # skills.templates.MoondreamTemplates for moondream2
 
     @classmethod
     def wrap(cls, hf: Any, *, add_tokens: Sequence[str] = (),
-             add_special_tokens: bool = False) -> HFTokenizer:
+             add_special_tokens: bool = False, templates: Any = None) -> HFTokenizer:
         known = hf.get_vocab()
         missing = [t for t in add_tokens if t not in known]
         if missing:
@@ -75,7 +80,7 @@ class HFTokenizer:
                                       skip_special_tokens=False,
                                       clean_up_tokenization_spaces=False))
         return cls(hf=hf, added=tuple(missing), add_special_tokens=add_special_tokens,
-                   vocab=vocab, eos_id=int(hf.eos_token_id))
+                   vocab=vocab, eos_id=int(hf.eos_token_id), templates=templates)
 
     @property
     def eos_id(self) -> int:

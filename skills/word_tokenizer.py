@@ -9,7 +9,7 @@ words with single spaces. Ids are positions in ``words``; ``<eos>`` and
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import attrs
 
@@ -29,6 +29,8 @@ DEMO_WORDS = (
 @attrs.frozen
 class WordTokenizer:
     words: tuple[str, ...] = attrs.field(converter=tuple)
+    # skills.templates.MoondreamTemplates: the skills prompt as moondream2's do
+    templates: Any = attrs.field(default=None, eq=False)
     _index: dict[str, int] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:

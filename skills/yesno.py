@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import attrs
 
 from bubblefree.skills.base import CompileContext, Skill, SkillError, SkillState, check_fields, text_arg
+from bubblefree.skills.templates import templates_of
 from bubblefree.skills.tokenizer import Tokenizer
 
 
@@ -55,6 +56,9 @@ class YesNo(Skill):
         return YesNoArgs(question=text_arg(self.name, args, "question"))
 
     def prompt(self, tokenizer: Tokenizer, args: YesNoArgs) -> list[int]:
+        templates = templates_of(tokenizer)
+        if templates is not None:
+            return templates.query_prompt(tokenizer, f"{args.question} Answer yes or no.")
         return tokenizer.prompt(f"\n\nQuestion: {args.question} Answer yes or no.\n\nAnswer:",
                                 f"{args.question} Answer yes or no.")
 

@@ -3,6 +3,8 @@ written out for tests that drive the fake without the core."""
 
 from __future__ import annotations
 
+import attrs
+
 from bubblefree.core.values import GREEDY, SamplePlan, StepKind, StepPlan, StepRow
 from bubblefree.fake_backend.slots import SlotState
 
@@ -27,13 +29,23 @@ def drow(seq, position, pages, row_slot=None, sampling=GREEDY):
                    position=position, pages=tuple(pages), sampling=sampling)
 
 
-def finalize(b, slot, plan, masks=None):
-    b.finalize(slot, SamplePlan(plan.step_id, tuple(masks) if masks else (None,) * len(plan.rows)))
+def image_prefill(step_id, *rows):
+    return StepPlan(step_id=step_id, kind=StepKind.IMAGE_PREFILL, rows=tuple(rows))
 
 
-def blocking_step(b, slot, plan, masks=None):
+def irow(seq, image, prompt, pages, row_slot=None, sampling=GREEDY):
+    """An image prefill row: ``image`` (an ImageRef) then ``prompt``."""
+    return attrs.evolve(prow(seq, prompt, pages, row_slot, sampling), image=image)
+
+
+def finalize(b, slot, plan, masks=None, values=()):
+    b.finalize(slot, SamplePlan(plan.step_id, tuple(masks) if masks else (None,) * len(plan.rows),
+                                tuple(values)))
+
+
+def blocking_step(b, slot, plan, masks=None, values=()):
     b.launch(slot, plan)
-    finalize(b, slot, plan, masks)
+    finalize(b, slot, plan, masks, values)
     out = b.wait(slot)
     b.release(slot)
     return out

@@ -40,7 +40,8 @@ def fake_engine(script: tuple[str, ...] | None = ANSWER, *, endless: bool = Fals
         return [1.0 if t == token else 0.0 for t in range(vocab)]
 
     model = FakeModel(vocab_size=vocab, eos_id=eos, score_fn=scores if script else None)
-    core = CoreEngine(FakeBackend(model=model, num_pages=num_pages, max_rows=max_rows))
+    core = CoreEngine(FakeBackend(model=model, num_pages=num_pages, max_rows=max_rows,
+                                  images=False, values=False))
     return Engine(core, SkillSet(TOKENIZER, core.register_mask, codec=None).compile_all())
 
 

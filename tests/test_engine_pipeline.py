@@ -14,7 +14,7 @@ from typing import Callable
 import attrs
 import pytest
 
-from bubblefree.core import Engine, InvariantViolation, Request, Status
+from bubblefree.core import Engine, InvariantViolation, Request, Status, ValueKind
 from bubblefree.fake_backend import FakeBackend, FakeModel
 
 MODEL = FakeModel()
@@ -104,26 +104,38 @@ def test_a_request_waiting_for_a_row_slot_says_so():
 
 @attrs.define(eq=False)
 class Recorder:
-    """A free-text DecodeState that keeps what the commit hands it."""
+    """A free-text DecodeState that keeps what the commit hands it; with
+    ``kinds``, it asks those values in turn (None: no value)."""
 
     got: list = attrs.Factory(list)
+    kinds: tuple = ()
 
     def mask_id(self):
         return None
+
+    def value_kind(self):
+        return self.kinds[len(self.got) % len(self.kinds)] if self.kinds else None
 
     def advance(self, token, value):
         self.got.append((token, value))
         return False
 
 
-def test_each_token_reaches_the_skill_with_its_spatial_value():
-    model = FakeModel(value_fn=lambda prompt, position, token: position + token / 100)
+def test_each_token_reaches_the_skill_with_the_value_it_asked_for():
+    model = FakeModel(value_fn=lambda prompt, position, token, kind: (
+        (position + token) / 100 if kind is ValueKind.COORD else (position / 100, token / 100)))
     engine = Engine(FakeBackend(zero_cost=True, model=model))
+    kinds = (ValueKind.COORD, None, ValueKind.SIZE)
     states = []
-    engine.submit(Request(prompt=(0, 3), max_tokens=4, decode_state=lambda: states.append(Recorder()) or states[-1]))
+    engine.submit(Request(prompt=(0, 3), max_tokens=6,
+                          decode_state=lambda: states.append(Recorder(kinds=kinds)) or states[-1]))
     engine.run_until_idle()
-    tokens = model.generate((0, 3), 4)
-    assert states[0].got == [(t, model.value((0, 3), 2 + k, t)) for k, t in enumerate(tokens)]
+    want = model.expect((0, 3), 6, state=Recorder(kinds=kinds))
+    assert states[0].got == list(zip(want.tokens, want.values))
+    assert [v is None for _, v in states[0].got] == [False, True, False] * 2
+    # The value row's next input is the value's marker, so later tokens differ
+    # from the same request asking no values.
+    assert want.tokens != model.generate((0, 3), 6)
 
 
 def test_the_finisher_gets_the_committed_tokens_and_the_skill_state():

@@ -81,3 +81,57 @@ def test_random_weights_are_seeded_and_layer_norms_start_near_one():
         assert torch.equal(x, y), name
     assert abs(a.text.post_ln.weight.mean().item() - 1) < 0.1
     assert a.vision.pos_emb.abs().sum() > 0 and a.region.coord_features.abs().sum() > 0
+
+
+def _legacy(name: str) -> str:
+    # The older release's names, as its loader reads them, written out per part.
+    parts = name.split(".")
+    if name == "vision.pos_emb":
+        return "vision_encoder.encoder.model.visual.pos_embed"
+    if parts[:2] == ["vision", "patch_emb"]:
+        return "vision_encoder.encoder.model.visual.patch_embed.linear." + parts[2]
+    if parts[:2] == ["vision", "post_ln"]:
+        return "vision_encoder.encoder.model.visual.norm." + parts[2]
+    if parts[:2] == ["vision", "blocks"]:
+        rest = ".".join(parts[3:]).replace("ln1", "norm1").replace("ln2", "norm2")
+        return f"vision_encoder.encoder.model.visual.blocks.{parts[2]}.{rest}"
+    if parts[:2] == ["vision", "proj_mlp"]:
+        return "vision_encoder.projection.mlp." + ".".join(parts[2:])
+    if name == "text.wte":
+        return "text_model.transformer.embd.wte.weight"
+    if parts[:2] == ["text", "post_ln"]:
+        return "text_model.lm_head.ln." + parts[2]
+    if parts[:2] == ["text", "lm_head"]:
+        return "text_model.lm_head.linear." + parts[2]
+    if parts[:2] == ["text", "blocks"]:
+        rest = ".".join(parts[3:]).replace("attn.qkv", "mixer.Wqkv").replace("attn.proj",
+                                                                             "mixer.out_proj")
+        return f"text_model.transformer.h.{parts[2]}._orig_mod.{rest}"
+    if name == "region.coord_features":
+        return "region_model.coordinate_features.weight"
+    if name == "region.size_features":
+        return "region_model.size_features.weight"
+    return "region_model." + name.removeprefix("region.").replace("coord_", "coordinate_")
+
+
+def test_the_older_release_layout_loads_under_our_names(tmp_path):
+    source = random_model(tiny_config(), seed=2)
+    state = {_legacy(k): (v.T if k.endswith("_features") else v).contiguous()
+             for k, v in source.state_dict().items()}
+    assert "text_model.transformer.h.0._orig_mod.mixer.Wqkv.weight" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"config": config_to_json(tiny_config())}))
+    loaded = load_checkpoint(tmp_path, dtype=torch.float32)
+    for name, tensor in loaded.model.state_dict().items():
+        assert torch.equal(tensor, source.state_dict()[name]), name
+
+
+def test_config_json_templates_and_fields_left_off():
+    config = config_from_json({"tokenizer": {"templates": {"point": {"prefix": [198, 198, 12727, 25],
+                                                                     "suffix": [628]},
+                                                           "detect": None}},
+                               "region": {"group_size": None}})
+    assert config.tokenizer.template("point", "prefix") == (198, 198, 12727, 25)
+    assert config.tokenizer.templates["detect"] is None
+    with pytest.raises(CheckpointError, match="group_size=128 is not supported"):
+        config_from_json({"region": {"group_size": 128}})

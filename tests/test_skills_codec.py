@@ -7,8 +7,9 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
+from bubblefree.core import ValueKind
 from bubblefree.skills import Kind, LocationCodec, RegionHeadCodec, WordTokenizer, demo_tokenizer
-from bubblefree.skills.codec import CodecError, box_from_centre, location_tokens
+from bubblefree.skills.codec import CodecError, box_from_centre, location_tokens, size_slots
 
 TOK = demo_tokenizer()
 CODEC = LocationCodec.for_tokenizer(TOK)
@@ -76,17 +77,28 @@ def test_a_box_survives_the_token_round_trip(cx, cy, w, h):
     assert all(abs(b[k] - want[k]) <= tol + 1e-12 for k in b)
 
 
-@given(st.floats(allow_nan=False, allow_infinity=False))
-def test_a_region_head_codec_decodes_values_clamped(v):
-    codec = RegionHeadCodec(coord_id=5, size_id=6)
-    assert codec.ids(Kind.X) == codec.ids(Kind.Y) == {5} and codec.ids(Kind.SIZE) == {6}
+@given(st.floats(allow_nan=False, allow_infinity=False), st.floats(allow_nan=False, allow_infinity=False))
+def test_a_region_head_codec_decodes_values_clamped(v, w):
+    codec = RegionHeadCodec(vocab_size=10, eos_id=3)
+    # Any token but EOS carries a value (the token is not read); none is reserved.
+    assert codec.ids(Kind.X) == codec.ids(Kind.Y) == codec.ids(Kind.SIZE) == set(range(10)) - {3}
+    assert codec.spatial_ids() == set()
+    assert codec.value_kind(Kind.X) is codec.value_kind(Kind.Y) is ValueKind.COORD
+    assert codec.value_kind(Kind.SIZE) is ValueKind.SIZE
     assert codec.decode(Kind.X, 5, v) == min(1.0, max(0.0, v))
-    assert codec.encode(Kind.SIZE, v) == 6
+    assert codec.decode(Kind.SIZE, 7, (v, w)) == (min(1.0, max(0.0, v)), min(1.0, max(0.0, w)))
+    assert CODEC.value_kind(Kind.X) is None and CODEC.value_kind(Kind.SIZE) is None
 
 
 def test_a_region_head_codec_needs_its_value():
+    codec = RegionHeadCodec(vocab_size=10, eos_id=3)
     with pytest.raises(CodecError, match="without a decoded value"):
-        RegionHeadCodec(coord_id=5, size_id=6).decode(Kind.X, 5, None)
+        codec.decode(Kind.X, 5, None)
+    with pytest.raises(CodecError, match=r"without a \(width, height\) value"):
+        codec.decode(Kind.SIZE, 5, 0.5)
+    with pytest.raises(CodecError, match="not in a vocabulary"):
+        RegionHeadCodec(vocab_size=3, eos_id=3)
+    assert size_slots(codec) == (Kind.SIZE,) and size_slots(CODEC) == (Kind.SIZE, Kind.SIZE)
 
 
 def test_location_token_names():

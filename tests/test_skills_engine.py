@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bubblefree.core import Engine, SamplingParams, Status
+from bubblefree.core import Engine, SamplingParams, Status, ValueKind
 from bubblefree.fake_backend import FakeBackend, FakeModel, stable_hash
+from bubblefree.fake_backend.images import value_marker
 from bubblefree.skills import Kind, LocationCodec, RegionHeadCodec, SkillSet, demo_tokenizer
+from bubblefree.skills.codec import box_from_centre
 from bubblefree.skills.driver import MaskRecorder, drive
 
 TOK = demo_tokenizer(coord_bins=64, size_bins=16)
@@ -71,16 +73,25 @@ def reference(fake, calls, codec=CODEC, cancels=None):
     out = []
     for i, (name, args, n, samp) in enumerate(calls):
         req = skills.request(name, max_tokens=n, sampling=samp, **args)
-        seen: list[int] = []
+        inputs: list[int] = []  # each step's next decode input
+        last: list = []
 
-        def pick(allowed, step, req=req, seen=seen):
-            prev = seen[-1] if seen else req.prompt[-1]
+        def pick(allowed, step, req=req, inputs=inputs, last=last):
+            prev = inputs[-1] if inputs else req.prompt[-1]
             position = len(req.prompt) + step
             token = fake.pick(req.prompt, position, prev, req.sampling, allowed)
-            seen.append(token)
-            return token, fake.value(req.prompt, position, token)
+            inputs.append(token)
+            last[:] = [position, prev, token]
+            return token, None
 
-        tokens, output = drive(req, masks, pick, stop_after=cancels.get(i))
+        def value(kind, step, req=req, inputs=inputs, last=last):
+            # Decoded from the context the token was sampled in; the next
+            # input is then the value's marker, not the token.
+            v = fake.value(req.prompt, *last, kind, req.sampling)
+            inputs[-1] = value_marker(kind, v)
+            return v
+
+        tokens, output = drive(req, masks, pick, stop_after=cancels.get(i), values=value)
         out.append((tokens, output))
     return out
 
@@ -142,15 +153,56 @@ def test_budget_cuts_end_on_whole_objects():
 
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_a_region_head_model_delivers_values_through_the_engine(pipelined):
-    coord, size = TOK.vocab.index("<loc_0>"), TOK.vocab.index("<size_0>")
-    codec = RegionHeadCodec(coord_id=coord, size_id=size)
-    fake = model(seed=2, eos_every=10**9,
-                 value_fn=lambda prompt, position, token: (position % 7) / 6)
-    calls = [("point", {"object": "cat", "max_objects": 2}, 8, SamplingParams())]
-    [(status, tokens, reason, output)] = run_engine(fake, calls, pipelined=pipelined, codec=codec)
-    assert tokens == (coord,) * 4 and reason == "done"
+    """moondream's cycle: x's step is unconstrained (any token but EOS means
+    "x follows"), y's and the size's tokens are not read; each step's value
+    is the model's, a (width, height) pair at the size step."""
+    codec = RegionHeadCodec.for_tokenizer(TOK)
+
+    def value_fn(prompt, position, token, kind):
+        if kind is ValueKind.SIZE:
+            return ((position % 5 + 1) / 5, (position % 3 + 1) / 3)
+        return (position % 7) / 6
+
+    fake = model(seed=2, eos_every=10**9, value_fn=value_fn)
+    calls = [("point", {"object": "cat", "max_objects": 2}, 8, SamplingParams()),
+             ("detect", {"object": "dog", "max_objects": 2}, 9, SamplingParams())]
+    (_, point_tokens, reason, points), (_, box_tokens, box_reason, boxes) = run_engine(
+        fake, calls, pipelined=pipelined, codec=codec)
+    assert len(point_tokens) == 4 and reason == "done"
+    assert len(box_tokens) == 6 and box_reason == "done"
+    assert EOS not in point_tokens + box_tokens
     p = len(TOK.encode("Point: cat"))
     want = [((p + i) % 7) / 6 for i in range(4)]
-    assert output == {"points": [{"x": want[0], "y": want[1]}, {"x": want[2], "y": want[3]}]}
-    assert reference(fake, calls, codec=codec)[0] == (tokens, output)
-    assert CODEC.ids(Kind.X)  # the location codec is untouched by the swap
+    assert points == {"points": [{"x": want[0], "y": want[1]}, {"x": want[2], "y": want[3]}]}
+    d = len(TOK.encode("Detect: dog"))
+    for k, box in enumerate(boxes["objects"]):
+        at = d + 3 * k
+        cx, cy = (at % 7) / 6, ((at + 1) % 7) / 6
+        w, h = ((at + 2) % 5 + 1) / 5, ((at + 2) % 3 + 1) / 3
+        assert box == box_from_centre(cx, cy, w, h)
+    assert len(boxes["objects"]) == 2
+    ref = reference(fake, calls, codec=codec)
+    assert ref == [(point_tokens, points), (box_tokens, boxes)]
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_region_head_list_ends_where_the_model_says_eos(pipelined):
+    """EOS wherever the model puts it first at an x step ends the list; the
+    engine and the engine-free reference agree, default values included."""
+    codec = RegionHeadCodec.for_tokenizer(TOK)
+    endings = set()
+    for seed in range(6):
+        fake = model(seed=seed, eos_every=3)
+        sampling = SamplingParams(temperature=0.8, seed=seed) if seed % 2 else SamplingParams()
+        calls = [("point", {"object": "cat", "max_objects": 5}, 30, sampling),
+                 ("detect", {"object": "dog", "max_objects": 5}, 30, sampling)]
+        results = run_engine(fake, calls, pipelined=pipelined, codec=codec)
+        assert [(tokens, output) for _, tokens, _, output in results] == reference(fake, calls, codec=codec)
+        for (status, tokens, reason, output), (name, per) in zip(results, (("point", 2), ("detect", 3))):
+            found = output.get("points", output.get("objects"))
+            assert status is Status.COMPLETED
+            assert (reason, len(tokens)) in (("stop", per * len(found) + 1), ("done", per * len(found)))
+            endings.add((name, reason, len(found) > 0))
+    # Lists ended by EOS (empty ones too) and by max_objects, for both skills.
+    assert endings >= {(n, r, True) for n in ("point", "detect") for r in ("stop", "done")}
+    assert {("point", "stop", False), ("detect", "stop", False)} <= endings

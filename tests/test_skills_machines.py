@@ -15,6 +15,7 @@ import attrs
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from bubblefree.core import InvalidRequest, ValueKind
 from bubblefree.skills import Kind, RegionHeadCodec, SkillError, SkillSet, demo_tokenizer
 from bubblefree.skills.driver import MaskRecorder, drive
 
@@ -36,10 +37,10 @@ def adversary(data, values=None):
     """A pick that lets Hypothesis choose any allowed token, biased toward
     EOS and the extreme bins so short outputs and edge values are common."""
     def pick(allowed, step):
-        choices = _sorted.setdefault(allowed, sorted(allowed))
+        choices = _sorted.setdefault(allowed, sorted(range(len(TOK)) if allowed is None else allowed))
         mode = data.draw(st.integers(0, 5), label="mode")
         edges = [t for t in choices if t in EDGES]
-        if mode == 0 and EOS in allowed:
+        if mode == 0 and (allowed is None or EOS in allowed):
             token = EOS
         elif mode == 1 and edges:
             token = data.draw(st.sampled_from(edges), label="edge")
@@ -226,33 +227,105 @@ def test_max_objects_ends_the_list():
     assert len(tokens) == 4 and out == {"points": [{"x": 0.25048828125, "y": 0.25048828125}] * 2}
 
 
-REGION = RegionHeadCodec(coord_id=TOK.vocab.index("<loc_0>"), size_id=TOK.vocab.index("<size_0>"))
+REGION = RegionHeadCodec.for_tokenizer(TOK)
 REGION_MASKS = MaskRecorder()
 REGION_SKILLS = SkillSet(TOK, REGION_MASKS.register, codec=REGION)
+REGION_SLOTS = {"point": 2, "detect": 3}  # a region head's size is one (width, height) step
+CAT = TOK.encode("cat")[0]
+
+
+def region_values(data, seen):
+    """Values as a region head decodes them, any float (clamped by the codec),
+    a pair at a size step; each is recorded in ``seen``."""
+    v = st.floats(-0.5, 1.5, allow_nan=False)
+
+    def value(kind, step):
+        got = (data.draw(v), data.draw(v)) if kind is ValueKind.SIZE else data.draw(v)
+        seen.append((kind, got))
+        return got
+    return value
+
+
+def clamp(v):
+    return min(1.0, max(0.0, v))
 
 
 @settings(deadline=None)
-@given(st.sampled_from(["point", "detect", "segment"]), st.data())
-def test_a_region_head_codec_plugs_in_without_touching_skills(name, data):
-    req = REGION_SKILLS.request(name, object="cat", max_tokens=40)
-    values = st.floats(-0.5, 1.5, allow_nan=False)
-    tokens, out = drive(req, REGION_MASKS, adversary(data, values))
-    check_output(name, out, {})
-    if name == "point" and out["points"]:
-        # Values, clamped to [0, 1], are the coordinates.
-        assert all(unit(p["x"]) and unit(p["y"]) for p in out["points"])
-    spatial = [t for t in tokens if t in REGION.spatial_ids()]
-    assert all(t in (REGION.coord_id, REGION.size_id) for t in spatial)
+@given(st.sampled_from(["point", "detect"]), st.integers(1, 5), st.integers(1, 40), st.data())
+def test_a_region_head_codec_plugs_in_without_touching_skills(name, max_objects, max_tokens, data):
+    req = REGION_SKILLS.request(name, object="cat", max_objects=max_objects, max_tokens=max_tokens)
+    seen = []
+    tokens, out = drive(req, REGION_MASKS, adversary(data), values=region_values(data, seen))
+    check_output(name, out, {"max_objects": max_objects})
+    found = objects(out)
+    eos = 1 if tokens and tokens[-1] == EOS else 0
+    # Every step but a final EOS belongs to a whole object, and every step
+    # that could carry an object asked for its value.
+    assert len(tokens) == REGION_SLOTS[name] * len(found) + eos
+    assert EOS not in tokens[:len(tokens) - eos]
+    kinds = [k for k, _ in seen]
+    cycle = [ValueKind.COORD, ValueKind.COORD] + ([ValueKind.SIZE] if name == "detect" else [])
+    assert kinds[:len(cycle) * len(found)] == cycle * len(found)
+    flat = [x for _, v in seen[:len(cycle) * len(found)] for x in (v if isinstance(v, tuple) else (v,))]
+    if name == "point":  # the values, clamped to [0, 1], are the coordinates
+        assert [c for p in found for c in (p["x"], p["y"])] == [clamp(x) for x in flat]
+    else:
+        for box, (cx, cy, w, h) in zip(found, zip(*[iter(map(clamp, flat))] * 4)):
+            assert box == {"x_min": clamp(cx - w / 2), "y_min": clamp(cy - h / 2),
+                           "x_max": clamp(cx + w / 2), "y_max": clamp(cy + h / 2)}
 
 
 def test_region_head_values_are_the_coordinates():
     req = REGION_SKILLS.request("detect", object="cat", max_objects=1)
-    vals = iter([0.5, 0.5, 0.2, 0.4])
-    seq = iter([REGION.coord_id, REGION.coord_id, REGION.size_id, REGION.size_id])
-    _, out = drive(req, REGION_MASKS, lambda allowed, step: (next(seq), next(vals)))
+    vals = iter([0.5, 0.5, (0.2, 0.4)])
+    _, out = drive(req, REGION_MASKS, lambda allowed, step: (CAT, None),
+                   values=lambda kind, step: next(vals))
     box = out["objects"][0]
     assert [round(box[k], 9) for k in ("x_min", "y_min", "x_max", "y_max")] == [0.4, 0.3, 0.6, 0.7]
     state = req.decode_state()
-    with pytest.raises(ValueError):  # a region token without its value
-        state.advance(REGION.coord_id, None)
-    assert state.consumed == 0 and not state.partial
+    for bad in (None, float("nan"), (0.5, 0.5), "0.5"):  # x without its value, or not a number
+        with pytest.raises(ValueError):
+            state.advance(CAT, bad)
+        assert state.consumed == 0 and not state.partial
+    state.advance(CAT, 0.5)
+    state.advance(CAT, 0.5)
+    for bad in (None, 0.5, (0.5,), (0.5, float("inf")), [0.2, 0.4]):  # a size is a pair
+        with pytest.raises(ValueError):
+            state.advance(CAT, bad)
+        assert state.consumed == 2 and state.partial == [0.5, 0.5]
+
+
+def test_region_head_masks_follow_moondream():
+    """x: the whole vocabulary (EOS ends the list, anything else is "x
+    follows"); y and size: anything but EOS, never an end; values asked
+    at x, y (coordinates) and the size (a pair)."""
+    every_but_eos = frozenset(range(len(TOK))) - {EOS}
+    state = REGION_SKILLS.request("detect", object="cat", max_objects=2).decode_state()
+    seen = []
+    for value in (0.1, 0.2, (0.3, 0.4), 0.5, 0.6, (0.7, 0.8)):
+        seen.append((REGION_MASKS.allowed(state.mask_id()), state.value_kind()))
+        state.advance(TOK.encode("the")[0], value)
+    assert seen == [(None, ValueKind.COORD), (every_but_eos, ValueKind.COORD),
+                    (every_but_eos, ValueKind.SIZE)] * 2
+    assert state.done and state.value_kind() is None
+    state = REGION_SKILLS.request("point", object="cat").decode_state()
+    assert state.advance(EOS, 0.3) and state.objects == []  # EOS at x: the end, its value unread
+    state = REGION_SKILLS.request("point", object="cat").decode_state()
+    state.advance(CAT, 0.3)
+    with pytest.raises(SkillError):  # EOS at y: refused, unchanged
+        state.advance(EOS, 0.3)
+    assert state.partial == [0.3]
+    # A budget too small for a whole object: EOS only, and no value asked.
+    for name, budget in (("point", 1), ("detect", 2)):
+        state = REGION_SKILLS.request(name, object="cat", max_tokens=budget).decode_state()
+        assert REGION_MASKS.allowed(state.mask_id()) == {EOS} and state.value_kind() is None
+    text = REGION_MASKS.allowed(REGION_SKILLS.tables("query").mask)
+    assert text == frozenset(range(len(TOK)))  # no token is reserved for values
+
+
+def test_segment_is_refused_on_a_region_head():
+    with pytest.raises(InvalidRequest, match=r"^skill: a model with a region head \(moondream2\) has "
+                                             r"no segment skill"):
+        REGION_SKILLS.request("segment", object="cat")
+    assert not REGION_SKILLS.serves("segment") and REGION_SKILLS.serves("detect")
+    assert "segment" not in REGION_SKILLS.compile_all()._tables

@@ -28,8 +28,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     settings = settings or ServerSettings()
     admission = Admission(settings.max_live, settings.retry_after_s)
     observer = Observer(engine, admission)
-    # A text model for now; a vision engine will say so itself.
-    served = Served(engine, settings, admission, observer, bool(getattr(engine, "takes_images", False)))
+    served = Served(engine, settings, admission, observer, engine.takes_images)
     app = FastAPI(title="bubblefree", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = served
     app.add_exception_handler(ApiError, on_api_error)

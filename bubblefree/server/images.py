@@ -1,5 +1,6 @@
 """Images as clients send them: ``data:<type>;base64,<data>`` URIs.
 
+An image model gets the decoded image as an ``ImageRef`` (``read_image``).
 A text model takes no images, but a bad one is still named as bad first
 (not base64, not an image, over the pixel limit), so the caller learns the
 most specific thing that is wrong. The image is checked by the project's one
@@ -10,16 +11,34 @@ Python API gets.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 
-from bubblefree.core import InvalidRequest
+from PIL import Image
+
+from bubblefree.core import ImageRef, InvalidRequest
 from bubblefree.images import load_image
 from bubblefree.server.errors import ApiError
 
 
-def check_image(url: object, field: str, takes_images: bool, max_pixels: int) -> bytes:
-    """The image's bytes, or a 422 naming ``field``."""
+async def read_image(served, url: object, field: str) -> ImageRef:
+    """The request's image, checked (``check_image``) and made the engine's
+    ``ImageRef`` in a worker thread: decoding and cropping a large image must
+    not stall the event loop."""
+    settings = served.settings
+
+    def read() -> ImageRef:
+        image = check_image(url, field, served.takes_images, settings.max_image_pixels)
+        try:
+            return served.engine.images.ref(image)
+        except InvalidRequest as err:
+            raise ApiError(422, f"{field}: {str(err).removeprefix('image: ')}", field) from None
+    return await asyncio.to_thread(read)
+
+
+def check_image(url: object, field: str, takes_images: bool, max_pixels: int) -> Image.Image:
+    """The decoded RGB image, or a 422 naming ``field``."""
     if not isinstance(url, str):
         raise ApiError(422, f"{field}: must be a data URI string, got {type(url).__name__}", field)
     head, comma, data = url.partition(",")
@@ -31,10 +50,10 @@ def check_image(url: object, field: str, takes_images: bool, max_pixels: int) ->
     except (binascii.Error, ValueError):
         raise ApiError(422, f"{field}: not valid base64", field) from None
     try:
-        load_image(raw, max_pixels=max_pixels)
+        image = load_image(raw, max_pixels=max_pixels)
     except InvalidRequest as err:  # "image: <why>", named here by the request's field
         raise ApiError(422, f"{field}: {str(err).removeprefix('image: ')}", field) from None
     if not takes_images:
         raise ApiError(422, f"{field}: this model takes no images; ask without one", field)
-    return raw
+    return image
 

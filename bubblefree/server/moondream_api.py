@@ -6,8 +6,10 @@ an ``image_url`` data URI, ``settings`` holding ``temperature``, ``top_p``,
 A stream is server-sent events: ``data: {"chunk": "..."}`` lines, read until
 one says ``"completed": true``.
 
-A text model answers ``query`` and ``caption`` without an image; an image,
-or a spatial skill (which needs one), is refused naming ``image_url``.
+An image model (moondream2) answers every route about the image; ``query``
+also without one. A text model answers ``query`` and ``caption`` without an
+image; an image, or a spatial skill (which needs one), is refused naming
+``image_url``. point, detect and segment answer whole, not streamed.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from bubblefree.server import flow
 from bubblefree.server.body import Fields, read_json, sampling_params
 from bubblefree.server.errors import ApiError, error_body
 from bubblefree.server.flow import ClientGone, Served
-from bubblefree.server.images import check_image
+from bubblefree.server.images import read_image
 from bubblefree.server.runs import Run, run_skill
 
-SETTINGS_NAMES = {"max_tokens": "settings.max_tokens"}  # the engine's name, and the client's
+# The engine's field names, and the client's.
+NAMES = {"max_tokens": "settings.max_tokens", "max_objects": "settings.max_objects", "image": "image_url"}
+RESULT = {"query": ("answer",), "caption": ("caption",), "point": ("points",), "detect": ("objects",),
+          "segment": ("path", "bbox")}
 
 
 def router(served: Served) -> APIRouter:
@@ -37,44 +42,62 @@ def router(served: Served) -> APIRouter:
         body = await read_json(request)
         question = body.text("question")
         _no_reasoning(body)
-        return await _text_skill(served, request, body, "query", {"question": question}, "answer")
+        return await _skill(served, request, body, "query", {"question": question})
 
     @api.post("/caption")
     async def caption(request: Request) -> Response:
         body = await read_json(request)
         length = body.text("length", "normal")
-        return await _text_skill(served, request, body, "caption", {"length": length}, "caption")
+        return await _skill(served, request, body, "caption", {"length": length})
 
     for skill in ("point", "detect", "segment"):
         api.add_api_route(f"/{skill}", _spatial(served, skill), methods=["POST"])
     return api
 
 
-async def _text_skill(served: Served, request: Request, body: Fields, skill: str,
-                      args: dict[str, Any], key: str) -> Response:
+def _spatial(served: Served, skill: str):
+    async def route(request: Request) -> Response:
+        body = await read_json(request)
+        obj = body.text("object")
+        if body.flag("stream"):
+            raise body.refuse("stream", f"{skill} answers whole; ask without stream")
+        return await _skill(served, request, body, skill, {"object": obj})
+    route.__name__ = skill
+    return route
+
+
+async def _skill(served: Served, request: Request, body: Fields, skill: str, args: dict[str, Any]) -> Response:
     image = body.raw("image_url")
     stream = body.flag("stream")
     body.text("model", None)  # one model per server: any name is this one
     if body.raw("spatial_refs") not in (None, Fields.MISSING):
         raise body.refuse("spatial_refs", "not supported by this server")
-    max_tokens, sampling = _settings(body, spatial=False)
+    args = {**args, **_settings(body, spatial=skill in ("point", "detect"))}
     body.done()
-    if image is not None and image is not Fields.MISSING:
-        check_image(image, "image_url", served.takes_images, served.settings.max_image_pixels)
+    if image is Fields.MISSING or image is None:
+        if skill not in ("query", "caption"):
+            if not served.takes_images:
+                raise ApiError(422, f"image_url: {skill} needs an image, and this model takes no "
+                               "images; it answers query and caption as text", "image_url")
+            raise ApiError(422, "image_url: is required", "image_url")
+    else:
+        args["image"] = await read_image(served, image, "image_url")
 
     def begin() -> Run:
-        return run_skill(served.engine, skill, max_tokens=max_tokens, sampling=sampling, **args)
+        return run_skill(served.engine, skill, **args)
 
     if stream:
-        run, ticket = flow.start(served, begin, SETTINGS_NAMES)
+        run, ticket = flow.start(served, begin, NAMES)
         return flow.stream(served, run, ticket, _chunks(run),
                            lambda: [_failure(504, f"request: not finished within "
                                                   f"{served.settings.request_timeout_s:g} s; cancelled")])
     try:
-        done = await flow.complete(served, request, begin, names=SETTINGS_NAMES)
+        done = await flow.complete(served, request, begin, names=NAMES)
     except ClientGone:
         return flow.gone()
-    return JSONResponse({key: done.run.handle.output(0)[key], "request_id": str(done.run.handle.request_id)})
+    output = done.run.handle.output(0)
+    return JSONResponse({**{key: output[key] for key in RESULT[skill]},
+                         "request_id": str(done.run.handle.request_id)})
 
 
 async def _chunks(run: Run) -> AsyncIterator[dict]:
@@ -91,41 +114,22 @@ def _failure(status: int, message: str) -> dict:
     return {**error_body(status, message, "request"), "completed": True}
 
 
-def _spatial(served: Served, skill: str):
-    async def route(request: Request) -> Response:
-        body = await read_json(request)
-        image = body.raw("image_url")
-        body.text("object")
-        body.text("model", None)
-        body.raw("spatial_refs")
-        body.flag("stream")
-        _settings(body, spatial=skill != "segment")
-        body.done()
-        if image is Fields.MISSING or image is None:
-            if not served.takes_images:
-                raise ApiError(422, f"image_url: {skill} needs an image, and this model takes no "
-                               "images; it answers query and caption as text", "image_url")
-            raise ApiError(422, "image_url: is required", "image_url")
-        check_image(image, "image_url", served.takes_images, served.settings.max_image_pixels)
-        # Reached only by a model that takes images, which the engine cannot run yet.
-        raise ApiError(501, f"{skill}: images are not served yet", "image_url")
-    route.__name__ = skill
-    return route
-
-
-def _settings(body: Fields, spatial: bool) -> tuple[int | None, Any]:
+def _settings(body: Fields, spatial: bool) -> dict[str, Any]:
+    """``settings`` as the engine's keywords: ``max_tokens``, ``sampling``,
+    and for point and detect ``max_objects``."""
     settings = body.nested("settings")
     if settings is None:
-        return None, None
+        return {}
     values = {k: v for k in ("temperature", "top_p") if (v := settings.number(k)) is not None}
     seed = settings.integer("seed", 0)
     if seed is not None:
         values["seed"] = seed
-    max_tokens = settings.integer("max_tokens", 1)
+    out: dict[str, Any] = {"max_tokens": settings.integer("max_tokens", 1)}
     if spatial:
-        settings.integer("max_objects", 1)
+        out["max_objects"] = settings.integer("max_objects", 1)
     settings.done()
-    return max_tokens, sampling_params(values, "settings.")
+    out["sampling"] = sampling_params(values, "settings.")
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _no_reasoning(body: Fields) -> None:

@@ -2,7 +2,8 @@
 ``/v1/models``, in the shapes its Python client parses.
 
 A conversation becomes one prompt (the model's chat template where it has
-one); a completion's prompt is encoded as it is. Streams are server-sent
+one; moondream's query template on moondream2, with the conversation's
+image); a completion's prompt is encoded as it is. Streams are server-sent
 events, ``data: {chunk}`` lines closed by ``data: [DONE]``. ``stop`` strings
 end the answer where one appears, trimmed off, streamed or not.
 """
@@ -17,12 +18,13 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from bubblefree.core import ImageRef
 from bubblefree.engine import RequestFailed
 from bubblefree.server import flow
 from bubblefree.server.body import Fields, each_object, read_json, sampling_params
 from bubblefree.server.errors import ApiError, error_body
 from bubblefree.server.flow import ClientGone, Served
-from bubblefree.server.images import check_image
+from bubblefree.server.images import read_image
 from bubblefree.server.runs import Run, chat_prompt, finish_reason, run_prompt
 from bubblefree.server.stops import StopText
 
@@ -39,6 +41,7 @@ class Ask:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    image: ImageRef | None = None  # the conversation's image, on a model that takes one
 
 
 def router(served: Served) -> APIRouter:
@@ -52,9 +55,14 @@ def router(served: Served) -> APIRouter:
     @api.post("/chat/completions")
     async def chat(request: Request) -> Response:
         body = await read_json(request)
-        messages = _messages(body, served)
+        images: list[tuple[str, Any]] = []
+        messages = _messages(body, images)
         ask = _ask(body, chat_prompt(served.engine.skills.tokenizer, messages))
-        return await _answer(served, request, ask, "chat.completion", _chat_choice)
+        if len(images) > 1:
+            where = images[1][0]
+            raise ApiError(422, f"{where}: one image a request; this is the second", where)
+        image = await read_image(served, images[0][1], images[0][0]) if images else None
+        return await _answer(served, request, attrs.evolve(ask, image=image), "chat.completion", _chat_choice)
 
     @api.post("/completions")
     async def completions(request: Request) -> Response:
@@ -70,7 +78,9 @@ def router(served: Served) -> APIRouter:
     return api
 
 
-def _messages(body: Fields, served: Served) -> list[tuple[str, str]]:
+def _messages(body: Fields, images: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """The conversation as (role, text); each image part's (field, url) goes
+    to ``images``, checked once the rest of the body is."""
     messages = body.items("messages")
     if not messages:
         raise body.refuse("messages", "must hold at least one message")
@@ -82,11 +92,11 @@ def _messages(body: Fields, served: Served) -> list[tuple[str, str]]:
         content = fields.raw("content")
         fields.text("name", None)
         fields.done()
-        out.append((role, _content(content, where, served)))
+        out.append((role, _content(content, where, images)))
     return out
 
 
-def _content(content: Any, where: str, served: Served) -> str:
+def _content(content: Any, where: str, images: list[tuple[str, Any]]) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -99,8 +109,10 @@ def _content(content: Any, where: str, served: Served) -> str:
         elif kind == "image_url":
             image = fields.nested("image_url")
             url = image.raw("url") if image is not None else None
-            check_image(url, f"{at}.image_url.url", served.takes_images,
-                        served.settings.max_image_pixels)
+            if image is not None:
+                image.text("detail", None)  # OpenAI's resolution hint: the model sees the image as it is
+                image.done()
+            images.append((f"{at}.image_url.url", url))
         else:
             raise fields.refuse("type", f"must be text or image_url, got {kind!r}")
     return "".join(texts)
@@ -155,7 +167,7 @@ def _text_choice(text: str, reason: str | None, delta: bool) -> dict:
 
 async def _answer(served: Served, request: Request, ask: Ask, kind: str, choice: Choice) -> Response:
     def begin() -> Run:
-        return run_prompt(served.engine, ask.prompt, ask.max_tokens, ask.sampling)
+        return run_prompt(served.engine, ask.prompt, ask.max_tokens, ask.sampling, image=ask.image)
 
     if ask.stream:
         run, ticket = flow.start(served, begin)

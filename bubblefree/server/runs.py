@@ -13,9 +13,10 @@ from typing import Any, AsyncIterator
 
 import attrs
 
-from bubblefree.core import SamplingParams
+from bubblefree.core import ImageRef, SamplingParams
 from bubblefree.engine import Engine
 from bubblefree.handle import Handle
+from bubblefree.skills.templates import templates_of
 from bubblefree.streams import AsyncTextStream
 
 @attrs.define
@@ -39,16 +40,29 @@ def run_skill(engine: Engine, skill: str, **args: Any) -> Run:
     return Run(handle, stream.run(handle))
 
 
-def run_prompt(engine: Engine, prompt: list[int], max_tokens: int | None, sampling: dict) -> Run:
-    """A prompt framed already (a conversation, raw text): the ``complete``
-    skill, through the same door and the same checks as every request."""
+def run_prompt(engine: Engine, prompt: list[int], max_tokens: int | None, sampling: dict,
+               image: ImageRef | None = None) -> Run:
+    """A prompt framed already (a conversation, raw text), about ``image`` if
+    given: the ``complete`` skill, through the same door and the same checks
+    as every request."""
     return run_skill(engine, "complete", prompt=prompt, max_tokens=max_tokens,
-                     sampling=SamplingParams.of(sampling))
+                     sampling=SamplingParams.of(sampling), image=image)
 
 
 def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]]) -> list[int]:
     """A conversation as prompt ids: through the model's chat template where
-    it has one; otherwise in the Question/Answer frame the skills use."""
+    it has one; moondream's query template (each user turn a question, each
+    assistant turn its answer) where the model has those; otherwise in the
+    Question/Answer frame the skills use."""
+    templates = templates_of(tokenizer)
+    if templates is not None:
+        ids: list[int] = []
+        for role, text in messages:
+            if role == "user":
+                ids += templates.query_prompt(tokenizer, text)
+            else:  # an answer follows its question; a system turn stands as text
+                ids += tokenizer.encode((" " if role == "assistant" else "") + text)
+        return ids
     hf = getattr(tokenizer, "hf", None)
     if hf is not None and getattr(hf, "chat_template", None):
         ids = hf.apply_chat_template([{"role": r, "content": c} for r, c in messages],

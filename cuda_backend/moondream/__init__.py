@@ -6,5 +6,9 @@ feature grid's reconstruction), ``vision`` (SigLIP-style encoder and the
 projection), ``text`` (the Phi-shaped decoder, the image-prefix mask, the
 bridge to transformers' Phi), ``region`` (coordinates and sizes in and
 out), ``model`` (the three parts together), ``weights`` (local
-checkpoints, random weights). Image input lives in ``bubblefree.images``.
+checkpoints, random weights). Served by the engine: ``prepared`` (an
+image's crops on the host, ``EncodedImage``), ``runner`` (the decode step
+with values fed back, the image prefill), ``region_head`` (the spatial
+decode in finalize), ``backend`` (``MoondreamBackend``), ``build``.
+Image input lives in ``bubblefree.images``.
 """

@@ -7,7 +7,8 @@ tests and benchmarks are built from the same code as the real one.
 The prompt templates are token ids in moondream2's tokenizer (GPT-2's BPE,
 whose ``<|endoftext|>`` 50256 is both BOS and EOS): "\\n\\nQuestion:" and
 "\\n\\nAnswer:" around a query, "\\n\\nShort caption:" and friends for a
-caption, "\\n" and "\\n\\n" around the object name for detect and point.
+caption, "\\n\\nDetect:" or "\\n\\nPoint:" and "\\n\\n" around the object
+name (" " + the name, as the reference tokenizes it) for detect and point.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def _templates() -> dict:
                     "normal": (198, 198, 24334, 1159, 25),
                     "long": (198, 198, 14617, 8305, 25)},
         "query": {"prefix": (198, 198, 24361, 25), "suffix": (198, 198, 33706, 25)},
-        "detect": {"prefix": (198,), "suffix": (628,)},
-        "point": {"prefix": (198,), "suffix": (628,)},
+        "detect": {"prefix": (198, 198, 47504, 25), "suffix": (628,)},
+        "point": {"prefix": (198, 198, 12727, 25), "suffix": (628,)},
     }
 
 

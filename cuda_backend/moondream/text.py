@@ -138,9 +138,26 @@ def phi_state_dict(text: dict[str, torch.Tensor], n_layers: int) -> dict[str, to
     return out
 
 
-def to_phi(decoder: TextDecoder, **config_overrides) -> PhiForCausalLM:
-    """A ``PhiForCausalLM`` holding copies of ``decoder``'s weights (eval mode)."""
-    model = PhiForCausalLM(phi_config(decoder.config, **config_overrides))
-    state = {name: t.detach().clone() for name, t in decoder.state_dict().items()}
-    model.load_state_dict(phi_state_dict(state, decoder.config.n_layers), strict=True)
-    return model.to(decoder.wte.dtype).eval()
+def to_phi(decoder: TextDecoder, *, share: bool = False, **config_overrides) -> PhiForCausalLM:
+    """A ``PhiForCausalLM`` with ``decoder``'s weights (eval mode): copies, or
+    with ``share`` the decoder's own tensors (q, k and v views of its fused
+    qkv), built without initializing weights it would then overwrite, so a
+    real checkpoint is not held twice."""
+    config = phi_config(decoder.config, **config_overrides)
+    state = phi_state_dict({name: t.detach() for name, t in decoder.state_dict().items()},
+                           decoder.config.n_layers)
+    if not share:
+        model = PhiForCausalLM(config)
+        model.load_state_dict({name: t.clone() for name, t in state.items()}, strict=True)
+        return model.to(decoder.wte.dtype).eval()
+    with torch.device("meta"):
+        model = PhiForCausalLM(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    # The rotary tables are buffers the checkpoint does not hold: made anew.
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=model.config).to(decoder.wte.device)
+    left = [name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    left += [name for name, t in model.named_buffers() if t.is_meta]
+    if left:
+        raise RuntimeError(f"to_phi(share=True): tensors left unset: {left[:5]}")
+    return model.eval()

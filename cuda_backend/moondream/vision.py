@@ -70,20 +70,38 @@ class VisionEncoder(nn.Module):
             x = block(x)
         return self.post_ln(x)
 
+    def pool(self, grid: torch.Tensor) -> torch.Tensor:
+        """A local grid ``[h, w, dim]`` -> ``[729, dim]``. Adaptive pooling: a
+        1 x 1 tiling's 27 x 27 grid passes through unchanged; larger grids
+        average into 27 x 27 cells."""
+        g = self.config.grid
+        pooled = F.adaptive_avg_pool2d(grid.permute(2, 0, 1), (g, g))      # [dim, 27, 27]
+        return pooled.permute(1, 2, 0).reshape(g * g, -1)                   # [729, dim]
+
     def project(self, global_features: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         """Global ``[729, dim]`` and local grid ``[h, w, dim]`` -> ``[729, out]``."""
-        g = self.config.grid
-        # Adaptive pooling: a 1 x 1 tiling's 27 x 27 grid passes through
-        # unchanged; larger grids average into 27 x 27 cells.
-        pooled = F.adaptive_avg_pool2d(grid.permute(2, 0, 1), (g, g))      # [dim, 27, 27]
-        local = pooled.permute(1, 2, 0).reshape(g * g, -1)                  # [729, dim]
-        return self.proj_mlp(torch.cat([global_features, local], dim=-1))
+        return self.proj_mlp(torch.cat([global_features, self.pool(grid)], dim=-1))
+
+    def embed(self, crops: torch.Tensor, tilings: list[tuple[int, int]]) -> torch.Tensor:
+        """Several images at once: uint8 crops ``[N, S, S, 3]``, each image's
+        crops consecutive (global first, from ``overlap_crops``), and each
+        image's tiling -> image embeddings ``[k, 729, text dim]``. One encoder
+        call over all N crops (a crop attends only within itself, so batching
+        changes nothing), one projection over all k images."""
+        features = self.encode(normalize(crops, self.patch_emb.weight.dtype))  # [N, 729, dim]
+        g, at = self.config.grid, 0
+        views = []
+        for rows, cols in tilings:
+            n = rows * cols
+            local = features[at + 1:at + 1 + n].reshape(n, g, g, self.config.dim)
+            grid = reconstruct(local, (rows, cols), self.config.overlap_margin)
+            views.append(torch.cat([features[at], self.pool(grid)], dim=-1))   # [729, 2 * dim]
+            at += 1 + n
+        if at != features.shape[0]:
+            raise ValueError(f"tilings cover {at} crops, got {features.shape[0]}")
+        return self.proj_mlp(torch.stack(views))                             # [k, 729, out]
 
     def forward(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """uint8 crops ``[n, S, S, 3]`` (global first, from ``overlap_crops``)
         -> image embeddings ``[729, text dim]``."""
-        features = self.encode(normalize(crops, self.patch_emb.weight.dtype))  # [n, 729, dim]
-        g = self.config.grid
-        local = features[1:].reshape(-1, g, g, self.config.dim)               # [r*c, 27, 27, dim]
-        grid = reconstruct(local, tiling, self.config.overlap_margin)
-        return self.project(features[0], grid)
+        return self.embed(crops, [tiling])[0]

@@ -10,14 +10,20 @@ network as ``model``). Every tensor must be present with its expected
 shape; a mismatch raises and names the tensor, rather than leaving random
 weights in a model that would then answer nonsense.
 
+The older layout of moondream2's releases (``vision_encoder.encoder.model.
+visual...``, ``text_model.transformer.h...``, ``region_model...``, each
+name possibly with torch.compile's ``._orig_mod``) is renamed on reading
+(``legacy_names``); its Fourier frequency matrices are stored transposed.
+
 ``config.json`` may override shapes under ``"config"``, in moondream's own
 field names (``enc_dim``, ``enc_n_layers``, ...), which ``config_to_json``
-also writes. Nothing is downloaded.
+also writes; the tokenizer's prompt templates too. Nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import attrs
@@ -37,6 +43,30 @@ _RENAMES = {
 }
 _PARTS = {"vision": VisionConfig, "text": TextConfig, "region": RegionConfig,
           "tokenizer": TokenizerConfig}
+# Fields of moondream's config this code runs without, as long as they are
+# off: quantized linears (``group_size``).
+_OFF_FIELDS = {"group_size"}
+
+# The older checkpoint layout -> this package's names, first match wins.
+_LEGACY = [(re.compile(a), b) for a, b in (
+    (r"^vision_encoder\.encoder\.model\.visual\.patch_embed\.linear\.", "vision.patch_emb."),
+    (r"^vision_encoder\.encoder\.model\.visual\.pos_embed$", "vision.pos_emb"),
+    (r"^vision_encoder\.encoder\.model\.visual\.norm\.", "vision.post_ln."),
+    (r"^vision_encoder\.encoder\.model\.visual\.blocks\.(\d+)\.norm(\d)\.", r"vision.blocks.\1.ln\2."),
+    (r"^vision_encoder\.encoder\.model\.visual\.blocks\.", "vision.blocks."),
+    (r"^vision_encoder\.projection\.mlp\.", "vision.proj_mlp."),
+    (r"^text_model\.transformer\.embd\.wte\.weight$", "text.wte"),
+    (r"^text_model\.lm_head\.ln\.", "text.post_ln."),
+    (r"^text_model\.lm_head\.linear\.", "text.lm_head."),
+    (r"^text_model\.transformer\.h\.(\d+)\.mixer\.Wqkv\.", r"text.blocks.\1.attn.qkv."),
+    (r"^text_model\.transformer\.h\.(\d+)\.mixer\.out_proj\.", r"text.blocks.\1.attn.proj."),
+    (r"^text_model\.transformer\.h\.", "text.blocks."),
+    (r"^region_model\.coordinate_features\.weight$", "region.coord_features"),
+    (r"^region_model\.size_features\.weight$", "region.size_features"),
+    (r"^region_model\.coordinate_", "region.coord_"),
+    (r"^region_model\.", "region."),
+)]
+_TRANSPOSED = ("region.coord_features", "region.size_features")  # [F, k] in the old layout
 
 
 class CheckpointError(ValueError):
@@ -54,8 +84,15 @@ def config_from_json(overrides: dict) -> MoondreamConfig:
                 if value != given.get("n_heads", MOONDREAM2.text.n_heads):
                     raise CheckpointError("grouped key/value heads (n_kv_heads) are not supported")
                 continue
+            if name in _OFF_FIELDS and name not in fields:
+                if value is not None:
+                    raise CheckpointError(f"config.json: {part}.{key}={value!r} is not supported")
+                continue
             if name not in fields:
                 raise CheckpointError(f"config.json: unknown {part} field {key!r}")
+            if name == "templates":  # lists in JSON; tuples here (a frozen value)
+                value = {skill: None if parts is None else {k: tuple(v) for k, v in parts.items()}
+                         for skill, parts in value.items()}
             args[name] = value
         parts[part] = attrs.evolve(getattr(MOONDREAM2, part), **args)
     return MoondreamConfig(**parts)
@@ -95,6 +132,24 @@ def _tensor_files(directory: Path) -> list[Path]:
     return files
 
 
+def legacy_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors of the older moondream2 layout under this package's names
+    (the Fourier frequencies transposed back); other names pass unchanged."""
+    out = {}
+    for name, tensor in state.items():
+        key = name.replace("._orig_mod", "")
+        for pattern, repl in _LEGACY:
+            key, hit = pattern.subn(repl, key)
+            if hit:
+                break
+        if key in _TRANSPOSED and key != name:
+            tensor = tensor.T
+        if key in out:
+            raise CheckpointError(f"tensor {key!r} appears twice")
+        out[key] = tensor
+    return out
+
+
 def _read_state(files: list[Path]) -> dict[str, torch.Tensor]:
     state = {}
     for file in files:
@@ -104,7 +159,7 @@ def _read_state(files: list[Path]) -> dict[str, torch.Tensor]:
                 if key in state:
                     raise CheckpointError(f"tensor {key!r} appears twice")
                 state[key] = f.get_tensor(name)
-    return state
+    return legacy_names(state)
 
 
 def load_state(model: Moondream, state: dict[str, torch.Tensor]) -> None:

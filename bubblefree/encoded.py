@@ -1,0 +1,84 @@
+"""Images on their way into a request: whatever a caller hands us -> an
+``ImageRef`` the core carries, made on the caller's thread.
+
+``EncodedImage`` is moondream's name for an image made ready once: pass it
+in place of an image to ask many questions without decoding it again (and,
+on a backend that keeps encoded features, without encoding it again). It
+belongs to the engine that made it; another engine refuses it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import attrs
+
+from bubblefree.core import ImageRef, InvalidRequest
+from bubblefree.images import DEFAULT_MAX_PIXELS, load_image
+
+NO_IMAGES = "image: this model takes no images; ask without one"
+
+
+@attrs.frozen(eq=False)
+class EncodedImage:
+    """An image ready for requests (``Engine.encode_image``)."""
+
+    ref: ImageRef
+    width: int
+    height: int
+    _backend: Any = attrs.field(repr=False, alias="backend", converter=weakref.ref)
+
+    def made_by(self, backend: Any) -> bool:
+        return self._backend() is backend
+
+
+@attrs.define
+class ImageIntake:
+    """The one way an image enters: refused at once on a backend that takes
+    none (before any decoding), then ``load_image`` (EXIF, modes, the pixel
+    limit; every refusal an ``InvalidRequest`` naming ``image``), then the
+    backend's ``image_ref``, which is thread safe."""
+
+    backend: Any
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    @property
+    def takes_images(self) -> bool:
+        return bool(getattr(self.backend.capacity, "images", False))
+
+    def ref(self, image: Any) -> ImageRef:
+        """The ``ImageRef`` a request about ``image`` carries."""
+        self._check_takes()
+        if isinstance(image, ImageRef):
+            return image
+        if isinstance(image, EncodedImage):
+            return self._own(image).ref
+        return self.backend.image_ref(self._load(image))
+
+    def encode(self, image: Any) -> EncodedImage:
+        """``image`` made ready for many requests. A backend that keeps
+        encoded features (``encode_image``: moondream's, which encodes once,
+        on the device) makes its own; otherwise the ref is shared."""
+        self._check_takes()
+        if isinstance(image, EncodedImage):
+            return self._own(image)
+        pil = self._load(image)
+        encode = getattr(self.backend, "encode_image", None)
+        ref = self.backend.image_ref(encode(pil) if encode is not None else pil)
+        return EncodedImage(ref=ref, width=pil.width, height=pil.height, backend=self.backend)
+
+    def _load(self, image: Any):
+        if image is None:
+            raise InvalidRequest("image: is required")
+        return load_image(image, max_pixels=self.max_pixels)
+
+    def _own(self, image: EncodedImage) -> EncodedImage:
+        if not image.made_by(self.backend):
+            raise InvalidRequest("image: this EncodedImage was made by another engine; encode it "
+                                 "with this one")
+        return image
+
+    def _check_takes(self) -> None:
+        if not self.takes_images:
+            raise InvalidRequest(NO_IMAGES)

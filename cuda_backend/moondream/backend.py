@@ -1,0 +1,272 @@
+"""MoondreamBackend: moondream2 behind the Backend contract, in the two slots.
+
+The text decoder is the CudaBackend's fused Phi path (``text.to_phi``
+shares its weights); on top of it (``Capacity.images`` and ``.values``):
+
+    launch    IMAGE_PREFILL: the crops of the step's not-yet-encoded images
+              (all rows' at once) copied from pinned host memory and through
+              the vision encoder in one call, projected; then one packed
+              prefill over [BOS, 729 image features, prompt] per row, the
+              prefix attending both ways. An ``EncodedImage`` is encoded
+              by the first step that uses it and keeps its features on the
+              device. Every forward keeps its rows' last hidden states in
+              the slot.
+    finalize  after the tokens, only when the SamplePlan asks values: the
+              region head on the slot's hidden states (a graph per bucket),
+              each value row's value into the slot and its encoding into
+              the row's next decode input; the values' host copy rides the
+              copy stream with the tokens, after the same event.
+    wait      the tokens, and the values where asked.
+
+Everything is enqueued on the compute stream without a host sync; crops and
+metadata come from pinned memory. A steady-state decode step with no value
+row runs exactly the CudaBackend's work plus the graph's few extra ops (I10).
+``image_ref`` and ``encode_image`` are the host side, for callers' threads.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+from PIL import Image
+
+from bubblefree.core.values import ImageRef, InvalidRequest, SamplePlan, StepKind, StepOutput, StepPlan
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.errors import PlanRejected
+from bubblefree.cuda_backend.graphs import GraphSet, bucket
+from bubblefree.cuda_backend.moondream.model import Moondream
+from bubblefree.cuda_backend.moondream.prepared import EncodedImage, PreparedImage, prepare
+from bubblefree.cuda_backend.moondream.region_head import COORD, KIND_CODES, NONE, RegionHead
+from bubblefree.cuda_backend.moondream.runner import MoondreamRunner
+from bubblefree.cuda_backend.moondream.text import to_phi
+from bubblefree.cuda_backend.slots import DecodeSlot
+
+
+@attrs.define(eq=False)
+class ValueSlot:
+    """A DecodeSlot's moondream part: the step's hidden states, the value
+    kinds it asked, its values on the device and their pinned landing."""
+
+    hidden: torch.Tensor  # [max_rows, D] device, model dtype
+    kinds_staging: torch.Tensor  # [max_rows] int64 host (pinned)
+    kinds_np: np.ndarray
+    kinds: torch.Tensor  # [max_rows] int64 device: region_head codes
+    values: torch.Tensor  # [max_rows, 2] float32 device
+    landing: torch.Tensor  # [max_rows, 2] float32 host (pinned)
+    asked: tuple = ()  # the SamplePlan's values: () or a kind (or None) per row
+    keep: list = attrs.Factory(list)  # host crops a copy may still read (I4)
+    encoded: list = attrs.Factory(list)  # EncodedImages this step encoded
+
+    @classmethod
+    def make(cls, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> "ValueSlot":
+        pin = device.type == "cuda"
+        staging = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
+        return cls(hidden=torch.zeros(rows, dim, dtype=dtype, device=device),
+                   kinds_staging=staging, kinds_np=staging.numpy(),
+                   kinds=torch.zeros(rows, dtype=torch.long, device=device),
+                   values=torch.zeros(rows, 2, dtype=torch.float32, device=device),
+                   landing=torch.zeros(rows, 2, dtype=torch.float32, pin_memory=pin))
+
+
+class MoondreamBackend(CudaBackend):
+    runner_class = MoondreamRunner
+    takes_images = True
+    decodes_values = True
+
+    def __init__(self, model: Moondream, **options):
+        """``model``: a ``Moondream`` (weights.load_checkpoint / random_model);
+        ``options``: CudaBackend's. Its prefills always run the packed
+        path here (``token_prefill`` is refused)."""
+        if options.get("token_prefill"):
+            raise InvalidRequest("token_prefill: moondream's prefills run their own packed path")
+        if not options.get("fused_decode", True):
+            raise InvalidRequest("fused_decode: moondream's decode step is the fused Phi one")
+        self.config = model.config
+        self.vision, self.region = model.vision.eval(), model.region.eval()
+        self.prefix_len = model.config.text.prefix_attn  # BOS + one crop's patches
+        super().__init__(to_phi(model.text, share=True), **{**options, "token_prefill": 0})
+        for part in (self.vision, self.region):
+            param = next(part.parameters())
+            if (param.device, param.dtype) != (self.device, self.dtype):
+                raise InvalidRequest(f"model: vision and region must be on {self.device} in "
+                                     f"{self.dtype} like the text, got {param.device} {param.dtype}")
+        self._pin = self.device.type == "cuda"
+        rows = self._cap.max_rows
+        self._head = RegionHead(self.region, rows, self.device)
+        self._vslots = [ValueSlot.make(rows, self.config.text.dim, self.dtype, self.device)
+                        for _ in (0, 1)]
+        self._value_graphs = GraphSet(self.device, options.get("use_graphs", True))
+        if self._value_graphs.enabled:
+            self._capture_values()
+        self._sync()
+
+    @property
+    def prefill_path(self) -> str:
+        return "image prefix and prompt packed, eager (attention over gathered pages)"
+
+    # -- host side: callers' threads ---------------------------------------------------
+
+    def image_ref(self, image: Image.Image | EncodedImage) -> ImageRef:
+        """An RGB PIL image (``bubblefree.images.load_image``'s) or an
+        ``EncodedImage`` of this backend -> the ``ImageRef`` a request
+        carries. Thread safe; crops the image here, encodes nothing."""
+        if isinstance(image, EncodedImage):
+            if not image.made_by(self):
+                raise InvalidRequest("image: an EncodedImage made by another backend")
+            return ImageRef(length=image.length, source=image)
+        return ImageRef(length=self.prefix_len, source=self._prepare(image))
+
+    def encode_image(self, image: Image.Image | EncodedImage) -> EncodedImage:
+        """An image to ask several questions of: crops now (thread safe); the
+        first image prefill that uses it encodes it on the device, once."""
+        if isinstance(image, EncodedImage):
+            return self.image_ref(image).source
+        return EncodedImage(owner=self, prepared=self._prepare(image), length=self.prefix_len)
+
+    def _prepare(self, image) -> PreparedImage:
+        if not isinstance(image, Image.Image):
+            raise InvalidRequest(f"image: must be a PIL image or an EncodedImage, got "
+                                 f"{type(image).__name__}")
+        if image.mode != "RGB":
+            raise InvalidRequest(f"image: must be RGB (bubblefree.images.load_image), got mode "
+                                 f"{image.mode!r}")
+        return prepare(image, self.config.vision, self._pin)
+
+    # -- launch ----------------------------------------------------------------------
+
+    def _check_launch(self, plan: StepPlan) -> None:
+        if plan.kind is not StepKind.IMAGE_PREFILL:
+            return
+        for r in plan.rows:
+            src, why = r.image.source, None
+            if r.image.length != self.prefix_len:
+                why = f"image length {r.image.length}, this model's prefix is {self.prefix_len}"
+            elif isinstance(src, EncodedImage):
+                if not src.made_by(self):
+                    why = "an EncodedImage made by another backend"
+                elif src.features is None and src.prepared is None:
+                    why = "an EncodedImage with neither features nor crops"
+            elif not isinstance(src, PreparedImage):
+                why = f"an image source this backend did not make ({type(src).__name__})"
+            if why:
+                raise PlanRejected(f"step {plan.step_id}: row of seq {r.seq_id}: {why}")
+
+    def _forward(self, s: DecodeSlot, plan: StepPlan) -> tuple[torch.Tensor, int]:
+        v = self._vslots[s.index]
+        if plan.kind is StepKind.DECODE:
+            logits, b = super()._forward(s, plan)
+            v.hidden[:b].copy_(self._runner.hidden[:b])
+            return logits, b
+        n, bos = len(plan.rows), self.config.tokenizer.bos_id
+        features, prefix = None, None
+        inputs = [np.asarray(r.tokens, dtype=np.int64) for r in plan.rows]
+        if plan.kind is StepKind.IMAGE_PREFILL:
+            features = self._image_features(plan, v)  # [n * 729, D]
+            head = np.zeros(self.prefix_len, dtype=np.int64)  # BOS, then placeholders
+            head[0] = bos
+            inputs = [np.concatenate((head, x)) for x in inputs]
+            prefix = np.full(n, self.prefix_len, dtype=np.int64)
+        k, shape = self._runner.pack_prefill(plan, s.staging_np, inputs, prefix)
+        meta = s.staging[:k].to(self.device, non_blocking=True)
+        logits, hidden = self._runner.prefill(meta, shape, features)  # [n, V], [n, D]
+        v.hidden[:n].copy_(hidden)
+        return logits, bucket(n, self._rows)
+
+    def _image_features(self, plan: StepPlan, v) -> torch.Tensor:
+        """The rows' image features ``[R * 729, D]``, in row order: what is
+        not encoded yet goes through the encoder in one call (an image shared
+        by rows, once)."""
+        sources = [r.image.source for r in plan.rows]
+        todo, seen = [], set()
+        for src in sources:
+            if id(src) not in seen and not (isinstance(src, EncodedImage) and src.encoded):
+                seen.add(id(src))
+                todo.append(src)
+        fresh = {}
+        if todo:
+            prepared = [src.prepared if isinstance(src, EncodedImage) else src for src in todo]
+            size = self.config.vision.crop_size
+            crops = torch.empty((sum(p.n_crops for p in prepared), size, size, 3),
+                                dtype=torch.uint8, device=self.device)
+            at = 0
+            for p in prepared:  # pinned host -> device, in stream order
+                crops[at:at + p.n_crops].copy_(p.crops, non_blocking=True)
+                at += p.n_crops
+                v.keep.append(p.crops)
+            embeds = self.vision.embed(crops, [p.tiling for p in prepared])  # [k, 729, D]
+            for src, e in zip(todo, embeds):
+                fresh[id(src)] = e
+                if isinstance(src, EncodedImage):
+                    src.features = e.clone()  # not a view keeping the whole batch alive
+                    v.encoded.append(src)
+        return torch.cat([fresh[id(s)] if id(s) in fresh else s.features for s in sources])
+
+    def _forward_failed(self, s: DecodeSlot) -> None:
+        self._forget(self._vslots[s.index], failed=True)
+
+    def _released(self, s: DecodeSlot, failed: bool) -> None:
+        self._forget(self._vslots[s.index], failed)
+
+    @staticmethod
+    def _forget(v: ValueSlot, failed: bool) -> None:
+        """After a failed step the features it meant to compute are not
+        trusted (the image is encoded again when next used); after a step
+        that completed, an encoded image's crops are no longer needed."""
+        for image in v.encoded:
+            if failed:
+                image.features = None
+            else:
+                image.prepared = None
+        v.encoded.clear()
+        v.keep.clear()
+
+    # -- finalize and wait -------------------------------------------------------
+
+    def _sample(self, s: DecodeSlot, b: int, greedy: bool) -> torch.Tensor:
+        tokens = super()._sample(s, b, greedy)
+        # A row that asks no value feeds its token back; a value row's flag is
+        # set again by the value decode, enqueued after this.
+        self._runner.value_flag.index_fill_(0, s.sample_inputs[:b], False)
+        return tokens
+
+    def _after_sampling(self, s: DecodeSlot, sample: SamplePlan, b: int, greedy: bool) -> None:
+        v = self._vslots[s.index]
+        v.asked = sample.values
+        if not sample.values:  # the common step: no region work at all
+            return
+        v.kinds_np[:b] = NONE
+        v.kinds_np[:len(sample.values)] = [KIND_CODES[k] for k in sample.values]
+        v.kinds[:b].copy_(v.kinds_staging[:b], non_blocking=True)
+        self._value_graphs.run((s.index, b, greedy), lambda: self._decode_values(s, b, greedy))
+
+    def _decode_values(self, s: DecodeSlot, b: int, greedy: bool) -> torch.Tensor:
+        """What the value graphs record for slot ``s`` at bucket ``b``."""
+        v, r = self._vslots[s.index], self._runner
+        kinds = v.kinds[:b]
+        values, embeds = self._head.decode(v.hidden[:b], kinds, s.sample_inputs, b, greedy)
+        v.values[:b].copy_(values)
+        row_slots = s.sample_inputs[:b]  # padded rows: the scratch row
+        r.value_emb.index_copy_(0, row_slots, embeds)
+        r.value_flag.index_copy_(0, row_slots, kinds != NONE)
+        return v.values
+
+    def _copy_out(self, s: DecodeSlot, n: int) -> None:
+        super()._copy_out(s, n)
+        v = self._vslots[s.index]
+        if v.asked:
+            v.landing[:n].copy_(v.values[:n], non_blocking=self._copy is not None)
+
+    def _output(self, s: DecodeSlot) -> StepOutput:
+        out = super()._output(s)
+        v = self._vslots[s.index]
+        if not v.asked:
+            return out
+        landed = v.landing[:len(out.tokens)].tolist()
+        values = tuple(None if k is None else x if KIND_CODES[k] == COORD else (x, y)
+                       for k, (x, y) in zip(v.asked, landed))
+        return attrs.evolve(out, values=values)
+
+    def _capture_values(self) -> None:
+        self._capture_per_slot(self._value_graphs, self._decode_values,
+                               reset=lambda s: self._vslots[s.index].kinds.zero_())

@@ -1,0 +1,69 @@
+"""Images on their way to the device: what the caller's thread makes.
+
+``prepare`` cuts an RGB image into moondream's overlapping crops, in host
+memory (pinned when the backend is on CUDA, so the decode thread's copy to
+the device never waits). It runs on the caller's thread, at submit: the
+decode thread only enqueues copies and the encoder.
+
+An ``EncodedImage`` (moondream's name) is an image meant for several
+questions. It starts as crops; the first image prefill that uses it encodes
+it (on the decode thread, inside the step's launch) and keeps its projected
+features ``[729, text dim]`` on the device, so later prefills skip the
+encoder. Only the backend that made it fills or reads its features: the
+fields below are the decode thread's once the image is handed to the engine.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import attrs
+import torch
+from PIL import Image
+
+from bubblefree.cuda_backend.moondream.config import VisionConfig
+from bubblefree.cuda_backend.moondream.image_crops import overlap_crops
+
+
+@attrs.frozen(eq=False)
+class PreparedImage:
+    """One image's crops, global view first: ``[n, S, S, 3]`` uint8 on the host."""
+
+    crops: torch.Tensor
+    tiling: tuple[int, int]  # (rows, cols) of local crops
+
+    @property
+    def n_crops(self) -> int:
+        return self.crops.shape[0]
+
+
+def prepare(image: Image.Image, config: VisionConfig, pin: bool) -> PreparedImage:
+    """An RGB PIL image -> its crops in host memory (pinned with ``pin``)."""
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"expected a PIL image, got {type(image).__name__}")
+    crops, plan = overlap_crops(image, config)  # [n, S, S, 3] uint8
+    return PreparedImage(crops=crops.pin_memory() if pin else crops, tiling=plan.tiling)
+
+
+@attrs.define(eq=False)
+class EncodedImage:
+    """An image to encode once and ask many questions of.
+
+    ``owner`` is the backend that made it (its device holds the features),
+    held weakly: an image a caller keeps does not keep a backend alive.
+    ``prepared`` holds the crops until a step that encoded them has
+    completed; ``features`` ``[729, D]`` (device, the model's dtype) are
+    set by the decode thread when that step is launched.
+    """
+
+    owner: object = attrs.field(repr=False, converter=weakref.ref)
+    prepared: PreparedImage | None
+    length: int  # KV positions its prefix takes: BOS and the image features
+    features: torch.Tensor | None = attrs.field(default=None, repr=False)
+
+    def made_by(self, backend: object) -> bool:
+        return self.owner() is backend
+
+    @property
+    def encoded(self) -> bool:
+        return self.features is not None

@@ -1,0 +1,130 @@
+"""moondream2 through the CUDA backend (on the CPU here), driven by the core
+Engine: image prefill and decode against the native whole-sequence model
+(``Moondream``: vision, ``TextDecoder`` under the prefix mask, region
+functions), values fed back as the next input like the reference's point
+and detect loops, pipelined equal to blocking (I8), an ``EncodedImage``
+encoded once and reused, and images batched in one step equal to one at a
+time."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
+from bubblefree.cuda_backend.errors import PlanRejected
+from bubblefree.cuda_backend.moondream.backend import MoondreamBackend
+from bubblefree.cuda_backend.moondream.build import build
+from bubblefree.cuda_backend.moondream.config import tiny_config
+from bubblefree.cuda_backend.moondream.image_crops import plan_crops
+from bubblefree.cuda_backend.moondream.weights import random_model
+from tests.moondream_world import (C, DETECT, MIXED, OPTIONS, POINT, S, picture,
+                                   recording, reference, request, run)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_config(), seed=21)
+
+
+@pytest.fixture(scope="module")
+def backend(model):
+    return MoondreamBackend(model, **OPTIONS)
+
+
+SIZES = [(200, 300), (379, 1001), (700, 900), (1234, 401)]
+
+
+@pytest.mark.parametrize("height,width", SIZES)
+def test_image_prefill_and_values_equal_the_native_model(model, backend, height, width):
+    image = picture(height, width, seed=height)
+    for kinds in (POINT, DETECT, MIXED):
+        prompt = [7, 19, 3, 44][:2 + len(kinds) % 3]
+        [got] = run(backend, [request(backend.image_ref(image), prompt, kinds)])
+        assert got == reference(model, image, prompt, kinds), kinds
+
+
+def test_the_sizes_cover_one_crop_and_several():
+    counts = {plan_crops(h, w, tiny_config().vision).n_crops for h, w in SIZES}
+    assert 2 in counts and max(counts) >= 7
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.8, 0.9, 5)])
+def test_pipelined_equals_blocking(backend, sampling):
+    images = [picture(300, 640, 1), picture(500, 500, 2), picture(900, 260, 3)]
+    reqs = [request(backend.image_ref(im), [5 + i, 9], kinds, sampling)
+            for i, (im, kinds) in enumerate(zip(images, (DETECT, MIXED, POINT)))]
+    assert run(backend, reqs, pipelined=True) == run(backend, reqs, pipelined=False)
+
+
+def test_sampled_values_are_seeded_per_request(backend):
+    image = picture(320, 480, 4)
+
+    def once(seed):
+        sampling = SamplingParams(1.5, 1.0, seed)
+        return run(backend, [request(backend.image_ref(image), [3, 4], DETECT, sampling)])
+    assert once(1) == once(1)
+    assert once(1) != once(2)  # 6 steps of tokens and bins: a collision is negligible
+
+
+def test_images_batched_in_one_step_equal_one_at_a_time(backend, monkeypatch):
+    images = [picture(260, 300, 5), picture(800, 600, 6), picture(400, 1200, 7)]
+    reqs = [request(backend.image_ref(im), [11, 12 + i], kinds)
+            for i, (im, kinds) in enumerate(zip(images, (POINT, DETECT, MIXED)))]
+    alone = [run(backend, [r])[0] for r in reqs]
+    plans = recording(backend, monkeypatch)
+    assert run(backend, reqs) == alone
+    first = plans[0]
+    assert first.kind is StepKind.IMAGE_PREFILL and len(first.rows) == 3
+
+
+def test_an_encoded_image_is_encoded_once_and_answers_like_a_fresh_one(backend, monkeypatch):
+    image = picture(640, 480, 8)
+    fresh = run(backend, [request(backend.image_ref(image), [2, 3], DETECT),
+                          request(backend.image_ref(image), [4], POINT)])
+    encoded = backend.encode_image(image)
+    assert not encoded.encoded
+    calls = []
+    embed = backend.vision.embed
+    monkeypatch.setattr(backend.vision, "embed", lambda *a: calls.append(a) or embed(*a))
+    first = run(backend, [request(backend.image_ref(encoded), [2, 3], DETECT)])
+    assert encoded.encoded and encoded.prepared is None  # crops dropped once it completed
+    second = run(backend, [request(backend.image_ref(encoded), [4], POINT)])
+    assert first + second == fresh
+    assert len(calls) == 1
+    # Two rows of one step sharing an image that is not encoded yet: once.
+    again = backend.encode_image(image)
+    both = run(backend, [request(backend.image_ref(again), [2, 3], DETECT),
+                         request(backend.image_ref(again), [4], POINT)])
+    assert both == fresh and len(calls) == 2
+
+
+def test_a_text_prefill_is_causal_and_values_work_without_an_image(model, backend):
+    kinds = (None, C, S, None, C)
+    [got] = run(backend, [request(None, [1, 30, 31, 32], kinds)])
+    assert got == reference(model, None, [1, 30, 31, 32], kinds)
+
+
+def test_values_are_none_when_no_row_asks(backend):
+    ref = backend.image_ref(picture(200, 200, 9))
+    rows = (StepRow(seq_id=0, row_slot=0, tokens=(3,), position=0, pages=tuple(range(46)),
+                    image=ref),)
+    backend.launch(0, StepPlan(0, StepKind.IMAGE_PREFILL, rows))
+    backend.finalize(0, SamplePlan(0, (None,)))
+    out = backend.wait(0)
+    backend.release(0)
+    assert out.values is None and len(out.tokens) == 1
+
+
+def test_image_sources_the_backend_did_not_make_are_refused_before_anything_runs(backend):
+    other, _ = build(tiny_config(), seed=3, **OPTIONS)
+    foreign = other.encode_image(picture(200, 200, 10))
+    for ref in (attrs.evolve(backend.image_ref(picture(200, 200, 10)), source="pixels"),
+                attrs.evolve(backend.image_ref(picture(200, 200, 10)), length=729),
+                attrs.evolve(backend.image_ref(picture(200, 200, 10)), source=foreign)):
+        rows = (StepRow(seq_id=0, row_slot=0, tokens=(3,), position=0, pages=tuple(range(46)),
+                        image=ref),)
+        with pytest.raises(PlanRejected):
+            backend.launch(0, StepPlan(0, StepKind.IMAGE_PREFILL, rows))
+    with pytest.raises(Exception, match="another backend"):
+        backend.image_ref(foreign)

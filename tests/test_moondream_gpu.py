@@ -1,0 +1,120 @@
+"""moondream2's backend on a GPU: pinned buffers and value graphs, answers
+equal to the native model in float32 with graphs and compiled, graphs equal
+to eager, pipelined equal to blocking in bfloat16, no host sync in an image
+prefill, and I10 for decode steps with and without value rows. Skipped,
+with the reason, where there is no GPU."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
+from bubblefree.cuda_backend.drive import scattered_pages
+from bubblefree.cuda_backend.moondream.backend import MoondreamBackend
+from bubblefree.cuda_backend.moondream.config import tiny_config
+from bubblefree.cuda_backend.moondream.weights import random_model
+from tests.moondream_world import C, DETECT, MIXED, OPTIONS, POINT, S, picture, reference, request, run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs CUDA: streams, events, pinned memory and graphs")
+
+
+def make(model, **kw):
+    # Uncompiled unless a test asks (compiling costs seconds per backend).
+    return MoondreamBackend(model, **{**OPTIONS, "compile_decode": False, **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_config(), seed=21, device="cuda")
+
+
+def workload(be, sampling=SamplingParams()):
+    images = [picture(300, 640, 1), picture(500, 500, 2), picture(900, 260, 3)]
+    return [request(be.image_ref(im), [5 + i, 9], kinds, sampling)
+            for i, (im, kinds) in enumerate(zip(images, (DETECT, MIXED, POINT)))]
+
+
+def test_value_buffers_are_pinned_and_every_bucket_has_a_value_graph(model):
+    be = make(model)
+    for v in be._vslots:
+        assert v.kinds_staging.is_pinned() and v.landing.is_pinned()
+        assert v.hidden.device.type == "cuda"
+    assert be._value_graphs.enabled and len(be._value_graphs) == 2 * 2 * len(be._rows)
+    assert be.image_ref(picture(200, 300, 0)).source.crops.is_pinned()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_answers_equal_the_native_model_in_float32(model, compiled):
+    be = make(model, compile_decode=compiled)
+    assert be._decode_graphs.enabled
+    for (h, w), kinds in (((200, 300), DETECT), ((700, 900), MIXED), ((379, 1001), POINT)):
+        image = picture(h, w, h)
+        [got] = run(be, [request(be.image_ref(image), [7, 19, 3], kinds)])
+        assert got == reference(model, image, [7, 19, 3], kinds)
+
+
+def test_graphs_equal_eager(model):
+    sampling = SamplingParams(0.8, 0.9, 5)
+    graphs, eager = make(model), make(model, use_graphs=False)
+    assert run(graphs, workload(graphs, sampling)) == run(eager, workload(eager, sampling))
+
+
+def test_pipelined_equals_blocking_in_bfloat16():
+    be = make(random_model(tiny_config(), seed=4, device="cuda", dtype=torch.bfloat16))
+    for sampling in (SamplingParams(), SamplingParams(0.8, 0.9, 5)):
+        assert run(be, workload(be, sampling)) == run(be, workload(be, sampling), pipelined=False)
+
+
+def test_image_prefill_and_steady_decode_make_no_sync_and_decode_no_allocation(model):
+    """An image prefill may allocate (its shapes vary) but never syncs; a
+    steady-state decode step, with or without value rows, neither (I10).
+    ``wait`` syncs on its copy's event by design: outside the debug mode."""
+    be = make(model)
+    cap = be.capacity
+    n = 3
+    pages = scattered_pages([800] * n, cap.page_size, cap.num_pages)
+    refs = [be.image_ref(picture(400 + 100 * i, 500, i)) for i in range(n)]
+    sampling = [SamplingParams(temperature=0.7 * i, seed=i) for i in range(n)]
+    rows = tuple(StepRow(seq_id=i, row_slot=i, tokens=(5, 6), position=0, pages=pages[i],
+                         sampling=sampling[i], image=refs[i]) for i in range(n))
+    start = be.prefix_len + 2
+    torch.cuda.synchronize()
+    with strict():
+        be.launch(0, StepPlan(0, StepKind.IMAGE_PREFILL, rows))
+        be.finalize(0, SamplePlan(0, (None,) * n, (C, None, S)))
+    schedule = [(C, C, S), (None,) * n, (S, C, None), (C, None, C)]
+    last_step = 14  # asks (S, C, None): the last output holds values
+    for step in range(1, last_step + 1):
+        slot, steady = step % 2, step > 4
+        rows = tuple(StepRow(seq_id=i, row_slot=i, tokens=(), position=start + step - 1,
+                             pages=pages[i], sampling=sampling[i]) for i in range(n))
+        kinds = schedule[step % len(schedule)]
+        sample = SamplePlan(step, (None,) * n, () if kinds == (None,) * n else kinds)
+        torch.cuda.synchronize()
+        allocs = torch.cuda.memory_stats()["allocation.all.allocated"]
+        with strict(steady):
+            be.launch(slot, StepPlan(step, StepKind.DECODE, rows))
+        assert len(be.wait(1 - slot).tokens) == n  # commit t while t+1 runs
+        be.release(1 - slot)
+        with strict(steady):
+            be.finalize(slot, sample)
+        torch.cuda.synchronize()
+        assert not steady or torch.cuda.memory_stats()["allocation.all.allocated"] == allocs
+    last = be.wait(last_step % 2)
+    be.release(last_step % 2)
+    kinds = schedule[last_step % len(schedule)]
+    assert [v is None for v in last.values] == [k is None for k in kinds]
+
+
+@contextlib.contextmanager
+def strict(on: bool = True):
+    """Any host sync inside raises (when ``on``)."""
+    torch.cuda.set_sync_debug_mode("error" if on else "default")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

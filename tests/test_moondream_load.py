@@ -1,0 +1,103 @@
+"""Loading moondream2: the engine ``from_pretrained`` assembles for a
+checkpoint directory (its tokenizer, templates and region head) and
+``moondream_random``'s, wired here to the simulated GPU in place of the
+moondream backend, and options refused before anything is built."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+from PIL import Image
+
+from bubblefree import Engine, InvalidRequest
+from bubblefree.checkpoints import text_templates, word_tokenizer
+from bubblefree.cuda_backend.moondream import build as moondream_build
+from bubblefree.cuda_backend.moondream.config import TokenizerConfig, tiny_config
+from bubblefree.fake_backend import FakeBackend, FakeModel
+from bubblefree.skills import RegionHeadCodec
+
+
+def checkpoint(folder, config: dict):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+class FakeMoondream:
+    """``cuda_backend.moondream.build.build`` on the simulated GPU: the same
+    call, a FakeBackend of the config's vocabulary, the checkpoint's tokenizer."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, source, *, device, dtype, seed, **options):
+        self.calls.append((source, device, dtype, seed, options))
+        raw = word_tokenizer()
+        config = source if not isinstance(source, str) else attrs.evolve(
+            tiny_config(), tokenizer=TokenizerConfig(bos_id=0, eos_id=0, templates=text_templates(raw)))
+        backend = FakeBackend(model=FakeModel(vocab_size=config.text.vocab_size, eos_id=0),
+                              num_pages=256, max_context=512, max_prefill_tokens=128, **options)
+        info = moondream_build.MoondreamInfo(config=config, tokenizer=raw if isinstance(source, str) else None)
+        return backend, info
+
+
+@pytest.fixture
+def fake_build(monkeypatch):
+    fake = FakeMoondream()
+    monkeypatch.setattr(moondream_build, "build", fake)
+    return fake
+
+
+def test_from_pretrained_on_a_moondream_directory_builds_moondreams_engine(tmp_path, fake_build):
+    path = checkpoint(tmp_path / "md", {"model_type": "moondream1"})
+    engine = Engine.from_pretrained(path, max_rows=4, device="cpu")
+    try:
+        assert fake_build.calls[0][0] == str(path) and fake_build.calls[0][4] == {"max_rows": 4}
+        tok = engine.skills.tokenizer
+        assert isinstance(engine.skills.codec, RegionHeadCodec) and engine.takes_images
+        # moondream's prompts: template ids around the words, " " before the object.
+        query = engine.submit("query", image=Image.new("RGB", (8, 8)), question="what is this", max_tokens=2)
+        assert tok.decode(query.request.prompt) == "Question : what is this Answer :"
+        point = engine.submit("point", image=Image.new("RGB", (8, 8)), object="cat", max_tokens=2)
+        assert list(point.request.prompt) == [*tok.encode("Point:"), *tok.encode(" cat")]
+        assert engine.submit("query", question="what", max_tokens=1).request.prompt[0] == tok.templates.bos_id
+        points = engine.point(Image.new("RGB", (8, 8), "red"), "cat", settings={"max_objects": 2})["points"]
+        assert len(points) <= 2 and all(0 <= p["x"] <= 1 for p in points)
+        with pytest.raises(InvalidRequest, match="^skill: a model with a region head"):
+            engine.segment(Image.new("RGB", (8, 8)), "cat")
+    finally:
+        engine.close()
+
+
+def test_a_random_moondream_takes_its_tokenizers_ids(fake_build):
+    engine = Engine.moondream_random("tiny", seed=3, device="cpu")
+    try:
+        source, _, _, seed, _ = fake_build.calls[0]
+        raw = word_tokenizer()
+        assert seed == 3 and source.tokenizer.bos_id == source.tokenizer.eos_id == raw.token_to_id("<|endoftext|>")
+        assert source.tokenizer.templates == text_templates(raw)
+        assert engine.skills.tokenizer.templates.query == (tuple(raw.encode("Question:").ids),
+                                                           tuple(raw.encode("Answer:").ids))
+        assert isinstance(engine.caption(Image.new("RGB", (8, 8)), max_tokens=3)["caption"], str)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("call,field", [
+    (lambda: Engine.moondream_random("huge"), "config"),
+    (lambda: Engine.moondream_random("tiny", seed=-1), "seed"),
+    (lambda: Engine.moondream_random("tiny", seed=True), "seed"),
+    (lambda: Engine.moondream_random("tiny", location_tokens=True), "location_tokens"),
+    (lambda: Engine.moondream_random("tiny", max_rows=0), "max_rows"),
+    (lambda: Engine.moondream_random("tiny", colour="red"), "colour"),
+    (lambda: Engine.moondream_random("tiny", device="tpu"), "device"),
+    (lambda: Engine.moondream_random("tiny", pipelined="yes"), "pipelined"),
+])
+def test_bad_options_are_refused_before_anything_is_built(fake_build, call, field):
+    with pytest.raises(InvalidRequest) as err:
+        call()
+    assert str(err.value).startswith(f"{field}:"), err.value
+    assert fake_build.calls == []

@@ -1,0 +1,149 @@
+"""Image skills over HTTP on an image model (the simulated GPU with a region
+head and moondream's prompts), through the clients people use: Moondream's
+and OpenAI's, unchanged. Each answer equals the engine's own for the image
+the server received."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import json
+import urllib.error
+
+import httpx
+import moondream
+import openai
+import pytest
+from PIL import Image
+
+from tests.server_support import serving
+from tests.image_world import moon_engine, picture, png
+
+KEY = "sesame"
+IMAGE = picture(5, 64, 48)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = moon_engine()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with serving(engine, api_key=KEY) as base:
+        yield base
+
+
+@pytest.fixture
+def md(url):
+    return moondream.vl(api_key=KEY, endpoint=f"{url}/v1")
+
+
+@pytest.fixture
+def oa(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=20)
+
+
+def sent(image: Image.Image) -> bytes:
+    """The bytes Moondream's client sends for ``image`` (a JPEG)."""
+    uri = moondream.vl(api_key=KEY, endpoint="http://unused").encode_image(image).image_url
+    return base64.b64decode(uri.partition(",")[2])
+
+
+def data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def refusal(err: urllib.error.HTTPError) -> dict:
+    return json.loads(err.read())["error"]
+
+
+def test_moondream_client_caption_and_query(md, engine):
+    jpeg = sent(IMAGE)
+    assert md.caption(IMAGE, length="short") == engine.caption(jpeg, length="short")
+    assert md.caption(IMAGE) == engine.caption(jpeg)
+    assert md.query(IMAGE, "what is the cat on") == engine.query(jpeg, "what is the cat on")
+    pieces = list(md.query(IMAGE, "what is the cat on", stream=True)["answer"])
+    assert "".join(pieces).strip() == engine.query(jpeg, "what is the cat on")["answer"]
+    pieces = list(md.caption(IMAGE, stream=True, settings={"max_tokens": 5})["caption"])
+    assert "".join(pieces).strip() == engine.caption(jpeg, max_tokens=5)["caption"]
+
+
+def test_moondream_client_point_and_detect(md, engine):
+    jpeg = sent(IMAGE)
+    points = md.point(IMAGE, "cat", settings={"max_objects": 3})
+    assert points == {"points": engine.point(jpeg, "cat", max_objects=3)["points"]}
+    assert 1 <= len(points["points"]) <= 3
+    boxes = md.detect(IMAGE, "dog", settings={"max_objects": 2, "temperature": 0.5, "seed": 9})
+    assert boxes == {"objects": engine.detect(jpeg, "dog", settings={"max_objects": 2, "temperature": 0.5,
+                                                                        "seed": 9})["objects"]}
+    assert all(0 <= b["x_min"] <= b["x_max"] <= 1 for b in boxes["objects"])
+
+
+def test_a_text_only_query_on_the_image_model(md, engine):
+    assert md.query(question="what is the cat on") == engine.query(question="what is the cat on")
+
+
+def test_segment_and_missing_images_are_refused_clearly(md, url):
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        md.segment(IMAGE, "cat")
+    assert caught.value.code == 422
+    error = refusal(caught.value)
+    assert error["param"] == "skill" and "no segment skill" in error["message"]
+    headers = {"X-Moondream-Auth": KEY}
+    for route, body, field, words in [
+        ("caption", {}, "image_url", "is required"),
+        ("point", {"object": "cat"}, "image_url", "is required"),
+        ("detect", {"object": "cat", "stream": True}, "stream", "answers whole"),
+        ("point", {"object": "cat", "image_url": data_uri(png(IMAGE)), "spatial_refs": [[0.1, 0.2]]},
+         "spatial_refs", "not supported"),
+        ("point", {"object": "cat", "image_url": data_uri(png(IMAGE)), "settings": {"max_objects": 0}},
+         "settings.max_objects", ">= 1"),
+        ("caption", {"image_url": data_uri(png(IMAGE)), "settings": {"max_objects": 2}},
+         "settings.max_objects", "unknown field"),
+        ("query", {"question": "a", "image_url": data_uri(b"not an image")}, "image_url", "not an image"),
+        ("query", {"question": "a", "image_url": "data:image/png;base64,@@"}, "image_url", "base64"),
+        ("detect", {"object": "a", "image_url": data_uri(png(picture(0, 1, 1)))[:40]}, "image_url", ""),
+    ]:
+        reply = httpx.post(f"{url}/v1/{route}", json=body, headers=headers, timeout=20)
+        assert reply.status_code == 422, (route, body, reply.text)
+        error = reply.json()["error"]
+        assert error["param"] == field and words in error["message"], error
+    assert md.point(IMAGE, "cat")["points"] is not None  # still serving
+
+
+def test_openai_chat_with_an_image_part(oa, engine):
+    image = png(IMAGE)
+    parts = [{"type": "text", "text": "what is the cat on"},
+             {"type": "image_url", "image_url": {"url": data_uri(image)}}]
+    reply = oa.chat.completions.create(model="any", messages=[{"role": "user", "content": parts}])
+    want = engine.query(image, "what is the cat on")["answer"]
+    assert reply.choices[0].message.content.strip() == want
+    chunks = oa.chat.completions.create(model="any", stream=True,
+                                        messages=[{"role": "user", "content": parts}])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == want
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        oa.chat.completions.create(model="any", messages=[{"role": "user", "content": parts + parts[1:]}])
+    assert "messages[0].content[2].image_url.url: one image a request" in str(caught.value)
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        oa.chat.completions.create(model="any", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri(b"GIF89a")}}]}])
+    assert "messages[0].content[0].image_url.url: the data is not an image" in str(caught.value)
+
+
+def test_clients_at_once_each_get_the_answer_for_their_image(url, engine):
+    images = [picture(seed, 40 + seed, 30) for seed in range(6)]
+
+    def ask(image):
+        client = moondream.vl(api_key=KEY, endpoint=f"{url}/v1")
+        return client.point(image, "cat"), client.query(image, "is there a dog")
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(ask, images))
+    for image, (points, answer) in zip(images, got):
+        jpeg = sent(image)
+        assert points == {"points": engine.point(jpeg, "cat")["points"]}
+        assert answer == engine.query(jpeg, "is there a dog")
