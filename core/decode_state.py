@@ -14,7 +14,7 @@ sampled token lies in the set it registered under that id.
 Values: a state that also has ``value_kind()`` is asked it right after
 ``mask_id()``; a ``ValueKind`` makes the backend decode that value beside the
 token (its region head) and hand it to ``advance``. The commit checks it has
-its kind's shape and range (I11). A state without the method asks none.
+its kind's shape and range (I13). A state without the method asks none.
 """
 
 from __future__ import annotations

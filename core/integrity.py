@@ -1,5 +1,5 @@
 """The scheduler's integrity check: what must hold between any two calls,
-and the check of a step's values at its commit (I11).
+and the check of a step's values at its commit (I13).
 
 Kept apart from ``scheduler.py`` so the keeper of the invariants and their
 checker are read separately; the proof suite calls this after every phase.
@@ -77,7 +77,7 @@ def check_owners(sched) -> None:
 
 
 def check_values(step: Step, values: tuple | None) -> None:
-    """I11: a row that asked a value got one of its kind's shape and range; a
+    """I13: a row that asked a value got one of its kind's shape and range; a
     row that asked none got None. Like I9 for tokens, a backend that breaks
     this is a bug, not a device fault: raised, never handed to a skill."""
     if not step.value_kinds and (values is None or values.count(None) == len(step.seq_ids)):
@@ -86,9 +86,9 @@ def check_values(step: Step, values: tuple | None) -> None:
     if values is None:
         values = (None,) * len(kinds)
     elif len(values) != len(kinds):
-        raise InvariantViolation(f"I11: step {step.step_id} returned {len(values)} values "
+        raise InvariantViolation(f"I13: step {step.step_id} returned {len(values)} values "
                                  f"for {len(kinds)} rows")
     for sid, kind, value in zip(step.seq_ids, kinds, values):
         why = bad_value(kind, value)
         if why is not None:
-            raise InvariantViolation(f"I11: sequence {sid} in step {step.step_id}: {why}")
+            raise InvariantViolation(f"I13: sequence {sid} in step {step.step_id}: {why}")

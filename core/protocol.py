@@ -34,7 +34,7 @@ A decode row's input token is the token most recently sampled for its
 ``row_slot``, read on the device: the next forward never waits for the host
 copy. After a row whose SamplePlan asked a value (``ValueKind``), the input is
 that value's encoding instead, also on the device; the value itself lands in
-``StepOutput.values`` beside the token (I11).
+``StepOutput.values`` beside the token (I13).
 
 An IMAGE_PREFILL row writes its image prefix (``ImageRef``, encoded from its
 backend-owned ``source``) at positions ``position .. position+image.length-1``,

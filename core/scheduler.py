@@ -12,7 +12,7 @@ The bubble this tick removes, and the invariants by id, are pictured in
 launched, uncommitted steps (at most 2); I4 a slot is reused only after its
 commit; I5 nothing after the end; I6 release exactly once, at
 ``finalized and inflight_refs == 0``; I7 one end each; I9 masks after commit;
-I11 each row gets the value it asked for, of its kind's shape, and no other.
+I13 each row gets the value it asked for, of its kind's shape, and no other.
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ class Scheduler:
         if output is not None and len(output.tokens) != len(step.seq_ids):
             failed = failed or f"backend returned {len(output.tokens)} tokens for {len(step.seq_ids)} rows"
         if output is not None and failed is None:
-            check_values(step, output.values)  # I11, before anything changes
+            check_values(step, output.values)  # I13, before anything changes
         self.inflight.popleft()
         others = {sid for st in self.inflight for sid in st.seq_ids}
         for row, sid in enumerate(step.seq_ids):
@@ -224,7 +224,7 @@ class Scheduler:
                     self.probe("zombie_last_commit_frees_pages")
             elif failed is not None:
                 self._end(s, Status.FAILED, failed)
-            else:  # a value the row did not ask for is refused above (I11)
+            else:  # a value the row did not ask for is refused above (I13)
                 value = output.values[row] if step.value_kinds else None
                 self._append(s, output.tokens[row], value, step.mask_ids[row])
                 if s.finalized and sid in others:

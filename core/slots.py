@@ -54,7 +54,7 @@ class Step:
     slot: int
     seq_ids: tuple[int, ...]
     mask_ids: tuple[int | None, ...] = ()  # set at finalize, checked at commit (I9)
-    value_kinds: tuple[ValueKind | None, ...] = ()  # set at finalize, () if none asked (I11)
+    value_kinds: tuple[ValueKind | None, ...] = ()  # set at finalize, () if none asked (I13)
     failed: str | None = None  # a backend fault seen at finalize
 
 

@@ -225,7 +225,7 @@ Value = float | tuple[float, float]
 class StepOutput:
     """What a step's host copy holds once its event has fired: one sampled
     token per row, and ``values``: None, or one entry per row, a float for a
-    COORD row, a (width, height) pair for a SIZE row, None otherwise (I11)."""
+    COORD row, a (width, height) pair for a SIZE row, None otherwise (I13)."""
 
     step_id: int
     tokens: tuple[int, ...]
@@ -233,7 +233,7 @@ class StepOutput:
 
 
 def bad_value(kind: ValueKind | None, value: Any) -> str | None:
-    """Why ``value`` is not what a row that asked ``kind`` must get (I11), or
+    """Why ``value`` is not what a row that asked ``kind`` must get (I13), or
     None. A finite real in [0, 1] for COORD, a pair of them in (0, 1] for SIZE,
     None for a row that asked none."""
     if kind is None:

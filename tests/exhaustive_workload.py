@@ -5,7 +5,7 @@ Text requests choose where EOS falls with their first prompt token (the
 fake model's rule); some carry an image (an IMAGE_PREFILL of its prefix,
 then a one-token prompt). The constrained request runs ``Cycle2``, a tiny
 skill that alternates two disjoint masks and checks I9 itself, and asks a
-coordinate, then a size, then no value (I11). ``expected`` is what any
+coordinate, then a size, then no value (I13). ``expected`` is what any
 request must return, tokens and values, computed from the model alone (I8).
 """
 
@@ -64,7 +64,7 @@ class Cycle2:
         if token not in allowed:
             raise InvariantViolation(f"I9: token {token} at index {self.at} not allowed by the current state")
         if (value is None) is not (self.value_kind() is None):
-            raise InvariantViolation(f"I11: value {value!r} at index {self.at}, asked {self.value_kind()}")
+            raise InvariantViolation(f"I13: value {value!r} at index {self.at}, asked {self.value_kind()}")
         self.at += 1
         self.got += (token,)
         self.got_values += (value,)

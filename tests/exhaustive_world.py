@@ -255,7 +255,7 @@ class World:
         want_output = None if req.finisher is None else ("cycle2", res.tokens, want_all.values[:len(res.tokens)])
         if req.decode_state is not None and res.output != want_output:
             # The skills contract: every committed token reaches advance, in order, once, with the
-            # value it asked for (I11), and the values are the model's (I8).
+            # value it asked for (I13), and the values are the model's (I8).
             raise InvariantViolation(f"skill: request {h.request_id}'s skill received {res.output[1:]}, "
                                      f"committed {res.tokens}, the model says {want_output[1:]}")
         if (res.request_id, res.tag, res.output) != (h.request_id, req.tag, want_output):

@@ -483,7 +483,7 @@ def test_values_are_decoded_where_asked_and_refused_without_a_region_head(kit, k
     out = be.wait(0)
     be.release(0)
     assert len(out.values) == 3 and out.values[0] is None and out.values[2] is None
-    assert bad_value(kind, out.values[1]) is None  # I11: its kind's shape and range
+    assert bad_value(kind, out.values[1]) is None  # I13: its kind's shape and range
     # The value row decodes on: its next input is the value's encoding, on the device.
     assert len(serve(kit, 1, decode(kit.next_id(), drow(0, 3), drow(1, 2), drow(2, 1))).tokens) == 3
 

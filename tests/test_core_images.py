@@ -1,5 +1,5 @@
 """Images and values through the core: the IMAGE_PREFILL step kind, the
-value path (``value_kind`` at finalize, ``SamplePlan.values``, I11 at
+value path (``value_kind`` at finalize, ``SamplePlan.values``, I13 at
 commit), and every guard they add, hit on purpose. A guard raises naming
 its invariant or field and leaves the state as it was (h11's rule).
 """
@@ -179,7 +179,7 @@ def test_values_reach_the_skill_and_match_the_reference_in_both_modes():
     assert [bad_value(k, v) for k, (_, v) in zip(kinds * 2, state.got)] == [None] * 6
 
 
-# -------------------------------------------------------------------- I11
+# -------------------------------------------------------------------- I13
 def launched_and_finalized(kinds):
     """A scheduler with one step launched and finalized for a sequence whose
     skill asks ``kinds`` (one per step)."""
@@ -204,13 +204,13 @@ def launched_and_finalized(kinds):
     ((ValueKind.SIZE,), ((0.0, 0.5),), "size value"),
     ((ValueKind.SIZE,), ([0.5, 0.5],), "size value"),
     ((ValueKind.SIZE,), ((0.5, 0.5, 0.5),), "size value"),
-    ((ValueKind.COORD,), (0.5, 0.5), "I11: step 0 returned 2 values for 1 rows"),
+    ((ValueKind.COORD,), (0.5, 0.5), "I13: step 0 returned 2 values for 1 rows"),
 ])
-def test_a_value_of_the_wrong_shape_is_refused_at_commit_and_changes_nothing_I11(kinds, values, why):
+def test_a_value_of_the_wrong_shape_is_refused_at_commit_and_changes_nothing_I13(kinds, values, why):
     sched, step, sample = launched_and_finalized(kinds)
     assert sample.values == (kinds if kinds != (None,) else ())
     seq = sched.seqs[0]
-    with pytest.raises(InvariantViolation, match=f"I11: .*{why}|{why}"):
+    with pytest.raises(InvariantViolation, match=f"I13: .*{why}|{why}"):
         sched.commit(step, StepOutput(step.step_id, (3,), values), None)
     assert list(sched.inflight) == [step] and seq.inflight_refs == 1 and seq.tokens == []
 
@@ -219,7 +219,7 @@ def test_a_value_of_the_wrong_shape_is_refused_at_commit_and_changes_nothing_I11
     ((None,), None), ((None,), (None,)), ((ValueKind.COORD,), (0.0,)), ((ValueKind.COORD,), (1,)),
     ((ValueKind.SIZE,), ((2 ** -10, 1.0),)),
 ])
-def test_a_value_of_its_kind_is_committed_and_handed_to_the_skill_I11(kinds, values):
+def test_a_value_of_its_kind_is_committed_and_handed_to_the_skill_I13(kinds, values):
     sched, step, sample = launched_and_finalized(kinds)
     sched.commit(step, StepOutput(step.step_id, (3,), values), None)
     assert sched.seqs[0].state.got == [(3, None if values is None else values[0])]

@@ -1,6 +1,6 @@
 """Each invariant broken by hand, and a test that catches it.
 
-For every invariant the core keeps (I2–I9, I11), a small, realistic bug is
+For every invariant the core keeps (I2–I9, I13), a small, realistic bug is
 patched into the core's source — commit the newest step first, skip the
 inflight_refs decrement, reuse a slot whose copy is in flight, append to a
 finalized sequence, tear a zombie down early, release pages twice, hand a
@@ -162,12 +162,12 @@ BREAKS = [
           (P(Scheduler, "_admit", ("need = pages_needed(req.prefix_len, req.max_tokens, self.capacity.page_size)",
                                    "need = pages_needed(len(req.prompt), req.max_tokens, self.capacity.page_size)")),),
           r"HardwareMisuse: .*beyond its \d+ pages"),
-    Break("I11", "the asked value kinds are not sent to sampling",
+    Break("I13", "the asked value kinds are not sent to sampling",
           (P(Scheduler, "plan_finalize", ("values=step.value_kinds)", "values=())")),),
-          r"I11: sequence \d+ in step \d+: coord value None"),
-    Break("I11", "the commit hands the skill no value",
+          r"I13: sequence \d+ in step \d+: coord value None"),
+    Break("I13", "the commit hands the skill no value",
           (P(Scheduler, "commit", ("value = output.values[row] if step.value_kinds else None", "value = None")),),
-          r"I11: value None at index 0, asked ValueKind.COORD"),
+          r"I13: value None at index 0, asked ValueKind.COORD"),
     Break("I8", "the simulated GPU feeds a value row's token, not the value's encoding, to the next step",
           (P(FakeBackend, "finalize", ("inputs.append(token if kind is None else value_marker(kind, value))",
                                       "inputs.append(token)")),),

@@ -59,7 +59,7 @@ class Cycle:
     """A tiny skill: allowed sets cycle (none: free text); done after
     ``length`` tokens (0: never); asks ``kinds`` of values in turn. Records
     (mask id, token) pairs and (kind, value) pairs so the test checks I9 and
-    I11 itself, and so that what it received is checked against the
+    I13 itself, and so that what it received is checked against the
     committed tokens (the skills contract: every committed token, the stop
     token included, in order, exactly once)."""
 
@@ -255,11 +255,11 @@ class PipelineMachine(RuleBasedStateMachine):
                     assert mask_id is None or token in allowed[mask_id], "I9: committed token outside its mask"
 
     @invariant()
-    def values_hold_I11(self):
+    def values_hold_I13(self):
         for states in self.skill_of.values():
             for state in states:
                 for kind, value in state.values:
-                    assert bad_value(kind, value) is None, f"I11: {kind} asked, {value!r} received"
+                    assert bad_value(kind, value) is None, f"I13: {kind} asked, {value!r} received"
 
     @invariant()
     def a_skill_receives_every_committed_token(self):
