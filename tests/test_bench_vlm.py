@@ -1,0 +1,50 @@
+"""bench.vlm_speed and bench.vlm_profile on the CPU with the tiny random
+moondream: the commands run end to end through the public API and write
+their section; the figures are not checked (no timing in tests)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from bubblefree.bench import vlm_speed  # noqa: E402
+
+
+def test_vlm_speed_runs_the_image_api_and_writes_its_section(tmp_path):
+    out, record = tmp_path / "bench.md", tmp_path / "run.json"
+    out.write_text("# Speed benchmarks\n\nearlier text\n")
+    text = vlm_speed.main(["--quick", "--no-peer", "--device", "cpu", "--streams", "1", "--sizes", "378",
+                           "--workloads", "point,query", "--per-stream", "1", "--out", str(out),
+                           "--record", str(record)])
+    doc = out.read_text()
+    assert "earlier text" in doc and vlm_speed.BEGIN in doc and vlm_speed.END in doc
+    assert "| point | 378 px | 1 |" in text and "| query | 378 px | 1 |" in text
+    assert "smoke run, not a measurement" in text
+    rec = json.loads(record.read_text())
+    assert [r["workload"] for r in rec["rows"]] == ["point", "query"]
+    assert all("error" not in r for r in rec["rows"]), rec["rows"]
+    assert rec["encode"][0]["crops"] == 2  # a 378-px image: the global view and one local crop
+
+
+def test_render_states_each_target_and_the_losing_cells(tmp_path):
+    row = dict(workload="point", side=378, streams=1, requests=17, p_req_s=10.0, b_req_s=12.0, ratio=10 / 12,
+               p_p50=20.0, p_p99=30.0, b_p50=18.0, b_p99=25.0)
+    query = dict(row, workload="query", p_req_s=60.0, b_req_s=50.0, ratio=1.2)
+    record = dict(env="somewhere", command="python -m bubblefree.bench.vlm_speed", quick=False,
+                  rows=[row, query, dict(workload="detect", side=378, streams=8, error="RuntimeError: x")],
+                  encode=[dict(side=378, crops=2, image_ms=3.0, crop_ms=1.5)],
+                  peer=[["point", 1, dict(req_s=16.0, p50_ms=62.0)]], peer_crop_ms=2.1)
+    text = vlm_speed.render(record, None, None)
+    assert "point, fresh 378 px, 1 stream: p50 20.0 ms (target <= 15): not met" in text
+    assert "query capped at 10 tokens, 378 px, 1 stream: 60.0 req/s (target >= 50): met" in text
+    assert "1.50 ms per crop (target <= 2): met" in text
+    assert "pipelined >= blocking: 1 of 2 cells (below: point 378 px x1 0.83)" in text
+    assert "| detect | 378 px | 8 | RuntimeError: x |" in text
+    assert "| point | 378 px | 1 | 10.0 | 12.0 | 0.83 | 20.0 / 30.0 | 18.0 / 25.0 | 16.0 | 62.0 |" in text
+
+
+def test_unknown_workloads_are_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        vlm_speed.main(["--workloads", "point,dance", "--device", "cpu"])
+    assert "unknown dance" in capsys.readouterr().err
