@@ -71,6 +71,11 @@ class ValueSlot:
                    landing=torch.zeros(rows, 2, dtype=torch.float32, pin_memory=pin))
 
 
+# An image row is 730 positions and its prompt: room for five in one prefill
+# (CudaBackend's 2048 would take two).
+DEFAULT_MAX_PREFILL_TOKENS = 4096
+
+
 class MoondreamBackend(CudaBackend):
     runner_class = MoondreamRunner
     takes_images = True
@@ -78,7 +83,8 @@ class MoondreamBackend(CudaBackend):
 
     def __init__(self, model: Moondream, **options):
         """``model``: a ``Moondream`` (weights.load_checkpoint / random_model);
-        ``options``: CudaBackend's. Its prefills always run the packed
+        ``options``: CudaBackend's (``max_prefill_tokens`` defaults to
+        ``DEFAULT_MAX_PREFILL_TOKENS``). Its prefills always run the packed
         path here (``token_prefill`` is refused)."""
         if options.get("token_prefill"):
             raise InvalidRequest("token_prefill: moondream's prefills run their own packed path")
@@ -87,7 +93,8 @@ class MoondreamBackend(CudaBackend):
         self.config = model.config
         self.vision, self.region = model.vision.eval(), model.region.eval()
         self.prefix_len = model.config.text.prefix_attn  # BOS + one crop's patches
-        super().__init__(to_phi(model.text, share=True), **{**options, "token_prefill": 0})
+        options = {"max_prefill_tokens": DEFAULT_MAX_PREFILL_TOKENS, **options, "token_prefill": 0}
+        super().__init__(to_phi(model.text, share=True), **options)
         for part in (self.vision, self.region):
             param = next(part.parameters())
             if (param.device, param.dtype) != (self.device, self.dtype):
