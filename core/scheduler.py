@@ -141,11 +141,15 @@ class Scheduler:
                 raise InvariantViolation(f"I3: sequence {sid} in {s.inflight_refs} steps")
             if s.inflight_refs == 2:
                 self.probe("two_steps_in_flight_for_one_sequence")
+                if any(st.value_kinds and st.value_kinds[st.seq_ids.index(sid)] for st in self.inflight
+                       if sid in st.seq_ids):
+                    # Its input is the value's encoding, on the device: the value is not yet on the host.
+                    self.probe("decode_launched_after_an_uncommitted_value")
         self.inflight.append(step)
         if self.pool.busy() == len(self.pool.slots):
             self.probe("both_slots_busy")
         if plan.kind in PREFILLS and committing:
-            self.probe("prefill_launched_while_decode_in_flight")
+            self.probe(f"{plan.kind.value}_launched_while_decode_in_flight")
         return step
 
     def launch_failed(self, plan: StepPlan, reason: str) -> None:

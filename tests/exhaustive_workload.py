@@ -2,9 +2,11 @@
 step can take, and how far the search goes (``Bounds``).
 
 Text requests choose where EOS falls with their first prompt token (the
-fake model's rule); the constrained request runs ``Cycle2``, a tiny skill
-that alternates two disjoint masks and checks I9 itself. ``expected_tokens``
-is what any request must return, computed from the model alone (I8).
+fake model's rule); some carry an image (an IMAGE_PREFILL of its prefix,
+then a one-token prompt). The constrained request runs ``Cycle2``, a tiny
+skill that alternates two disjoint masks and checks I9 itself, and asks a
+coordinate, then a size, then no value (I11). ``expected`` is what any
+request must return, tokens and values, computed from the model alone (I8).
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import functools
 
 import attrs
 
-from bubblefree.core import InvariantViolation, Request
+from bubblefree.core import ImageRef, InvariantViolation, Request, ValueKind
 from bubblefree.fake_backend import FakeModel, Timing
+from bubblefree.fake_backend.model import Expected
 
 EOS = 0
 VOCAB = 8  # small: the fake model scores every token of the vocabulary per row
 EVENS = frozenset(range(0, VOCAB, 2))  # the cycle's first mask holds EOS
 ODDS = frozenset(range(1, VOCAB, 2))
 DONE_AFTER = 3  # the constrained request's skill is done after this many tokens
+VALUES = (ValueKind.COORD, ValueKind.SIZE, None)  # what it asks beside each token, in turn
+IMAGE_LENGTH = 2  # KV positions of an image's prefix: one page, then the prompt's
 
 # Integer durations keep the virtual timeline exact, so relative times in the
 # key compare equal when they are equal.
@@ -43,49 +48,59 @@ class Cycle2:
     stale state lets through a token of the other parity."""
 
     mask_ids: tuple[int, int]
+    values: bool = False  # ask VALUES in turn
     at: int = 0
     got: tuple[int, ...] = ()  # every token advance received, in order: the world checks it
+    got_values: tuple = ()  # and every value
 
     def mask_id(self) -> int:
         return self.mask_ids[self.at % 2]
 
-    def advance(self, token: int, value: float | None) -> bool:
+    def value_kind(self) -> ValueKind | None:
+        return VALUES[self.at % len(VALUES)] if self.values else None
+
+    def advance(self, token: int, value) -> bool:
         allowed = (EVENS, ODDS)[self.at % 2]
         if token not in allowed:
             raise InvariantViolation(f"I9: token {token} at index {self.at} not allowed by the current state")
+        if (value is None) is not (self.value_kind() is None):
+            raise InvariantViolation(f"I11: value {value!r} at index {self.at}, asked {self.value_kind()}")
         self.at += 1
         self.got += (token,)
+        self.got_values += (value,)
         return self.at >= DONE_AFTER
 
 
 def cycle2_finish(tokens: tuple[int, ...], state: Cycle2 | None) -> tuple:
     """The skill's result assembly, from what the skill itself received: the
-    result must carry the committed tokens (skills contract, contracts.md)."""
-    return ("cycle2", tokens if state is None else state.got)
+    result must carry the committed tokens and their values (skills
+    contract, contracts.md). No state: it was never admitted."""
+    return ("cycle2", tokens, ()) if state is None else ("cycle2", state.got, state.got_values)
 
 
 @attrs.frozen
 class Cycle2Factory:
     mask_ids: tuple[int, int]
+    values: bool = False
 
     def __call__(self) -> Cycle2:
-        return Cycle2(self.mask_ids)
+        return Cycle2(self.mask_ids, self.values)
 
 
 @functools.lru_cache(maxsize=256)
+def expected(model: FakeModel, request: Request) -> Expected:
+    """What the request must return, tokens and values, computed from the
+    model alone (I8): after its image, under its skill's masks and values."""
+    state = masks = None
+    if request.decode_state is not None:
+        state = request.decode_state()
+        masks = dict(zip(state.mask_ids, (EVENS, ODDS)))
+    return model.expect(request.prompt, request.max_tokens, request.sampling, request.stop_ids,
+                        image=request.image, state=state, masks=masks)
+
+
 def expected_tokens(model: FakeModel, request: Request) -> tuple[int, ...]:
-    """What the request must return, computed from the model alone (I8)."""
-    if request.decode_state is None:
-        return model.generate(request.prompt, request.max_tokens, request.sampling, request.stop_ids)
-    out: list[int] = []
-    prev, position = request.prompt[-1], len(request.prompt)
-    while len(out) < request.max_tokens:
-        prev = model.pick(request.prompt, position, prev, request.sampling, (EVENS, ODDS)[len(out) % 2])
-        out.append(prev)
-        if prev in request.stop_ids or len(out) >= DONE_AFTER:
-            break
-        position += 1
-    return tuple(out)
+    return expected(model, request).tokens
 
 
 @attrs.frozen
@@ -95,6 +110,8 @@ class Bounds:
 
     requests: int = 3
     max_tokens: int = 4
+    image_eos: tuple[int, ...] = (2,)  # text requests with these EOS positions carry an image
+    values: bool = True  # the constrained request asks values
     last_arrival: int = 2  # every request arrives at a tick in 0..last_arrival
     cancels: int = 1  # cancels per path
     listener_cancels: bool = False  # also cancel from a token listener, inside the commit
@@ -110,13 +127,24 @@ class Bounds:
     max_prefill_tokens: int = 4
     max_ticks: int = 60  # a path longer than this is a livelock
 
+    @property
+    def max_context(self) -> int:
+        """The longest request: an image's prefix and the prompt, then the output."""
+        return (IMAGE_LENGTH if self.image_eos else 0) + 2 + self.max_tokens
+
     def contents(self, mask_ids: tuple[int, int]) -> tuple[Request, ...]:
-        texts = [Request(prompt=(k, 6), max_tokens=self.max_tokens, stop_ids={EOS}, tag=f"eos{k}",
+        # An image request is a text request with an image before its prompt:
+        # one KV page more, so it contends for pages harder.
+        texts = [Request(prompt=(k, 6), image=ImageRef(IMAGE_LENGTH, source=0x1A6E + k), max_tokens=self.max_tokens,
+                         stop_ids={EOS}, tag=f"image-eos{k}")
+                 if k in self.image_eos else
+                 Request(prompt=(k, 6), max_tokens=self.max_tokens, stop_ids={EOS}, tag=f"eos{k}",
                          adapter="a" if k in self.adapter_eos else None)
                  for k in self.eos]
         if self.constrained:
             # A one-token prompt: one KV page fewer, so whether a third request
             # waits for pages depends on which requests arrived.
             texts.append(Request(prompt=(0,), max_tokens=self.max_tokens, stop_ids={EOS},
-                                 decode_state=Cycle2Factory(mask_ids), finisher=cycle2_finish, tag="cycle2"))
+                                 decode_state=Cycle2Factory(mask_ids, self.values), finisher=cycle2_finish,
+                                 tag="cycle2"))
         return tuple(texts)

@@ -20,9 +20,9 @@ from bubblefree.core import Engine, InvariantViolation, Phase, Request, SlotStat
 from bubblefree.fake_backend import FakeBackend, FakeModel
 
 if __package__:  # python -m tests.exhaustive
-    from tests.exhaustive_workload import DONE_AFTER, TIMINGS, VOCAB, Bounds, expected_tokens
+    from tests.exhaustive_workload import DONE_AFTER, TIMINGS, VOCAB, Bounds, expected
 else:
-    from exhaustive_workload import DONE_AFTER, TIMINGS, VOCAB, Bounds, expected_tokens
+    from exhaustive_workload import DONE_AFTER, TIMINGS, VOCAB, Bounds, expected
 
 
 @attrs.define(eq=False)
@@ -89,7 +89,7 @@ class World:
             model=FakeModel(vocab_size=VOCAB), timing=TIMINGS[bounds.timings[0]], num_pages=bounds.num_pages,
             page_size=bounds.page_size, max_rows=bounds.max_rows, max_seqs=bounds.requests,
             max_prefill_tokens=bounds.max_prefill_tokens,
-            max_context=2 + bounds.max_tokens, num_adapter_slots=bounds.adapter_slots)
+            max_context=bounds.max_context, num_adapter_slots=bounds.adapter_slots, image_length=2)
         engine = PhaseChecked(backend, pipelined=pipelined, probe=probe)
         return cls(engine, backend, bounds, cancels_left=bounds.cancels, faults_left=int(bool(bounds.faults)))
 
@@ -240,7 +240,8 @@ class World:
         if res.status is Status.FAILED and not res.finish_reason.endswith(" fault"):
             # Only an injected fault may fail a request; a skill's check (I9) ends up here.
             raise InvariantViolation(f"request {h.request_id} failed: {res.finish_reason}")
-        want = expected_tokens(self.backend.model, h.request)
+        want_all = expected(self.backend.model, h.request)
+        want = want_all.tokens
         if res.status is Status.COMPLETED and res.tokens != want:
             raise InvariantViolation(f"I8: request {h.request_id} got {res.tokens}, the model says {want}")
         if res.tokens != want[:len(res.tokens)]:
@@ -251,11 +252,12 @@ class World:
               "done": res.status is Status.COMPLETED and req.decode_state is not None and len(res.tokens) == DONE_AFTER,
               "cancelled": res.status is Status.CANCELLED,
               }.get(res.finish_reason, res.status is Status.FAILED and res.finish_reason.endswith(" fault"))
-        want_output = None if req.finisher is None else req.finisher(res.tokens, None)
+        want_output = None if req.finisher is None else ("cycle2", res.tokens, want_all.values[:len(res.tokens)])
         if req.decode_state is not None and res.output != want_output:
-            # The skills contract: every committed token reaches advance, in order, once.
-            raise InvariantViolation(f"skill: request {h.request_id}'s skill received {res.output[1]}, "
-                                     f"committed {res.tokens}")
+            # The skills contract: every committed token reaches advance, in order, once, with the
+            # value it asked for (I11), and the values are the model's (I8).
+            raise InvariantViolation(f"skill: request {h.request_id}'s skill received {res.output[1:]}, "
+                                     f"committed {res.tokens}, the model says {want_output[1:]}")
         if (res.request_id, res.tag, res.output) != (h.request_id, req.tag, want_output):
             raise InvariantViolation(f"I7: request {h.request_id} answered as {res}")
         if not ok:

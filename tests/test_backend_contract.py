@@ -7,7 +7,10 @@ CI). What passes here for the fake holds for the real backend too.
   hazard and changes nothing: the slot's legal way on still works (I4);
 - every plan ``check_plan`` refuses is refused before anything runs, with a
   message naming the field, and the slot stays free;
-- sample plans and masks are validated the same way by both.
+- sample plans and masks are validated the same way by both;
+- IMAGE_PREFILL rows and values run where the capacity says so
+  (``Capacity.images`` / ``values``) and are refused, before anything runs,
+  where it does not: the CUDA text backend has neither.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from bubblefree.core.protocol import (
     SLOT_CALLS, WHY_ILLEGAL, Backend, PlanRejected, ProtocolMisuse, SlotState,
 )
 from bubblefree.core.values import (
-    InvalidRequest, SamplePlan, SamplingParams, StepFailed, StepKind, StepPlan, StepRow,
+    ImageRef, InvalidRequest, SamplePlan, SamplingParams, StepFailed, StepKind, StepPlan, StepRow, ValueKind,
+    bad_value,
 )
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.moondream.backend import MoondreamBackend
@@ -114,6 +118,14 @@ def prefill(step_id, *rows):
 
 def decode(step_id, *rows):
     return StepPlan(step_id=step_id, kind=StepKind.DECODE, rows=tuple(rows))
+
+
+def image_prefill(step_id, *rows):
+    return StepPlan(step_id=step_id, kind=StepKind.IMAGE_PREFILL, rows=tuple(rows))
+
+
+def irow(seq, length=3, prompt=(1, 2), pages=None, source=7, **kw):
+    return prow(seq, prompt, pages, image=ImageRef(length, source=source), **kw)
 
 
 def unmasked(plan):
@@ -368,3 +380,118 @@ def test_masks_are_deduplicated_and_obeyed(kit):
     out = be.wait(0)
     be.release(0)
     assert out.tokens[0] in {5, 9} and out.tokens[1] in {5, 9} and out.tokens[2] == 77
+
+
+# ---------------------------------------------------------- images, values
+def image_of(kit):
+    """An ImageRef the backend made from a small picture (where it takes images)."""
+    from PIL import Image
+    return kit.backend.image_ref(Image.new("RGB", (8, 6), (200, 30, 90)))
+
+
+def test_the_capacity_says_whether_images_and_values_run(kit):
+    cap = kit.backend.capacity
+    if kit.name == "fake":
+        assert cap.images and cap.values
+    if type(kit.backend) is CudaBackend:  # a transformers text model: no image prefix, no region head
+        assert not cap.images and not cap.values
+    # A backend that takes images makes their refs (the user API calls it at submit).
+    assert callable(getattr(kit.backend, "image_ref", None)) == cap.images
+
+
+def test_an_image_prefill_then_decodes_in_the_legal_order(kit):
+    be = kit.backend
+    if not be.capacity.images:
+        plan = image_prefill(kit.next_id(), irow(0, pages=(10, 11, 12)))
+        with pytest.raises(ProtocolMisuse, match="image_prefill step on a backend without images"):
+            be.launch(0, plan)
+        assert kit.state(0) is SlotState.FREE
+        serve(kit)
+        return
+    ref = image_of(kit)
+    if ref.length + 2 > CAP["max_prefill_tokens"]:
+        pytest.skip(f"an image prefix of {ref.length} does not fit the suite's capacity")
+    pages = tuple(range(10, 10 + -(-(ref.length + 3) // CAP["page_size"])))
+    rows = attrs.evolve(irow(0, pages=pages), image=ref), attrs.evolve(irow(1, prompt=(5,), pages=(2, 3)), image=ref)
+    out = serve(kit, plan=image_prefill(kit.next_id(), *rows))  # one image in two rows: each writes its own prefix
+    assert len(out.tokens) == 2 and out.values in (None, (None, None))
+    step = decode(kit.next_id(), drow(0, ref.length + 2, pages=pages), drow(1, ref.length + 1, pages=(2, 3)))
+    assert len(serve(kit, 1, step).tokens) == 2
+
+
+BAD_IMAGE_PLANS = {  # name: (plan, what the message must say where the backend takes images)
+    "image prefill row without an image": (image_prefill(0, prow(0)), "needs an ImageRef"),
+    "image of length 0": (image_prefill(0, irow(0, 0)), "int length > 0"),
+    "image length not an int": (image_prefill(0, irow(0, 2.0)), "int length > 0"),
+    "image length a bool": (image_prefill(0, irow(0, True)), "int length > 0"),
+    "image not an ImageRef": (image_prefill(0, attrs.evolve(prow(0), image=3)), "needs an ImageRef"),
+    "image prefill row without a prompt": (image_prefill(0, irow(0, prompt=())), "needs its prompt"),
+    "image prefix over the prefill budget": (image_prefill(0, irow(0, 20, (1,) * 5, pages=tuple(range(7)))),
+                                             "25 prefill tokens"),
+    "image prefix beyond the pages": (image_prefill(0, irow(0, 6, (1, 2, 3))), "writes position 8, beyond"),
+    "image prefix past the context": (image_prefill(0, irow(0, 10, (1,) * 9, pages=tuple(range(13)), position=30)),
+                                      "positions 30..48 outside the context of 48"),
+}
+TEXT_ROWS_WITH_IMAGES = {
+    "prefill row with an image": (prefill(0, irow(0)), "a prefill row carries no image"),
+    "decode row with an image": (decode(0, attrs.evolve(drow(0, 3), image=ImageRef(1))),
+                                 "a decode row carries no image"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_IMAGE_PLANS) + sorted(TEXT_ROWS_WITH_IMAGES))
+def test_bad_image_plans_are_refused_before_anything_runs(kit, name):
+    plan, why = BAD_IMAGE_PLANS.get(name) or TEXT_ROWS_WITH_IMAGES[name]
+    if plan.kind is StepKind.IMAGE_PREFILL and not kit.backend.capacity.images:
+        why = "without images"
+    BAD_PLANS[name] = (plan, why)
+    try:
+        test_bad_plans_are_refused_before_anything_runs(kit, name)
+    finally:
+        del BAD_PLANS[name]
+
+
+def asked(plan, values):
+    return SamplePlan(plan.step_id, (None,) * len(plan.rows), tuple(values))
+
+
+@pytest.mark.parametrize("values, why", [
+    ((ValueKind.COORD, None), "values must be \\(\\) or one entry per row \\(1\\)"),
+    (("coord",), "must be a ValueKind or None"),
+    ((1,), "must be a ValueKind or None"),
+])
+def test_a_bad_values_plan_is_a_misuse_and_the_slot_stays_launched(kit, values, why):
+    plan = to_state(kit, SlotState.LAUNCHED)
+    with pytest.raises(ProtocolMisuse, match=why):
+        kit.backend.finalize(0, asked(plan, values))
+    assert kit.state(0) is SlotState.LAUNCHED
+    finish(kit, SlotState.LAUNCHED, plan)
+
+
+@pytest.mark.parametrize("kind", list(ValueKind))
+def test_values_are_decoded_where_asked_and_refused_without_a_region_head(kit, kind):
+    be = kit.backend
+    plan = prefill(kit.next_id(), prow(0), prow(1, (4, 5)), prow(2, (6,)))
+    be.launch(0, plan)
+    if not be.capacity.values:
+        with pytest.raises(ProtocolMisuse, match=f"a {kind.value} value asked of a backend without a region head"):
+            be.finalize(0, asked(plan, (None, kind, None)))
+        assert kit.state(0) is SlotState.LAUNCHED
+        finish(kit, SlotState.LAUNCHED, plan)
+        return
+    be.finalize(0, asked(plan, (None, kind, None)))
+    out = be.wait(0)
+    be.release(0)
+    assert len(out.values) == 3 and out.values[0] is None and out.values[2] is None
+    assert bad_value(kind, out.values[1]) is None  # I11: its kind's shape and range
+    # The value row decodes on: its next input is the value's encoding, on the device.
+    assert len(serve(kit, 1, decode(kit.next_id(), drow(0, 3), drow(1, 2), drow(2, 1))).tokens) == 3
+
+
+def test_no_value_asked_is_the_plain_sample_plan(kit):
+    plan = prefill(kit.next_id(), prow(0))
+    kit.backend.launch(0, plan)
+    kit.backend.finalize(0, asked(plan, (None,)))  # one None per row: allowed anywhere
+    out = kit.backend.wait(0)
+    kit.backend.release(0)
+    assert out.values in (None, (None,))

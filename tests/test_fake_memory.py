@@ -9,9 +9,11 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from bubblefree.core.values import StepFailed, StepRow
+from bubblefree.core.values import ImageRef, StepFailed, StepRow
 from bubblefree.fake_backend import FakeBackend, Fault, HardwareMisuse, KVCorruption, Timing
-from fake_plans import SlotState, blocking_step, decode, drow, finalize, prefill, prow, to_state
+from fake_plans import (
+    SlotState, blocking_step, decode, drow, finalize, image_prefill, irow, prefill, prow, to_state,
+)
 
 
 def test_launch_into_a_slot_whose_copy_is_in_flight_names_the_hazard():
@@ -175,3 +177,40 @@ def test_a_step_abandoned_at_finalize_holds_nothing():
         finalize(b, 0, plan)
     b.release(0)
     b.launch(0, prefill(1, prow(1, (3,), (0,), row_slot=0)))  # nothing reads what step 0 wrote
+
+
+# ------------------------------------------------------------------- images
+def test_an_image_prefix_is_written_in_device_time_like_any_write():
+    # The prefix's pages are the image row's from the launch that names
+    # them until its forward ends: an image prefill cannot take a page
+    # another sequence's forward still runs over, nor lose its own early.
+    b = FakeBackend()
+    _in_flight(b, prow(0, (1, 2), (0,)))
+    img = b.image_ref(42)  # 3 prefix positions
+    with pytest.raises(KVCorruption, match="KV page 0 named for seq 1 .* while seq 0's step 0"):
+        b.launch(1, image_prefill(1, irow(1, img, (3,), (1, 0), row_slot=1)))
+    b.launch(1, image_prefill(1, irow(1, img, (3,), (1, 2), row_slot=1)))
+    b.wait(0)
+    b.release(0)
+    with pytest.raises(KVCorruption, match="KV page 2 named for seq 2 .* while seq 1's step 1"):
+        b.launch(0, prefill(2, prow(2, (4,), (2,), row_slot=2)))
+
+
+def test_an_image_prefix_is_read_back_from_the_kv_before_the_prompt():
+    b = FakeBackend()
+    img = b.image_ref(42)
+    plan = image_prefill(0, irow(0, img, (3, 4), (0, 1)))
+    blocking_step(b, 0, plan)
+    kv = [b.memory.kv[(p // 4, p % 4)] for p in range(5)]
+    assert [e.is_prompt for e in kv] == [True] * 5 and [e.token for e in kv][3:] == [3, 4]
+    assert all(e.token < 0 for e in kv[:3])  # markers, never a vocabulary id
+    b.memory.kv[(0, 1)] = attrs.evolve(kv[1], seq_id=9)  # a page table pointing elsewhere
+    with pytest.raises(KVCorruption, match="KV of position 1 .* holds seq 9"):
+        b.launch(1, decode(1, drow(0, 5, (0, 1))))
+
+
+def test_an_image_source_the_fake_cannot_read_is_a_misuse_before_any_write():
+    b = FakeBackend()
+    with pytest.raises(HardwareMisuse, match="image source: cannot fingerprint .* object"):
+        b.launch(0, image_prefill(0, irow(0, ImageRef(2, source=object()), (1,), (0,))))
+    assert b.log == [] and b.memory.kv == {} and b.slots[0].state is SlotState.FREE

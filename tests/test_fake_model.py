@@ -4,15 +4,17 @@ and masks are exact (I9)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bubblefree.core.protocol import Backend
-from bubblefree.core.values import GREEDY, SamplingParams, ValueKind
-from bubblefree.fake_backend import FakeBackend, FakeModel, stable_hash
+from bubblefree.core.values import GREEDY, ImageRef, InvalidRequest, SamplingParams, ValueKind
+from bubblefree.fake_backend import FakeBackend, FakeModel, HardwareMisuse, stable_hash
 from bubblefree.fake_backend.model import sample
 from fake_plans import (
-    blocking_step, decode, drow, generation_plans, pages_for, prefill, prow, reference, run, tokens_by_seq,
+    blocking_step, decode, drow, finalize, generation_plans, pages_for, prefill, prow, reference, run,
+    tokens_by_seq,
 )
 
 
@@ -112,3 +114,73 @@ def test_satisfies_the_backend_protocol_with_its_capacity():
     assert (cap.num_pages, cap.page_size, cap.max_rows, cap.max_seqs, cap.max_prefill_tokens,
             cap.max_context, cap.num_adapter_slots) == (8, 2, 3, 16, 64, 256, 2)
     assert b.vocab_size == 32 and FakeBackend(model=FakeModel(vocab_size=50)).vocab_size == 50
+
+
+# ---------------------------------------------------------- images, values
+def test_an_image_fingerprint_is_stable_and_reads_its_content():
+    from PIL import Image
+
+    from bubblefree.fake_backend.images import fingerprint
+    assert fingerprint(7) == 7 and fingerprint(b"ab") == fingerprint(bytearray(b"ab")) != fingerprint(b"ba")
+    assert fingerprint("x") == 0x44B026B74216712D  # pinned: no salted hash()
+    red, blue = Image.new("RGB", (4, 3), "red"), Image.new("RGB", (4, 3), "blue")
+    assert fingerprint(red) == fingerprint(red.copy()) != fingerprint(blue)
+    assert FakeBackend().image_ref(red).source == fingerprint(red)
+    with pytest.raises(InvalidRequest, match="^image: cannot fingerprint an image source of type object$"):
+        FakeBackend().image_ref(object())
+
+
+def test_an_image_changes_the_tokens_and_two_images_differ():
+    model = FakeModel()
+    text = model.generate((0, 3), 8)
+    one, two = (model.generate((0, 3), 8, image=ImageRef(3, source=s)) for s in (1, 2))
+    assert len({text, one, two}) == 3
+    assert model.generate((2, 3), 8, image=ImageRef(3, source=1))[-1] == model.eos_id  # EOS reads the prompt
+
+
+def test_a_value_is_a_pure_function_of_the_context_in_its_kinds_range():
+    model = FakeModel()
+    coord = model.value((1, 2), 2, 2, 5, ValueKind.COORD)
+    assert coord == model.value((1, 2), 2, 2, 9, ValueKind.COORD)  # from the hidden state, not the token
+    assert coord != model.value((1, 3), 2, 3, 5, ValueKind.COORD) and (coord * 1024).is_integer()
+    w, h = model.value((1, 2), 2, 2, 5, ValueKind.SIZE)
+    assert 2 ** -10 <= w <= 1 and 2 ** -10 <= h <= 1
+    hot = SamplingParams(temperature=1.0, seed=4)
+    assert model.value((1, 2), 2, 2, 5, ValueKind.COORD, hot) == model.value((1, 2), 2, 2, 5, ValueKind.COORD, hot)
+    assert model.value((1, 2), 2, 2, 5, ValueKind.COORD, hot) != coord
+
+
+def test_a_value_rows_next_input_is_the_values_marker_on_the_backend_and_in_the_reference():
+    b = FakeBackend()
+    out = blocking_step(b, 0, prefill(0, prow(0, (0, 3), (0, 1))), values=(ValueKind.COORD,))
+    after_value = blocking_step(b, 1, decode(1, drow(0, 2, (0, 1)))).tokens[0]
+    plain = FakeBackend()
+    blocking_step(plain, 0, prefill(0, prow(0, (0, 3), (0, 1))))
+    after_token = blocking_step(plain, 1, decode(1, drow(0, 2, (0, 1)))).tokens[0]
+    state = _Asks([ValueKind.COORD, None])
+    want = b.model.expect((0, 3), 2, stop_ids=(), state=state)
+    assert want.tokens == (out.tokens[0], after_value) and want.values == (out.values[0], None)
+    assert after_value != after_token == b.model.generate((0, 3), 2, stop_ids=())[1]
+
+
+class _Asks:
+    def __init__(self, kinds):
+        self.kinds = kinds
+
+    def mask_id(self):
+        return None
+
+    def value_kind(self):
+        return self.kinds.pop(0)
+
+    def advance(self, token, value):
+        return False
+
+
+def test_a_backend_without_a_region_head_or_images_refuses_them():
+    b = FakeBackend(images=False, values=False)
+    assert not b.capacity.images and not b.capacity.values
+    plan = prefill(0, prow(0, (1,), (0,)))
+    b.launch(0, plan)
+    with pytest.raises(HardwareMisuse, match="without a region head"):
+        finalize(b, 0, plan, values=(ValueKind.SIZE,))

@@ -1,12 +1,14 @@
 """Each invariant broken by hand, and a test that catches it.
 
-For every invariant the core keeps (I2–I9), a small, realistic bug is
+For every invariant the core keeps (I2–I9, I11), a small, realistic bug is
 patched into the core's source — commit the newest step first, skip the
 inflight_refs decrement, reuse a slot whose copy is in flight, append to a
 finalized sequence, tear a zombie down early, release pages twice, hand a
 cancelled zombie's pages or adapter slot to the next request while its step
 is in flight, drop or double a result, build masks before the commit, read
-the wrong row, keep a committed token from the skill — and
+the wrong row, keep a committed token from the skill, forget an image's
+prefix in kv_len or the pages, drop the value kinds or the values — or into
+the simulated GPU's (feed a value row's token instead of its value) — and
 the exhaustive search on its quick bound must report a violation naming
 what broke (an invariant id, or the simulated GPU's misuse error).
 
@@ -30,6 +32,7 @@ import attrs
 import pytest
 
 from bubblefree.core import engine, scheduler, sequence, slots
+from bubblefree.fake_backend import FakeBackend
 from exhaustive import BOUNDS, search
 
 Engine, Scheduler = engine.Engine, scheduler.Scheduler
@@ -149,9 +152,26 @@ BREAKS = [
     Break("I8", "the commit reads every row's token from row 0",
           (P(Scheduler, "commit", ("output.tokens[row]", "output.tokens[0]")),), r"I8|I9|I5"),
     Break("I8", "a decode row is fed the wrong position",
-          (P(Scheduler, "_row", ("position=0 if prefill else s.kv_len, pages=s.pages,",
-                                "position=0 if prefill else s.kv_len + 1, pages=s.pages,")),),
+          (P(Scheduler, "_row", ("tokens=(), position=s.kv_len,", "tokens=(), position=s.kv_len + 1,")),),
           r"HardwareMisuse|KVCorruption"),
+    Break("I8", "kv_len forgets the image prefix",
+          (P(sequence.Sequence, "kv_len", ("return self.request.prefix_len + self.launched - 1",
+                                           "return len(self.request.prompt) + self.launched - 1")),),
+          r"HardwareMisuse: .*image|HardwareMisuse: .*holds the token of position"),
+    Break("I6", "admission reserves pages for the prompt but not the image prefix",
+          (P(Scheduler, "_admit", ("need = pages_needed(req.prefix_len, req.max_tokens, self.capacity.page_size)",
+                                   "need = pages_needed(len(req.prompt), req.max_tokens, self.capacity.page_size)")),),
+          r"HardwareMisuse: .*beyond its \d+ pages"),
+    Break("I11", "the asked value kinds are not sent to sampling",
+          (P(Scheduler, "plan_finalize", ("values=step.value_kinds)", "values=())")),),
+          r"I11: sequence \d+ in step \d+: coord value None"),
+    Break("I11", "the commit hands the skill no value",
+          (P(Scheduler, "commit", ("value = output.values[row] if step.value_kinds else None", "value = None")),),
+          r"I11: value None at index 0, asked ValueKind.COORD"),
+    Break("I8", "the simulated GPU feeds a value row's token, not the value's encoding, to the next step",
+          (P(FakeBackend, "finalize", ("inputs.append(token if kind is None else value_marker(kind, value))",
+                                      "inputs.append(token)")),),
+          r"I8: request \d+ (got|partial)|skill: .* the model says"),
     Break("I9", "masks are built at launch, before the previous step's commit",
           (P(Scheduler, "launched", ("self.inflight.append(step)",
                                      "self.inflight.append(step); step.mask_ids = MASKS_NOW(self, step)")),
@@ -161,7 +181,7 @@ BREAKS = [
           (P(Scheduler, "_append", ('done, error = (False, None) if s.state is None else guarded(',
                                     'done, error = (False, None) if s.state is None or len(s.tokens) >= '
                                     'req.max_tokens else guarded(')),),
-          r"skill: .* received \(\d+, \d+\), committed \[?\(?\d+, \d+, \d+"),
+          r"skill: .* received \(\(\d+, \d+\), .*\), committed \[?\(?\d+, \d+, \d+"),
     Break("I9", "the mask is not sent to sampling",
           (P(Scheduler, "plan_finalize", ('mask, error = guarded(s.request, "mask_id", s.state.mask_id)',
                                          "mask, error = None, None")),), r"I9"),
@@ -187,11 +207,12 @@ def _edit(src: str, old: str, new: str, name: str) -> str:
 
 def apply(monkeypatch, patch: Patch) -> None:
     fn = getattr(patch.owner, patch.name)
-    src = textwrap.dedent(inspect.getsource(fn))
+    code = fn.fget if isinstance(fn, property) else fn  # a property's source keeps its decorator
+    src = textwrap.dedent(inspect.getsource(code))
     for old, new in patch.edits:
         src = _edit(src, old, new, patch.name)
     namespace: dict = {}
-    scope = dict(fn.__globals__, MASKS_NOW=masks_now)
+    scope = dict(code.__globals__, MASKS_NOW=masks_now)
     exec(compile(src, f"<broken {patch.name}>", "exec"), scope, namespace)
     monkeypatch.setattr(patch.owner, patch.name, namespace[patch.name])
 
@@ -209,7 +230,7 @@ def test_a_broken_invariant_is_caught(brk, monkeypatch):
 
 
 def test_every_core_invariant_has_a_break():
-    assert {b.invariant for b in BREAKS} == {f"I{i}" for i in range(2, 10)} | {"skill"}
+    assert {b.invariant for b in BREAKS} == {f"I{i}" for i in (*range(2, 10), 11)} | {"skill"}
 
 
 def test_the_patches_leave_the_core_intact():

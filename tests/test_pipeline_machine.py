@@ -1,11 +1,12 @@
 """The stateful property test: Engine + FakeBackend under Hypothesis.
 
 Rules submit requests (prompt length, max_tokens, EOS position, constrained
-or not, sampled or greedy), tick, cancel, inject faults, exhaust pages and
-send bad input; the timing of every step (slow forwards, delayed copies) is
-drawn from the test's data. After every step each invariant is checked by
-its id. At teardown the engine is drained and the same workload is replayed
-in blocking mode: I8 says the tokens agree.
+or not, sampled or greedy, with an image or not, asking coordinate and size
+values or not), tick, cancel, inject faults, exhaust pages and send bad
+input; the timing of every step (slow forwards, delayed copies) is drawn
+from the test's data. After every step each invariant is checked by its id.
+At teardown the engine is drained and the same workload is replayed in
+blocking mode: I8 says the tokens and the values agree.
 
 The rare situations the pipeline must survive are counted through the
 engine's probe and reported with ``hypothesis.event``; the test fails if any
@@ -23,7 +24,8 @@ from hypothesis.stateful import (
     Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test,
 )
 
-from bubblefree.core import Engine, InvalidRequest, Request, SamplingParams, Status
+from bubblefree.core import Engine, ImageRef, InvalidRequest, Request, SamplingParams, Status, ValueKind
+from bubblefree.core.values import bad_value
 from bubblefree.fake_backend import FakeBackend, FakeModel, Fault, Timing, by_step
 
 VOCAB = 16
@@ -31,6 +33,9 @@ EOS = 0
 # Masks of the constrained requests: a cycle through three sets, the middle
 # one holding EOS so a constrained request may end early.
 MASK_SETS = (frozenset({1, 2, 3}), frozenset({EOS, 4, 5}), frozenset({6, 7, 8, 9}))
+# What a request's skill asks beside its tokens, in turn (a pattern per Spec.values).
+VALUE_PATTERNS = ((), (ValueKind.COORD,), (ValueKind.COORD, ValueKind.COORD, ValueKind.SIZE),
+                  (None, ValueKind.SIZE, ValueKind.COORD))
 
 RARE = (
     "zombie_commit_skipped",
@@ -43,30 +48,39 @@ RARE = (
     "admitted_after_waiting",
     "zombie_last_commit_frees_pages",
     "prefill_launched_while_decode_in_flight",
+    "image_prefill_launched_while_decode_in_flight",
+    "decode_launched_after_an_uncommitted_value",
 )
 SEEN: collections.Counter[str] = collections.Counter()
 
 
 @attrs.define(eq=False)
 class Cycle:
-    """A tiny constrained skill: allowed sets cycle; done after ``length``
-    tokens. Records (mask id, token) pairs so the test checks I9 itself, and
-    so that what it received is checked against the committed tokens (the
-    skills contract: every committed token, the stop token included, in
-    order, exactly once)."""
+    """A tiny skill: allowed sets cycle (none: free text); done after
+    ``length`` tokens (0: never); asks ``kinds`` of values in turn. Records
+    (mask id, token) pairs and (kind, value) pairs so the test checks I9 and
+    I11 itself, and so that what it received is checked against the
+    committed tokens (the skills contract: every committed token, the stop
+    token included, in order, exactly once)."""
 
     mask_ids: tuple[int, ...]
     length: int
+    kinds: tuple[ValueKind | None, ...] = ()
     at: int = 0
     seen: list[tuple[int, int]] = attrs.Factory(list)
+    values: list[tuple] = attrs.Factory(list)  # (kind asked, value received)
 
-    def mask_id(self) -> int:
-        return self.mask_ids[self.at % len(self.mask_ids)]
+    def mask_id(self) -> int | None:
+        return self.mask_ids[self.at % len(self.mask_ids)] if self.mask_ids else None
 
-    def advance(self, token: int, value: float | None) -> bool:
+    def value_kind(self) -> ValueKind | None:
+        return self.kinds[self.at % len(self.kinds)] if self.kinds else None
+
+    def advance(self, token: int, value) -> bool:
         self.seen.append((self.mask_id(), token))
+        self.values.append((self.value_kind(), value))
         self.at += 1
-        return self.at >= self.length
+        return self.at == self.length
 
 
 @attrs.frozen
@@ -78,17 +92,20 @@ class Spec:
     constrained: int  # 0: free text; else the Cycle length
     temperature: float
     adapter: bool = False  # names an adapter: contends for the one adapter slot
+    image: tuple[int, int] | None = None  # (prefix length, fingerprint)
+    values: int = 0  # index into VALUE_PATTERNS
 
 
 def build_request(spec: Spec, mask_ids: tuple[int, ...], states: list) -> Request:
     factory = None
-    if spec.constrained:
+    if spec.constrained or spec.values:
         def factory():
-            state = Cycle(mask_ids, spec.constrained)
+            state = Cycle(mask_ids if spec.constrained else (), spec.constrained, VALUE_PATTERNS[spec.values])
             states.append(state)
             return state
     sampling = SamplingParams(temperature=spec.temperature, seed=len(spec.prompt) * 31 + spec.prompt[-1])
-    return Request(prompt=spec.prompt, max_tokens=spec.max_tokens, stop_ids={EOS},
+    image = None if spec.image is None else ImageRef(spec.image[0], source=spec.image[1])
+    return Request(prompt=spec.prompt, max_tokens=spec.max_tokens, stop_ids={EOS}, image=image,
                    sampling=sampling, decode_state=factory, adapter="lora" if spec.adapter else None)
 
 
@@ -133,10 +150,11 @@ class PipelineMachine(RuleBasedStateMachine):
     @rule(target=handles,
           prompt_len=st.integers(1, 4), max_tokens=st.integers(1, 6), eos_at=st.integers(0, 7),
           constrained=st.integers(0, 5), sampled=st.booleans(), rest=st.integers(1, VOCAB - 1),
-          adapter=st.booleans())
-    def submit(self, prompt_len, max_tokens, eos_at, constrained, sampled, rest, adapter):
+          adapter=st.booleans(), image=st.none() | st.tuples(st.integers(1, 3), st.integers(0, 3)),
+          values=st.integers(0, len(VALUE_PATTERNS) - 1))
+    def submit(self, prompt_len, max_tokens, eos_at, constrained, sampled, rest, adapter, image, values):
         prompt = (eos_at,) + tuple((rest + i) % (VOCAB - 1) + 1 for i in range(prompt_len - 1))
-        spec = Spec(prompt, max_tokens, constrained, 0.8 if sampled else 0.0, adapter)
+        spec = Spec(prompt, max_tokens, constrained, 0.8 if sampled else 0.0, adapter, image, values)
         states = []  # the request's skill state, once admitted
         handle = self.engine.submit(build_request(spec, self.mask_ids, states))
         self.skill_of[handle.request_id] = states
@@ -234,7 +252,14 @@ class PipelineMachine(RuleBasedStateMachine):
         for states in self.skill_of.values():
             for state in states:
                 for mask_id, token in state.seen:
-                    assert token in allowed[mask_id], "I9: committed token outside its mask"
+                    assert mask_id is None or token in allowed[mask_id], "I9: committed token outside its mask"
+
+    @invariant()
+    def values_hold_I11(self):
+        for states in self.skill_of.values():
+            for state in states:
+                for kind, value in state.values:
+                    assert bad_value(kind, value) is None, f"I11: {kind} asked, {value!r} received"
 
     @invariant()
     def a_skill_receives_every_committed_token(self):
@@ -275,7 +300,8 @@ class PipelineMachine(RuleBasedStateMachine):
         blocking = new_engine(False, None, {})
         ids = tuple(blocking.register_mask(m) for m in MASK_SETS)
         assert ids == self.mask_ids
-        replay = {h.request_id: blocking.submit(build_request(self.specs[h.request_id], ids, []))
+        states = {h.request_id: [] for h in self.all}
+        replay = {h.request_id: blocking.submit(build_request(self.specs[h.request_id], ids, states[h.request_id]))
                   for h in self.all}
         blocking.run_until_idle(max_ticks=bound_of(self.specs))
         for h in self.all:
@@ -286,6 +312,9 @@ class PipelineMachine(RuleBasedStateMachine):
                 assert h.result.finish_reason == ref.finish_reason, "I8"
             else:
                 assert ref.tokens[:len(h.result.tokens)] == h.result.tokens, "I8: prefix"
+            mine, theirs = self.skill_of[h.request_id], states[h.request_id]
+            if mine:  # admitted here: the values it received are a prefix of the replay's
+                assert theirs[0].values[:len(mine[0].values)] == mine[0].values, "I8: values disagree"
 
 
 def test_pipeline_machine_and_rare_situations():

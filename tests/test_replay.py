@@ -158,4 +158,4 @@ def test_I7_I8_with_cancels_and_faults_each_request_ends_once_with_the_model_tok
         else:  # cancelled or failed: what was committed is still the model's
             assert result.tokens == want[:len(result.tokens)] and result.finish_reason in reasons
         if request.finisher is not None:
-            assert result.output == ("cycle2", result.tokens)
+            assert result.output == ("cycle2", result.tokens, (None,) * len(result.tokens))  # asks no values
