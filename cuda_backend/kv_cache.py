@@ -56,6 +56,7 @@ class PagedKVCache:
         # Flat per-layer views, made once: [L][N+1 * page_size, KVH, D] (a view,
         # so attention writes land in ``data``; no per-step view creation).
         flat = self.data.view(layers, 2, (num_pages + 1) * page_size, kv_heads, head_dim)
+        self._flat = flat
         self._kv = [flat[i] for i in range(layers)]
         self._keys = [flat[i, 0] for i in range(layers)]
         self._values = [flat[i, 1] for i in range(layers)]
@@ -63,6 +64,15 @@ class PagedKVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat keys and values of one layer: ``[(N + 1) * page_size, KVH, D]`` each."""
         return self._keys[index], self._values[index]
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Keys and values at flat positions ``slots`` ``[n]`` of every layer:
+        ``[L, 2, n, KVH, D]``, a copy."""
+        return self._flat.index_select(2, slots)
+
+    def scatter(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write ``kv`` ``[L, 2, n, KVH, D]`` (``gather``'s) at ``slots`` ``[n]``."""
+        self._flat.index_copy_(2, slots, kv)
 
     def layer_kv(self, index: int) -> torch.Tensor:
         """One layer's keys and values as one tensor ``[2, (N + 1) * page_size,

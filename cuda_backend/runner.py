@@ -34,7 +34,7 @@ def staging_size(cap: Capacity) -> int:
     """int64 elements a slot's host staging needs for any kind of step."""
     max_pages = -(-cap.max_context // cap.page_size)
     return max(2 * cap.max_rows + cap.max_rows * max_pages,
-               4 * cap.max_prefill_tokens + 5 * cap.max_rows + cap.max_rows * max_pages,
+               4 * cap.max_prefill_tokens + 6 * cap.max_rows + cap.max_rows * max_pages,
                3 * cap.max_prefill_tokens + cap.max_rows + (cap.max_rows + 1) * max_pages)
 
 
@@ -123,18 +123,20 @@ class ModelRunner:
     # -- prefill --------------------------------------------------------------
 
     def pack_prefill(self, plan: StepPlan, staging: np.ndarray, inputs: list | None = None,
-                     prefix: np.ndarray | None = None) -> tuple[int, tuple[int, ...]]:
+                     prefix: np.ndarray | None = None, starts: np.ndarray | None = None
+                     ) -> tuple[int, tuple[int, ...]]:
         """Pack ``[tokens T | positions T | slot T | out_gather T | q_start R |
         q_len R | pos0 R | last R | pages R*P]``, and with ``prefix`` (each
         row's bidirectional prefix length ``[R]``) ``prefix_end R`` after
         them; returns (count, (T, R, S, P), plus a 1 with a prefix).
         ``inputs`` are the rows' input ids (int64 arrays), by default their
-        ``tokens``."""
+        ``tokens``; ``starts`` their first positions, by default the rows'."""
         ps, rows = self.cap.page_size, plan.rows
         if inputs is None:
             inputs = [np.asarray(r.tokens, dtype=np.int64) for r in rows]
         lens = np.array([len(x) for x in inputs], dtype=np.int64)  # [R]
-        pos0 = np.array([r.position for r in rows], dtype=np.int64)  # [R]
+        pos0 = np.array([r.position for r in rows], dtype=np.int64) if starts is None \
+            else starts  # [R]
         t, nr, s = int(lens.sum()), len(rows), int(lens.max())
         p = int(((pos0 + lens + ps - 1) // ps).max())
         q_start = np.concatenate(([0], np.cumsum(lens)[:-1]))  # [R]

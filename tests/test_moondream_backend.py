@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+import torch
 
 from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
 from bubblefree.cuda_backend.errors import PlanRejected
@@ -79,24 +80,37 @@ def test_images_batched_in_one_step_equal_one_at_a_time(backend, monkeypatch):
 
 
 def test_an_encoded_image_is_encoded_once_and_answers_like_a_fresh_one(backend, monkeypatch):
-    image = picture(640, 480, 8)
+    image, other = picture(640, 480, 8), picture(300, 900, 12)
     fresh = run(backend, [request(backend.image_ref(image), [2, 3], DETECT),
-                          request(backend.image_ref(image), [4], POINT)])
+                          request(backend.image_ref(image), [4], POINT),
+                          request(backend.image_ref(other), [5, 6], MIXED)])
     encoded = backend.encode_image(image)
     assert not encoded.encoded
-    calls = []
-    embed = backend.vision.embed
+    calls, inputs = [], []
+    embed, prefill = backend.vision.embed, backend._runner.prefill
     monkeypatch.setattr(backend.vision, "embed", lambda *a: calls.append(a) or embed(*a))
+    monkeypatch.setattr(backend._runner, "prefill",
+                        lambda meta, shape, *a: inputs.append(shape[0]) or prefill(meta, shape, *a))
+    plans = recording(backend, monkeypatch)
     first = run(backend, [request(backend.image_ref(encoded), [2, 3], DETECT)])
-    assert encoded.encoded and encoded.prepared is None  # crops dropped once it completed
-    second = run(backend, [request(backend.image_ref(encoded), [4], POINT)])
+    # Its prefix KV kept (what its row wrote at positions 0..729), its crops
+    # dropped once the step completed.
+    assert encoded.kv is not None and encoded.features is None and encoded.prepared is None
+    assert torch.equal(encoded.kv, prefix_kv(backend, plans[0].rows[0]))
+    # Reused beside a fresh image in one step: the kept row prefills its prompt
+    # only, over the KV copied into its pages (nothing left in them before).
+    backend.cache.data.zero_()
+    plans.clear()
+    second = run(backend, [request(backend.image_ref(encoded), [4], POINT),
+                           request(backend.image_ref(other), [5, 6], MIXED)])
+    assert torch.equal(prefix_kv(backend, plans[0].rows[0]), encoded.kv)
     assert first + second == fresh
-    assert len(calls) == 1
+    assert len(calls) == 2 and inputs == [730 + 2, 1 + 730 + 2]
     # Two rows of one step sharing an image that is not encoded yet: once.
     again = backend.encode_image(image)
     both = run(backend, [request(backend.image_ref(again), [2, 3], DETECT),
                          request(backend.image_ref(again), [4], POINT)])
-    assert both == fresh and len(calls) == 2
+    assert both == fresh[:2] and len(calls) == 3 and inputs[2] == 2 * 730 + 3
 
 
 def test_a_text_prefill_is_causal_and_values_work_without_an_image(model, backend):
@@ -128,3 +142,10 @@ def test_image_sources_the_backend_did_not_make_are_refused_before_anything_runs
             backend.launch(0, StepPlan(0, StepKind.IMAGE_PREFILL, rows))
     with pytest.raises(Exception, match="another backend"):
         backend.image_ref(foreign)
+
+
+def prefix_kv(backend, row) -> torch.Tensor:
+    """The KV a row's pages hold at its image prefix's positions."""
+    ps = backend.capacity.page_size
+    slots = torch.tensor([row.pages[p // ps] * ps + p % ps for p in range(backend.prefix_len)])
+    return backend.cache.gather(slots)

@@ -3,14 +3,15 @@
 The text decoder is the CudaBackend's fused Phi path (``text.to_phi``
 shares its weights); on top of it (``Capacity.images`` and ``.values``):
 
-    launch    IMAGE_PREFILL: the crops of the step's not-yet-encoded images
-              (all rows' at once) copied from pinned host memory and through
-              the vision encoder in one call, projected; then one packed
-              prefill over [BOS, 729 image features, prompt] per row, the
-              prefix attending both ways. An ``EncodedImage`` is encoded
-              by the first step that uses it and keeps its features on the
-              device. Every forward keeps its rows' last hidden states in
-              the slot.
+    launch    IMAGE_PREFILL (``image_prefill``): the crops of the step's
+              images not encoded yet (all rows' at once) copied from pinned
+              host memory and through the vision encoder in one call; then
+              one packed prefill over [BOS, 729 image features, prompt] per
+              row, the prefix attending both ways. An ``EncodedImage`` is
+              encoded by the first step that uses it and keeps its prefix
+              KV on the device: later rows copy it into their pages and
+              prefill their prompt alone. Every forward keeps its rows'
+              last hidden states in the slot.
     finalize  after the tokens, only when the SamplePlan asks values: the
               region head on the slot's hidden states (a graph per bucket),
               each value row's value into the slot and its encoding into
@@ -35,6 +36,8 @@ from bubblefree.core.values import ImageRef, InvalidRequest, SamplePlan, StepKin
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.graphs import GraphSet, bucket
+from bubblefree.cuda_backend.moondream import image_prefill
+from bubblefree.cuda_backend.moondream.image_prefill import ImageWork, refusal
 from bubblefree.cuda_backend.moondream.model import Moondream
 from bubblefree.cuda_backend.moondream.prepared import EncodedImage, PreparedImage, prepare
 from bubblefree.cuda_backend.moondream.region_head import COORD, KIND_CODES, NONE, RegionHead
@@ -55,8 +58,7 @@ class ValueSlot:
     values: torch.Tensor  # [max_rows, 2] float32 device
     landing: torch.Tensor  # [max_rows, 2] float32 host (pinned)
     asked: tuple = ()  # the SamplePlan's values: () or a kind (or None) per row
-    keep: list = attrs.Factory(list)  # host crops a copy may still read (I4)
-    encoded: list = attrs.Factory(list)  # EncodedImages this step encoded
+    work: ImageWork = attrs.Factory(ImageWork)  # an image prefill's, settled at release
 
     @classmethod
     def make(cls, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> "ValueSlot":
@@ -69,6 +71,11 @@ class ValueSlot:
                    landing=torch.zeros(rows, 2, dtype=torch.float32, pin_memory=pin))
 
 
+# An image row is 730 positions and its prompt: room for five in one prefill
+# (CudaBackend's 2048 would take two).
+DEFAULT_MAX_PREFILL_TOKENS = 4096
+
+
 class MoondreamBackend(CudaBackend):
     runner_class = MoondreamRunner
     takes_images = True
@@ -76,7 +83,8 @@ class MoondreamBackend(CudaBackend):
 
     def __init__(self, model: Moondream, **options):
         """``model``: a ``Moondream`` (weights.load_checkpoint / random_model);
-        ``options``: CudaBackend's. Its prefills always run the packed
+        ``options``: CudaBackend's (``max_prefill_tokens`` defaults to
+        ``DEFAULT_MAX_PREFILL_TOKENS``). Its prefills always run the packed
         path here (``token_prefill`` is refused)."""
         if options.get("token_prefill"):
             raise InvalidRequest("token_prefill: moondream's prefills run their own packed path")
@@ -85,7 +93,8 @@ class MoondreamBackend(CudaBackend):
         self.config = model.config
         self.vision, self.region = model.vision.eval(), model.region.eval()
         self.prefix_len = model.config.text.prefix_attn  # BOS + one crop's patches
-        super().__init__(to_phi(model.text, share=True), **{**options, "token_prefill": 0})
+        options = {"max_prefill_tokens": DEFAULT_MAX_PREFILL_TOKENS, **options, "token_prefill": 0}
+        super().__init__(to_phi(model.text, share=True), **options)
         for part in (self.vision, self.region):
             param = next(part.parameters())
             if (param.device, param.dtype) != (self.device, self.dtype):
@@ -139,16 +148,7 @@ class MoondreamBackend(CudaBackend):
         if plan.kind is not StepKind.IMAGE_PREFILL:
             return
         for r in plan.rows:
-            src, why = r.image.source, None
-            if r.image.length != self.prefix_len:
-                why = f"image length {r.image.length}, this model's prefix is {self.prefix_len}"
-            elif isinstance(src, EncodedImage):
-                if not src.made_by(self):
-                    why = "an EncodedImage made by another backend"
-                elif src.features is None and src.prepared is None:
-                    why = "an EncodedImage with neither features nor crops"
-            elif not isinstance(src, PreparedImage):
-                why = f"an image source this backend did not make ({type(src).__name__})"
+            why = refusal(r.image.source, r.image.length, self.prefix_len, self)
             if why:
                 raise PlanRejected(f"step {plan.step_id}: row of seq {r.seq_id}: {why}")
 
@@ -158,68 +158,21 @@ class MoondreamBackend(CudaBackend):
             logits, b = super()._forward(s, plan)
             v.hidden[:b].copy_(self._runner.hidden[:b])
             return logits, b
-        n, bos = len(plan.rows), self.config.tokenizer.bos_id
-        features, prefix = None, None
-        inputs = [np.asarray(r.tokens, dtype=np.int64) for r in plan.rows]
+        n = len(plan.rows)
         if plan.kind is StepKind.IMAGE_PREFILL:
-            features = self._image_features(plan, v)  # [n * 729, D]
-            head = np.zeros(self.prefix_len, dtype=np.int64)  # BOS, then placeholders
-            head[0] = bos
-            inputs = [np.concatenate((head, x)) for x in inputs]
-            prefix = np.full(n, self.prefix_len, dtype=np.int64)
-        k, shape = self._runner.pack_prefill(plan, s.staging_np, inputs, prefix)
-        meta = s.staging[:k].to(self.device, non_blocking=True)
-        logits, hidden = self._runner.prefill(meta, shape, features)  # [n, V], [n, D]
+            logits, hidden = image_prefill.launch(self, plan, s, v.work)  # [n, V], [n, D]
+        else:
+            k, shape = self._runner.pack_prefill(plan, s.staging_np)
+            meta = s.staging[:k].to(self.device, non_blocking=True)
+            logits, hidden = self._runner.prefill(meta, shape)
         v.hidden[:n].copy_(hidden)
         return logits, bucket(n, self._rows)
 
-    def _image_features(self, plan: StepPlan, v) -> torch.Tensor:
-        """The rows' image features ``[R * 729, D]``, in row order: what is
-        not encoded yet goes through the encoder in one call (an image shared
-        by rows, once)."""
-        sources = [r.image.source for r in plan.rows]
-        todo, seen = [], set()
-        for src in sources:
-            if id(src) not in seen and not (isinstance(src, EncodedImage) and src.encoded):
-                seen.add(id(src))
-                todo.append(src)
-        fresh = {}
-        if todo:
-            prepared = [src.prepared if isinstance(src, EncodedImage) else src for src in todo]
-            size = self.config.vision.crop_size
-            crops = torch.empty((sum(p.n_crops for p in prepared), size, size, 3),
-                                dtype=torch.uint8, device=self.device)
-            at = 0
-            for p in prepared:  # pinned host -> device, in stream order
-                crops[at:at + p.n_crops].copy_(p.crops, non_blocking=True)
-                at += p.n_crops
-                v.keep.append(p.crops)
-            embeds = self.vision.embed(crops, [p.tiling for p in prepared])  # [k, 729, D]
-            for src, e in zip(todo, embeds):
-                fresh[id(src)] = e
-                if isinstance(src, EncodedImage):
-                    src.features = e.clone()  # not a view keeping the whole batch alive
-                    v.encoded.append(src)
-        return torch.cat([fresh[id(s)] if id(s) in fresh else s.features for s in sources])
-
     def _forward_failed(self, s: DecodeSlot) -> None:
-        self._forget(self._vslots[s.index], failed=True)
+        self._vslots[s.index].work.settle(failed=True)
 
     def _released(self, s: DecodeSlot, failed: bool) -> None:
-        self._forget(self._vslots[s.index], failed)
-
-    @staticmethod
-    def _forget(v: ValueSlot, failed: bool) -> None:
-        """After a failed step the features it meant to compute are not
-        trusted (the image is encoded again when next used); after a step
-        that completed, an encoded image's crops are no longer needed."""
-        for image in v.encoded:
-            if failed:
-                image.features = None
-            else:
-                image.prepared = None
-        v.encoded.clear()
-        v.keep.clear()
+        self._vslots[s.index].work.settle(failed)
 
     # -- finalize and wait -------------------------------------------------------
 

@@ -7,10 +7,11 @@ decode thread only enqueues copies and the encoder.
 
 An ``EncodedImage`` (moondream's name) is an image meant for several
 questions. It starts as crops; the first image prefill that uses it encodes
-it (on the decode thread, inside the step's launch) and keeps its projected
-features ``[729, text dim]`` on the device, so later prefills skip the
-encoder. Only the backend that made it fills or reads its features: the
-fields below are the decode thread's once the image is handed to the engine.
+it (on the decode thread, inside the step's launch) and keeps the KV its
+prefix wrote, on the device, so later prefills skip the encoder and the
+prefix (``image_prefill``). Only the backend that made it fills or reads
+it: the fields below are the decode thread's once the image is handed to
+the engine.
 """
 
 from __future__ import annotations
@@ -49,21 +50,24 @@ def prepare(image: Image.Image, config: VisionConfig, pin: bool) -> PreparedImag
 class EncodedImage:
     """An image to encode once and ask many questions of.
 
-    ``owner`` is the backend that made it (its device holds the features),
-    held weakly: an image a caller keeps does not keep a backend alive.
+    ``owner`` is the backend that made it (its device holds the KV), held
+    weakly: an image a caller keeps does not keep a backend alive.
     ``prepared`` holds the crops until a step that encoded them has
-    completed; ``features`` ``[729, D]`` (device, the model's dtype) are
-    set by the decode thread when that step is launched.
+    completed; ``kv`` ``[layers, 2, 730, kv heads, head dim]`` (device, the
+    model's dtype: 140 MB for moondream2 in bfloat16) is set by the decode
+    thread when that step is launched; ``features`` ``[729, D]`` only
+    while that launch runs.
     """
 
     owner: object = attrs.field(repr=False, converter=weakref.ref)
     prepared: PreparedImage | None
     length: int  # KV positions its prefix takes: BOS and the image features
     features: torch.Tensor | None = attrs.field(default=None, repr=False)
+    kv: torch.Tensor | None = attrs.field(default=None, repr=False)
 
     def made_by(self, backend: object) -> bool:
         return self.owner() is backend
 
     @property
     def encoded(self) -> bool:
-        return self.features is not None
+        return self.features is not None or self.kv is not None

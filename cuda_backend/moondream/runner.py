@@ -57,20 +57,38 @@ class MoondreamRunner(ModelRunner):
         return self.decoder.head(h)
 
     def prefill(self, meta: torch.Tensor, shape: tuple[int, ...],
-                features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A packed prefill from ``pack_prefill``'s metadata on the device;
-        ``features`` ``[R * F, D]`` (every row an image row, in row order)
-        replace input positions ``1 .. F`` of each row. Returns the logits
-        ``[R, V]`` and the hidden states ``[R, D]`` of each row's last input."""
+                features: torch.Tensor | None = None, feature_rows: torch.Tensor | None = None,
+                cached: list = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed prefill from ``pack_prefill``'s metadata on the device.
+        ``features`` ``[F * n, D]`` replace input positions ``1 .. n`` of
+        the rows ``feature_rows`` ``[F]`` (an image's BOS then its features);
+        ``cached`` pairs (row ``[]``, prefix KV ``[L, 2, m, KVH, D]``) write a
+        kept image prefix at the ``m`` positions before such a row's first
+        input. Returns the logits ``[R, V]`` and the hidden states ``[R, D]``
+        of each row's last input."""
         tokens, positions, last, ctx = self.prefill_inputs(meta, shape)
+        for row, kv in cached:
+            self.cache.scatter(self.row_slots(meta, shape, row, -kv.shape[2], kv.shape[2]), kv)
         x = self.decoder.embed(tokens[0])  # [T, D]
         if features is not None:
             t, rows = shape[:2]
-            q_start = meta[4 * t:4 * t + rows]  # [R]
-            per_row = features.shape[0] // rows
+            q_start = meta[4 * t:4 * t + rows].index_select(0, feature_rows)  # [F]
+            per_row = features.shape[0] // feature_rows.shape[0]
             offsets = torch.arange(1, 1 + per_row, device=meta.device)
-            index = (q_start.unsqueeze(1) + offsets).view(-1)  # [R * F]
+            index = (q_start.unsqueeze(1) + offsets).view(-1)  # [F * n]
             x = x.index_copy(0, index, features.to(x.dtype))
         # Uncompiled: a prefill's shapes change every step.
         h = self.decoder.hidden(x, positions[0], ctx, compiled=False).index_select(0, last)
         return self.decoder.head(h), h
+
+    def row_slots(self, meta: torch.Tensor, shape: tuple[int, ...], row: torch.Tensor,
+                  offset: int, n: int) -> torch.Tensor:
+        """Flat KV slots ``[n]`` of positions ``pos0 + offset ..`` of packed
+        row ``row`` (a 0-d device index): through its page table, on the device."""
+        t, rows, _, p = shape[:4]
+        ps = self.cap.page_size
+        row = row.view(1)
+        pos0 = meta[4 * t + 2 * rows:4 * t + 3 * rows].index_select(0, row)  # [1]
+        table = meta[4 * t + 4 * rows:4 * t + 4 * rows + rows * p].view(rows, p)
+        pos = pos0 + offset + torch.arange(n, device=meta.device)  # [n]
+        return table.index_select(0, row)[0].index_select(0, pos // ps) * ps + pos % ps
