@@ -27,12 +27,13 @@ from bubblefree.skills import HFTokenizer, LocationCodec, SkillSet, location_tok
 from bubblefree.skills.codec import CodecError
 
 
-def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool,
+def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool | str,
                  dtype: Any = None, **backend_options: Any):
     add_locations = backend_options.pop("location_tokens", False)
     if source is not None and not isinstance(source, (str, os.PathLike)):
         raise InvalidRequest(f"path_or_default: must be a path or None, got {source!r}")
-    flag()("pipelined", pipelined)
+    if not (isinstance(pipelined, bool) or pipelined == "auto"):
+        raise InvalidRequest(f'pipelined: must be True, False or "auto", got {pipelined!r}')
     flag()("location_tokens", add_locations)
     device, dtype = check_device(device), check_dtype(dtype)
     check_backend_options(backend_options)

@@ -44,7 +44,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path_or_default: str | None = None, *, device: str | None = None,
-                        pipelined: bool = True, dtype: Any = None, **backend_options: Any) -> "Engine":
+                        pipelined: bool | str = "auto", dtype: Any = None, **backend_options: Any) -> "Engine":
         """Load a decoder (a directory, a ``.gguf`` file, or ``None`` for the
         embedded SmolLM2-135M-Instruct), build the CUDA backend (CPU without a
         GPU), compile the skills. ``location_tokens=True`` adds the spatial
@@ -162,12 +162,14 @@ class Engine:
 
     # ------------------------------------------------------------------ misc
     @property
-    def pipelined(self) -> bool:
-        """Pipelined ticks (the default) or the blocking baseline."""
+    def pipelined(self) -> bool | str:
+        """"auto" (the default: each tick launches ahead of the pending commit
+        or not, whichever the core expects to be faster), True (always
+        ahead), or False (the blocking baseline). Outputs are the same (I8)."""
         return self.core.pipelined
 
     @pipelined.setter
-    def pipelined(self, value: bool) -> None:
+    def pipelined(self, value: bool | str) -> None:
         self.loop.set_pipelined(value)
 
     def close(self) -> None:
