@@ -8,8 +8,8 @@ in one process on one GPU, on one model shape: moondream2's text decoder
                           [--out docs/benchmarks.md] [--plot docs/benchmarks.png]
 
 One backend is built (its CUDA graphs captured once); every cell runs a
-closed loop of requests on a fresh Engine over it, alternating pipelined and
-blocking runs. Per cell: tokens/s, requests/s, ms per step, GPU idle per
+closed loop of requests on a fresh Engine over it, alternating pipelined,
+blocking and auto (launch ahead or not, chosen per tick) runs. Per cell: tokens/s, requests/s, ms per step, GPU idle per
 step (CUDA events on the compute stream, read after the run), the step as a
 multiple of the read floor (the weights ÷ the read bandwidth measured at the
 start of the same run: a batch-1 step reads every weight once), latency
@@ -48,6 +48,7 @@ from bubblefree.bench.speed_setup import (DECODE_PATHS, SHAPES, Clock, TimeLimit
 from bubblefree.core import Engine
 from bubblefree.cuda_backend.kernel_config import KernelConfig, Launch, TileTable
 
+ENGINE_MODE = {"pipelined": True, "blocking": False, "auto": "auto"}  # report.MODES -> Engine(pipelined=)
 CONTEXT = 256  # prompt + the longest output (152) fits; one page bucket of graphs
 
 
@@ -105,7 +106,7 @@ def measure_cell(backend, kind: str, streams: int, args, mask_ids) -> list[dict]
     for i in range(args.repeats):
         hooked = i == args.repeats - 1
         for mode in (report.MODES if i % 2 == 0 else report.MODES[::-1]):
-            r = run_closed_loop(backend, reqs, streams, mode == "pipelined", hooked)
+            r = run_closed_loop(backend, reqs, streams, ENGINE_MODE[mode], hooked)
             r["hooked"] = hooked
             runs[mode].append(r)
             args.clock.say(f"{kind} x{streams} {mode} run {i + 1}/{args.repeats}"

@@ -55,6 +55,10 @@ class Cycle:
         self.n += 1
         return self.n >= self.length
 
+    def may_end(self) -> bool:
+        """Only the last token ends it, as a skill knows its end (auto mode)."""
+        return self.n + 1 >= self.length
+
 
 def bin_masks(vocab: int) -> tuple[frozenset[int], ...]:
     """Three disjoint id ranges at the top of the vocabulary (x, y, size)."""
@@ -207,7 +211,7 @@ def zombie_stats(trace: list[tuple], ntokens: dict[int, int]) -> tuple[int, int,
 
 
 def run_closed_loop(backend: TimedBackend, requests: list[Request], streams: int,
-                    pipelined: bool, record: bool) -> dict:
+                    pipelined: bool | str, record: bool) -> dict:
     """Keep ``streams`` requests in flight until all are done; measure."""
     engine = Engine(backend, pipelined=pipelined)
     for allowed in list(backend._mask_ids):  # the backend hands back the ids it already has

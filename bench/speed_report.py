@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-MODES = ("pipelined", "blocking")
+MODES = ("pipelined", "blocking", "auto")  # auto: launch ahead or not, chosen per tick
 INTRO = ("# Speed benchmarks\n\nThe engine, pipelined and blocking, on the same backend object, "
          "and plain transformers on the same workload, all measured in one run "
          "(`python -m bubblefree.bench.speed`).\n")

@@ -32,7 +32,7 @@ from bubblefree.skills import HFTokenizer, LocationCodec, RegionHeadCodec, Skill
 from bubblefree.skills.codec import CodecError
 
 
-def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool,
+def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool | str,
                  dtype: Any = None, **backend_options: Any):
     from bubblefree.checkpoints import is_moondream
 
@@ -42,7 +42,7 @@ def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool
     add_locations = backend_options.pop("location_tokens", False)
     if source is not None and not isinstance(source, (str, os.PathLike)):
         raise InvalidRequest(f"path_or_default: must be a path or None, got {source!r}")
-    flag()("pipelined", pipelined)
+    check_pipelined(pipelined)
     flag()("location_tokens", add_locations)
     device, dtype = check_device(device), check_dtype(dtype)
     check_backend_options(backend_options)
@@ -63,6 +63,11 @@ def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool
     return cls(core, skills, backend=backend)
 
 
+def check_pipelined(pipelined: Any) -> None:
+    if not (isinstance(pipelined, bool) or pipelined == "auto"):
+        raise InvalidRequest(f'pipelined: must be True, False or "auto", got {pipelined!r}')
+
+
 def _codec(tokenizer: HFTokenizer) -> LocationCodec | None:
     try:
         return LocationCodec.for_tokenizer(tokenizer)
@@ -72,7 +77,7 @@ def _codec(tokenizer: HFTokenizer) -> LocationCodec | None:
 
 # -- moondream2 ---------------------------------------------------------------
 
-def build_moondream(cls, source: Any, *, device: Any, pipelined: bool, dtype: Any = None,
+def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dtype: Any = None,
                     seed: int = 0, tokenizer: Any = None, **backend_options: Any):
     """An engine on moondream2: a local checkpoint directory (its weights,
     config and tokenizer.json), or a ``MoondreamConfig`` with random weights
@@ -89,7 +94,7 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool, dtype: An
     if backend_options.pop("location_tokens", False):
         raise InvalidRequest("location_tokens: moondream2 points and detects through its region head; "
                              "it takes no location tokens")
-    flag()("pipelined", pipelined)
+    check_pipelined(pipelined)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise InvalidRequest(f"seed: must be an int >= 0, got {seed!r}")
     device, dtype = check_device(device), check_dtype(dtype)

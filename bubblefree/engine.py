@@ -56,7 +56,7 @@ class Engine(SkillCalls):
 
     @classmethod
     def from_pretrained(cls, path_or_default: str | None = None, *, device: str | None = None,
-                        pipelined: bool = True, dtype: Any = None, **backend_options: Any) -> "Engine":
+                        pipelined: bool | str = "auto", dtype: Any = None, **backend_options: Any) -> "Engine":
         """Load a model (a directory, a ``.gguf`` file, or ``None`` for the
         embedded SmolLM2-135M-Instruct), build the CUDA backend (CPU without a
         GPU), compile the skills. A local moondream2 checkpoint directory
@@ -71,7 +71,7 @@ class Engine(SkillCalls):
 
     @classmethod
     def moondream_random(cls, config: Any = "tiny", *, device: str | None = None, seed: int = 0,
-                         pipelined: bool = True, dtype: Any = None, tokenizer: Any = None,
+                         pipelined: bool | str = "auto", dtype: Any = None, tokenizer: Any = None,
                          **backend_options: Any) -> "Engine":
         """moondream2 with random weights from ``seed``, for tests and
         benchmarks: ``config`` is ``"tiny"`` (small widths, moondream2's image
@@ -188,12 +188,14 @@ class Engine(SkillCalls):
         return self.images.takes_images
 
     @property
-    def pipelined(self) -> bool:
-        """Pipelined ticks (the default) or the blocking baseline."""
+    def pipelined(self) -> bool | str:
+        """"auto" (the default: each tick launches ahead of the pending commit
+        or not, whichever the core expects to be faster), True (always
+        ahead), or False (the blocking baseline). Outputs are the same (I8)."""
         return self.core.pipelined
 
     @pipelined.setter
-    def pipelined(self, value: bool) -> None:
+    def pipelined(self, value: bool | str) -> None:
         self.loop.set_pipelined(value)
 
     def close(self) -> None:

@@ -92,12 +92,13 @@ class ServingLoop:
             self._wake.notify()
         return True
 
-    def set_pipelined(self, pipelined: bool) -> None:
-        """Switch between pipelined and blocking ticks. The decode thread owns
-        the core, so the switch is made there, between two ticks; a caller
-        on another thread returns once it is made."""
-        if not isinstance(pipelined, bool):
-            raise TypeError(f"pipelined must be a bool, got {pipelined!r}")
+    def set_pipelined(self, pipelined: bool | str) -> None:
+        """Switch between pipelined (True), blocking (False) and per-tick
+        ("auto") ticks. The decode thread owns the core, so the switch is
+        made there, between two ticks; a caller on another thread returns
+        once it is made."""
+        if not (isinstance(pipelined, bool) or pipelined == "auto"):
+            raise TypeError(f'pipelined must be True, False or "auto", got {pipelined!r}')
         if self.on_loop_thread:
             self.core.pipelined = pipelined
             return

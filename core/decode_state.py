@@ -40,6 +40,9 @@ class DecodeState(Protocol):
 
     # Optional: ``value_kind(self) -> ValueKind | None``, the value to decode
     # beside the next token; absent means None (``ask_value``).
+    # Optional: ``may_end(self) -> bool``, whether the next token can end the
+    # output; absent means True. Timing only: ``pipelined="auto"`` weighs it
+    # (``ahead.py``); a wrong answer costs speed, never a token.
 
 
 # -- calls into a skill, guarded: a skill's bug fails its own request only ---

@@ -9,6 +9,9 @@ Pipelined (the default), each ``tick()`` is the seed's three phases::
 
 Blocking mode is the same machine in series — launch, finalize, commit — and
 is one flag away (``pipelined=False``): the baseline for every comparison.
+``pipelined="auto"`` chooses per tick whether to launch before the commit or
+after it (``ahead.py``: the rule, and why either order is safe); the clock
+it measures the bubble with is injected (``clock``), so tests fix it.
 
 A backend fault (``StepFailed``) fails the rows of the step it hit; their
 resources come back and the engine keeps serving (I7).
@@ -26,11 +29,13 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Callable, Iterable, Iterator
+import time
+from typing import Callable, Hashable, Iterable, Iterator, Literal
 
 import attrs
 
 from bubblefree.core.protocol import Backend
+from bubblefree.core.ahead import EndRates, Timings, check_mode, launch_ahead, outlook
 from bubblefree.core.decode_state import guarded
 from bubblefree.core.events import TokenCommitted
 from bubblefree.core.handle import Handle
@@ -43,9 +48,14 @@ from bubblefree.core.values import ImageRef, InvalidRequest, Request, Result, Sa
 @attrs.define(eq=False)
 class Engine:
     backend: Backend
-    pipelined: bool = True
+    # True: always launch ahead; False: blocking; "auto": chosen per tick.
+    pipelined: bool | Literal["auto"] = attrs.field(default=True, validator=lambda _s, _a, v: check_mode(v))
     probe: Callable[[str], None] = lambda situation: None
+    # Host clock for the auto mode's measurements (``ahead.Timings``).
+    clock: Callable[[], float] = time.perf_counter
     scheduler: Scheduler = attrs.field(init=False)
+    timings: Timings = attrs.field(init=False)
+    end_rates: EndRates = attrs.Factory(EndRates)
     handles: dict[int, Handle] = attrs.Factory(dict)
     trace: list[tuple] = attrs.Factory(list)  # event log, for replay hashing
     # A long-lived server must not keep every step forever: past twice this
@@ -61,9 +71,11 @@ class Engine:
     _ids: Iterator[int] = attrs.Factory(itertools.count)
     _outbox: collections.deque = attrs.Factory(collections.deque)  # (handle, token | None)
     _delivering: bool = False
+    _may_end: tuple[tuple[int, Hashable], ...] = ()  # rows that may end at the pending commit
 
     def __attrs_post_init__(self) -> None:
         self.scheduler = Scheduler(self.backend.capacity, probe=self.probe, masks=self.masks)
+        self.timings = Timings(self.clock)
 
     # ------------------------------------------------------------------ public
     def register_mask(self, allowed: Iterable[int]) -> int:
@@ -118,15 +130,33 @@ class Engine:
         False when there was nothing to do."""
         # Blocking starts with a commit, a no-op but right after a switch from
         # pipelined: the step that mode left in flight must commit before a
-        # new step's masks are built, or they miss its token (I9).
-        phases = ((self._launch, self._commit, self._finalize) if self.pipelined
-                  else (self._commit, self._launch, self._finalize, self._commit))
+        # new step's masks are built, or they miss its token (I9). Behind
+        # (auto's other order) is blocking without its last commit.
+        if self.pipelined is False:
+            phases = (self._commit, self._launch, self._finalize, self._commit)
+        elif self.pipelined is True or self._ahead():
+            phases = (self._launch, self._commit, self._finalize)
+        else:
+            phases = (self._commit, self._launch, self._finalize)
         progress = False
         for phase in phases:
             progress = phase() or progress
             self._absorb()
+        self._learn()
         self._deliver()
         return progress
+
+    def _ahead(self) -> bool:
+        """Auto mode: launch this tick's step before the pending commit?"""
+        rows, zombies, self._may_end = outlook(self.scheduler, self.end_rates)
+        return launch_ahead(rows, zombies, self.timings.bubble, self.timings.forward or 0.0)
+
+    def _learn(self) -> None:
+        """Count, per skill, whether the rows that could end at the commit did."""
+        for sid, skill in self._may_end:
+            seq = self.scheduler.seqs.get(sid)
+            self.end_rates.record(skill, seq is None or seq.finalized)
+        self._may_end = ()
 
     def run_until_idle(self, max_ticks: int | None = None) -> None:
         ticks = 0
@@ -138,6 +168,7 @@ class Engine:
     def abort(self, reason: str) -> None:
         """Fail every live request with ``reason``; for a lost device."""
         self.scheduler.abort(reason)
+        self.timings.forget()
         self._log(("abort", reason))
         self._absorb()
         self._deliver()
@@ -147,6 +178,7 @@ class Engine:
 
     # ------------------------------------------------------------------ phases
     def _launch(self) -> bool:
+        started = self.timings.clock()
         planned = self.scheduler.plan_launch()
         if planned is None:
             return False
@@ -157,6 +189,7 @@ class Engine:
             self._log(("launch_failed", plan.step_id, fault.reason))
             self.scheduler.launch_failed(plan, fault.reason)
             return True
+        self.timings.launched(plan.step_id, started)
         self.scheduler.launched(slot, plan)
         self._log(("launch", plan.step_id, plan.kind.value, slot.index,
                            tuple(r.seq_id for r in plan.rows)))
@@ -186,8 +219,14 @@ class Engine:
                 output = self.backend.wait(step.slot)
             except StepFailed as fault:
                 failed = fault.reason
+        if failed is None:
+            arrived = self.timings.arrived(step.step_id)
+        else:
+            self.timings.forget(step.step_id)
         self.scheduler.commit(step, output, failed)
         self.backend.release(step.slot)
+        if failed is None:
+            self.timings.committed(arrived)
         self._log(("commit", step.step_id, output.tokens if output else None, failed))
         return True
 

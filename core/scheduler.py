@@ -114,6 +114,11 @@ class Scheduler:
         rows = tuple(self._row(s, kind) for s in seqs)
         return slot, StepPlan(step_id=self._next_step, kind=kind, rows=rows)
 
+    def preview(self) -> tuple[StepKind, list[Sequence]] | None:
+        """The step ``plan_launch`` would choose now, short of admitting the
+        queue: pure, for the auto mode's choice (``ahead.outlook``)."""
+        return choose_step(self.seqs.values(), self.capacity, self._last_kind)
+
     def _row(self, s: Sequence, kind: StepKind) -> StepRow:
         if kind is StepKind.DECODE:  # its input is read on the device
             return StepRow(seq_id=s.seq_id, row_slot=s.row_slot, tokens=(), position=s.kv_len,

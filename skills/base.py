@@ -72,6 +72,12 @@ class SkillState(abc.ABC):
     def _step(self, token: int, value: float | None) -> None:
         """Apply one token, or raise ``SkillError`` before changing anything."""
 
+    def may_end(self) -> bool:
+        """Can the next token end the output? Timing only (the engine's
+        ``pipelined="auto"`` blocks before a likely end): True is always
+        safe, False where the state knows better."""
+        return True
+
     def advance(self, token: int, value: float | None = None) -> bool:
         if self.done:
             # I5: the engine appends nothing after the end, so neither do we.

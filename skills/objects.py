@@ -89,6 +89,13 @@ class ObjectListState(SkillState):
             return None  # only EOS can come: nothing to decode
         return self.tables.value_kinds[len(self.partial)]
 
+    def may_end(self) -> bool:
+        """The list ends only at slot 0 (EOS), or with the object whose last
+        slot this is when it is the last one allowed or the last that fits."""
+        last = len(self.tables.slots) - 1
+        return not self.partial or (len(self.partial) == last and (
+            len(self.objects) + 1 >= self.max_objects or not self._fits(self.consumed + 1)))
+
     def _step(self, token: int, value: Any) -> None:
         t = self.tables
         i = len(self.partial)

@@ -41,6 +41,9 @@ class TextState(SkillState):
     def mask_id(self) -> int | None:
         return self.tables.mask
 
+    def may_end(self) -> bool:
+        return True  # EOS is allowed at every token
+
     def _step(self, token: int, value: float | None) -> None:
         if token == self.tables.eos_id:
             self.done = True

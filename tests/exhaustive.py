@@ -3,7 +3,8 @@ through the real core on the fake backend, every invariant checked in every
 state.
 
 Between two ticks the search branches on everything a caller or the device
-could do: which requests arrive now (and what each is: EOS at token 1..4,
+could do (and, in "choice" mode, the engine: launch this tick's step ahead
+of the pending commit or behind it, ``core/ahead.py``): which requests arrive now (and what each is: EOS at token 1..4,
 never, or a constrained request whose skill cycles two masks), whether one
 live request is cancelled now (queued, admitted, in flight, or a zombie's
 last step pending), how long the step launched in this tick takes
@@ -20,7 +21,9 @@ than ``Bounds.max_ticks`` is one too. Every exception the core or the
 simulated GPU raises (``HardwareMisuse``, ``KVCorruption``, an invariant
 named by its id) is a violation, reported with the path that reached it.
 
-    python -m tests.exhaustive [quick|ci|timings|faults|full|listeners]
+    python -m tests.exhaustive [quick|ci|timings|faults|full|listeners] [modes...]
+
+Modes: True (pipelined), False (blocking), "auto", "choice" (the oracle).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ else:  # imported by the tests, whose directory pytest puts on the path
 #   full       the full workload with all four timings (about a minute)
 #   listeners  cancels also from a token listener (own request or another),
 #              that is in the middle of a commit
+#   mixed      run in "choice" mode: the oracle picks ahead or behind at every
+#              tick, on the timings workload with two timings
 BOUNDS = {
     "quick": Bounds(requests=2, max_tokens=3, last_arrival=1, eos=(0, 1, 2), timings=("fast", "slow"),
                     num_pages=4, max_rows=2, max_prefill_tokens=4),
@@ -63,12 +68,13 @@ BOUNDS = {
                      faults=("launch", "finalize", "sampling", "copy")),
     "full": Bounds(),
     "listeners": Bounds(last_arrival=1, eos=(0, 2, 4), timings=("fast",), listener_cancels=True),
+    "mixed": Bounds(last_arrival=1, eos=(0, 2, 4), timings=("fast", "slow")),
 }
 
 
 @attrs.define
 class Report:
-    pipelined: bool
+    pipelined: bool | str
     states: int = 0
     edges: int = 0
     terminals: int = 0
@@ -78,7 +84,7 @@ class Report:
     probes: set[str] = attrs.Factory(set)
 
     def line(self) -> str:
-        mode = "pipelined" if self.pipelined else "blocking "
+        mode = {True: "pipelined", False: "blocking "}.get(self.pipelined, self.pipelined)
         return (f"{mode}: {self.states} states, {self.edges} edges, {self.terminals} terminal, "
                 f"depth {self.max_depth}, {len(self.violations)} violations, {self.seconds:.1f}s")
 
@@ -93,9 +99,13 @@ class Probe:
         self.seen.add(situation)
 
 
-def _moves(world: World, requests: tuple) -> list[tuple[tuple, int | None, str, str | None]]:
-    """(arrivals, cancel, timing, fault) choices before the next tick."""
+def _moves(world: World, requests: tuple) -> list[tuple[tuple, int | None, bool | None, str, str | None]]:
+    """(arrivals, cancel, ahead, timing, fault) choices before the next tick;
+    ``ahead`` is the oracle's (None outside "choice" mode, or with no commit
+    pending: then both orders are one)."""
     b = world.bounds
+    oracle = hasattr(world.engine, "oracle") and world.engine.scheduler.inflight
+    aheads = (True, False) if oracle else (None,)
     if world.arrivals_open():
         left = b.requests - len(world.handles)
         counts = range(left + 1) if world.tick_no < b.last_arrival else (left,)
@@ -111,13 +121,13 @@ def _moves(world: World, requests: tuple) -> list[tuple[tuple, int | None, str, 
                 if b.listener_cancels:
                     cancels += [(x, by) for by in live for x in live]
             faults = (None, *b.faults) if world.faults_left else (None,)
-            out.extend((arrivals, c, t, f) for c in cancels for t in b.timings for f in faults)
+            out.extend((arrivals, c, a, t, f) for c in cancels for a in aheads for t in b.timings for f in faults)
     return out
 
 
 def _step(world: World, requests: tuple, move: tuple) -> tuple[bool, bool]:
     """Apply one move and one tick; returns (progressed, launched a step)."""
-    arrivals, cancel, timing, fault = move
+    arrivals, cancel, ahead, timing, fault = move
     for i in arrivals:
         world.submit(requests[i])
     if cancel is not None:
@@ -129,6 +139,8 @@ def _step(world: World, requests: tuple, move: tuple) -> tuple[bool, bool]:
     compute_free = world.backend.clock.compute.free_at
     world.backend.timing = TIMINGS[timing]
     world.backend.faults = {before: Fault(fault, f"{fault} fault")} if fault else {}
+    if hasattr(world.engine, "oracle"):
+        world.engine.oracle = ahead  # None: the engine's own choice
     had_work = world.engine.has_work()
     progressed = world.engine.tick()
     if progressed != had_work:  # tick() is False exactly when there was nothing to do
@@ -156,10 +168,10 @@ class _Frame:
     path: tuple
     moves: list
     next: int = 0
-    skip: tuple | None = None  # (arrivals, cancel) whose other timings and faults change nothing
+    skip: tuple | None = None  # (arrivals, cancel, ahead) whose other timings and faults change nothing
 
 
-def search(bounds: Bounds = Bounds(), pipelined: bool = True, max_violations: int = 20) -> Report:
+def search(bounds: Bounds = Bounds(), pipelined: bool | str = True, max_violations: int = 20) -> Report:
     """Every state reachable within ``bounds``; each one checked (World.check_*)."""
     report = Report(pipelined)
     started = time.perf_counter()
@@ -192,7 +204,7 @@ def _explore(root: World, requests: tuple, shared: list, report: Report, max_vio
             continue
         move = frame.moves[frame.next]
         frame.next += 1
-        if move[:2] == frame.skip:
+        if move[:3] == frame.skip:
             continue
         last = frame.next == len(frame.moves)
         child = frame.world if last else cloner.copy(frame.world, shared)
@@ -202,10 +214,10 @@ def _explore(root: World, requests: tuple, shared: list, report: Report, max_vio
             progressed, launched = _step(child, requests, move)
         except Exception as err:  # an invariant, a device misuse, an illegal move, a crash
             violation(f"{type(err).__name__}: {err}", path)
-            frame.skip = move[:2]
+            frame.skip = move[:3]
             continue
         if not launched:
-            frame.skip = move[:2]  # no step was launched, so its timing and fault changed nothing
+            frame.skip = move[:3]  # no step was launched, so its timing and fault changed nothing
         key = child.key()
         if key in on_path:
             violation("livelock: a state repeats on one path", path)
@@ -226,20 +238,22 @@ def _explore(root: World, requests: tuple, shared: list, report: Report, max_vio
     report.states = len(seen)
 
 
-def search_modes(bounds: Bounds, parallel: bool = True) -> list[Report]:
-    """Pipelined and blocking, each in its own process when ``parallel``."""
+def search_modes(bounds: Bounds, parallel: bool = True, modes: tuple = (True, False)) -> list[Report]:
+    """Each mode's search (pipelined and blocking by default), each in its
+    own process when ``parallel``."""
     if not parallel:
-        return [search(bounds, pipelined) for pipelined in (True, False)]
-    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
-        return list(pool.map(search, (bounds, bounds), (True, False)))
+        return [search(bounds, mode) for mode in modes]
+    with concurrent.futures.ProcessPoolExecutor(len(modes), mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(search, (bounds,) * len(modes), modes))
 
 
 def main(argv: list[str]) -> int:
     name = argv[0] if argv else "ci"
     bounds = BOUNDS[name]
+    modes = tuple({"True": True, "False": False}.get(m, m) for m in argv[1:]) or (True, False)
     print(f"{name}: {bounds}")
     bad = 0
-    for report in search_modes(bounds):
+    for report in search_modes(bounds, modes=modes):
         print(report.line())
         print("  rare situations reached:", ", ".join(sorted(report.probes)))
         for message, path in report.violations:

@@ -48,6 +48,20 @@ class PhaseChecked(Engine):
 
 
 @attrs.define(eq=False)
+class Choosing(PhaseChecked):
+    """The auto mode with a choice oracle: the search sets ``oracle`` before
+    each tick to launch ahead (True) or behind (False), so mixed ticks of
+    every policy are explored at once. The engine's own choice still runs
+    (its outlook must leave the state untouched) and is overruled."""
+
+    oracle: bool | None = None
+
+    def _ahead(self) -> bool:
+        own = super()._ahead()
+        return own if self.oracle is None else self.oracle
+
+
+@attrs.define(eq=False)
 class Watcher:
     """A handle listener: counts ends (I7) and tokens streamed after the end
     (I5). Armed, it cancels a request when its own request's next token is
@@ -84,13 +98,18 @@ class World:
     faults_left: int = 0
 
     @classmethod
-    def new(cls, bounds: Bounds, pipelined: bool, probe) -> "World":
+    def new(cls, bounds: Bounds, pipelined: bool | str, probe) -> "World":
+        """``pipelined``: True, False, "auto", or "choice" (auto with the oracle)."""
         backend = FakeBackend(
             model=FakeModel(vocab_size=VOCAB), timing=TIMINGS[bounds.timings[0]], num_pages=bounds.num_pages,
             page_size=bounds.page_size, max_rows=bounds.max_rows, max_seqs=bounds.requests,
             max_prefill_tokens=bounds.max_prefill_tokens,
             max_context=bounds.max_context, num_adapter_slots=bounds.adapter_slots, image_length=2)
-        engine = PhaseChecked(backend, pipelined=pipelined, probe=probe)
+        clock = lambda: backend.clock.host  # noqa: E731 - virtual time: the auto mode's measurements replay
+        if pipelined == "choice":
+            engine = Choosing(backend, pipelined="auto", probe=probe, clock=clock)
+        else:
+            engine = PhaseChecked(backend, pipelined=pipelined, probe=probe, clock=clock)
         return cls(engine, backend, bounds, cancels_left=bounds.cancels, faults_left=int(bool(bounds.faults)))
 
     # ----------------------------------------------------------------- moves

@@ -116,9 +116,12 @@ def test_cancel_in_flight_ends_as_cancelled(engine):
 def test_blocking_mode_is_one_flag_away_and_agrees(engine):
     question = "Which planet is closest to the sun?"
     piped = engine.query(question, max_tokens=20)
-    engine.pipelined = False
+    before = engine.pipelined
+    assert before == "auto"  # the default
     try:
-        assert not engine.pipelined
-        assert engine.query(question, max_tokens=20) == piped  # I8
+        for mode in (False, True):
+            engine.pipelined = mode
+            assert engine.pipelined is mode
+            assert engine.query(question, max_tokens=20) == piped  # I8
     finally:
-        engine.pipelined = True
+        engine.pipelined = before

@@ -1,7 +1,7 @@
 """The speed benchmark runs end to end on the CPU (tiny model), so it cannot rot.
 
-The numbers mean nothing here; what is checked is that every cell of both
-modes is measured, the peers are reported (as not applicable without CUDA),
+The numbers mean nothing here; what is checked is that every cell of the
+three modes is measured, the peers are reported (as not applicable without CUDA),
 the docs entry and the JSON lines are written, and the seed's model is run.
 """
 
@@ -22,7 +22,7 @@ def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     table = speed.main(["--tiny", "--quick", "--out", str(out), "--plot", ""])
     for workload in ("text", "detect", "point", "mix"):
         for streams in (1, 8):
-            for mode in ("pipelined", "blocking"):
+            for mode in ("pipelined", "blocking", "auto"):
                 row = next(line for line in table.splitlines()
                            if line.startswith(f"| {workload} | {streams} | {mode} |"))
                 assert "error" not in row and "skipped" not in row, row
@@ -41,13 +41,14 @@ def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith(table.splitlines()[-1])  # the table is printed last
     lines = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    cells = [r for r in lines if r.get("mode") in ("pipelined", "blocking")]
-    assert len(cells) == 4 * 2 * 2
+    cells = [r for r in lines if r.get("mode") in ("pipelined", "blocking", "auto")]
+    assert len(cells) == 4 * 2 * 3
     assert all(r["tokens"] > 0 and r["tok_s"] > 0 for r in cells)
     detect = {r["mode"]: r for r in cells if r["workload"] == "detect" and r["streams"] == 1}
     assert detect["blocking"]["zombie_rows"] == 0  # blocking commits before it launches
     assert detect["pipelined"]["wasted_steps"] == detect["pipelined"]["requests"]  # one per end
     assert detect["pipelined"]["tokens_hash"] == detect["blocking"]["tokens_hash"]  # I8
+    assert detect["auto"]["tokens_hash"] == detect["blocking"]["tokens_hash"]
     assert any(r.get("measure") == "seed_model" for r in lines)
 
 

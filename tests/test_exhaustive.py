@@ -1,6 +1,7 @@
 """The exhaustive bounded search (tests/exhaustive.py) as tests.
 
-Every state reachable within the bounds, in pipelined and blocking mode, is
+Every state reachable within the bounds, in pipelined and blocking mode (and
+on "mixed", with an oracle choosing each tick's order, and in auto mode), is
 checked for every invariant; every path must end with each request ended
 exactly once, nothing in flight and every page free. The floors are state
 counts measured for these bounds: a search that silently explores less (a
@@ -21,7 +22,7 @@ from snapshot import Cloner
 # that a search exploring less than it should falls through, with room for
 # the core to change its bookkeeping.
 FLOORS = {"quick": (290, 70), "ci": (9450, 2600), "timings": (5500, 1050), "faults": (11500, 3900),
-          "listeners": (3350, 2150)}
+          "listeners": (3350, 2150), "mixed": (9800, 3950)}
 
 # The seed's hazards: each must be reached, or the search proves little.
 RARE_PIPELINED = {
@@ -32,15 +33,23 @@ RARE_PIPELINED = {
 }
 
 
-@pytest.mark.parametrize("name", ["quick", "ci", "timings", "faults", "listeners"])
+# The modes each bound runs: pipelined and blocking, or, on "mixed", the
+# choice oracle (ahead or behind at every tick: every policy's mixed ticks)
+# beside the auto rule itself.
+MODES = {"mixed": ("choice", "auto")}
+
+
+@pytest.mark.parametrize("name", ["quick", "ci", "timings", "faults", "listeners", "mixed"])
 def test_exhaustive_search_finds_no_violation(name):
-    reports = search_modes(BOUNDS[name], parallel=name != "quick")
+    reports = search_modes(BOUNDS[name], parallel=name != "quick", modes=MODES.get(name, (True, False)))
     for report, floor in zip(reports, FLOORS[name]):
         print(report.line())
         assert not report.violations, "\n".join(f"{m}\n  path: {p}" for m, p in report.violations[:5])
         assert report.states >= floor, f"the search explored only {report.states} states"
         assert report.terminals > 0, "no path ended"
-    if name != "quick":
+    if name == "mixed":
+        assert RARE_PIPELINED <= reports[0].probes, RARE_PIPELINED - reports[0].probes
+    elif name != "quick":
         assert RARE_PIPELINED <= reports[0].probes, RARE_PIPELINED - reports[0].probes
         assert {"queued_for_pages", "queued_for_adapters", "admitted_after_waiting"} <= reports[1].probes
 

@@ -4,7 +4,11 @@ Rules submit requests (prompt length, max_tokens, EOS position, constrained
 or not, sampled or greedy, with an image or not, asking coordinate and size
 values or not), tick, cancel, inject faults, exhaust pages and send bad
 input; the timing of every step (slow forwards, delayed copies) is drawn
-from the test's data. After every step each invariant is checked by its id.
+from the test's data, and so is each tick's order: the engine runs in the
+auto mode with a choice oracle (launch ahead of the pending commit, behind
+it, or the auto rule's own choice), and a rule switches the mode to
+pipelined, blocking or auto mid-flight, so ticks of every order mix. After
+every step each invariant is checked by its id.
 At teardown the engine is drained and the same workload is replayed in
 blocking mode: I8 says the tokens and the values agree.
 
@@ -109,11 +113,24 @@ def build_request(spec: Spec, mask_ids: tuple[int, ...], states: list) -> Reques
                    sampling=sampling, decode_state=factory, adapter="lora" if spec.adapter else None)
 
 
-def new_engine(pipelined: bool, timing: Timing | None, faults: dict, probe=lambda s: None) -> Engine:
+@attrs.define(eq=False)
+class Choosing(Engine):
+    """Auto mode with a choice oracle: ``oracle`` True launches ahead of the
+    pending commit, False behind it, None leaves it to the auto rule (which
+    runs either way: its outlook must change nothing)."""
+
+    oracle: bool | None = None
+
+    def _ahead(self) -> bool:
+        own = super()._ahead()
+        return own if self.oracle is None else self.oracle
+
+
+def new_engine(pipelined: bool | str, timing: Timing | None, faults: dict, probe=lambda s: None) -> Engine:
     backend = FakeBackend(model=FakeModel(vocab_size=VOCAB, eos_id=EOS), timing=timing, faults=faults,
                           num_pages=12, page_size=2, max_rows=3, max_seqs=4, max_prefill_tokens=12,
                           max_context=24, num_adapter_slots=1)
-    return Engine(backend, pipelined=pipelined, probe=probe)
+    return Choosing(backend, pipelined=pipelined, probe=probe, clock=lambda: backend.clock.host)
 
 
 def bound_of(specs: dict[int, Spec]) -> int:
@@ -131,7 +148,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.copy: dict[int, float] = {}
         self.faults: dict[int, Fault] = {}
         timing = Timing(forward=by_step(self.forward, 1.0), copy=by_step(self.copy, 0.02))
-        self.engine = new_engine(True, timing, self.faults, probe=self._probe)
+        self.engine = new_engine("auto", timing, self.faults, probe=self._probe)
         self.mask_ids = tuple(self.engine.register_mask(m) for m in MASK_SETS)
         self.specs: dict[int, Spec] = {}
         self.all: list = []
@@ -178,16 +195,24 @@ class PipelineMachine(RuleBasedStateMachine):
         if token is None:
             self.ends[handle.request_id] += 1
 
-    @rule(forward=st.sampled_from([0.01, 0.3, 1.0, 4.0]), copy=st.sampled_from([0.0, 0.02, 2.0, 9.0]))
-    def tick(self, forward, copy):
+    @rule(forward=st.sampled_from([0.01, 0.3, 1.0, 4.0]), copy=st.sampled_from([0.0, 0.02, 2.0, 9.0]),
+          ahead=st.sampled_from([True, False, None]))
+    def tick(self, forward, copy, ahead):
         step = self._next_step()
         self.forward[step], self.copy[step] = forward, copy  # slow forwards, delayed copies
+        self.engine.oracle = ahead  # the order of this tick, in auto mode
         self.engine.tick()
 
     @rule(n=st.integers(2, 8))
     def tick_many(self, n):
+        self.engine.oracle = None
         for _ in range(n):
             self.engine.tick()
+
+    @rule(mode=st.sampled_from([True, False, "auto"]))
+    def switch_mode(self, mode):
+        """Pipelined, blocking or auto from the next tick on, steps in flight."""
+        self.engine.pipelined = mode
 
     @rule(handle=handles)
     def cancel(self, handle):

@@ -3,7 +3,7 @@
 Hypothesis drives one engine through submits (good values and bad),
 ``submit_many``, cancels from other threads and from listeners, listeners
 that raise, streams dropped half read, asyncio tasks cancelled, event loops
-closed under a running request, and pipelined/blocking switches, while the
+closed under a running request, and pipelined/blocking/auto switches, while the
 decode thread keeps running. Every submission carries an end counter.
 
 Checked after every rule: no request has ended twice (I7), every ended
@@ -214,10 +214,10 @@ class ServingMachine(RuleBasedStateMachine):
         if new:
             self._accept(t, new[0])
 
-    @rule(pipelined=st.booleans())
+    @rule(pipelined=st.sampled_from([True, False, "auto"]))
     def switch_pipelined(self, pipelined):
         self.engine.pipelined = pipelined
-        assert self.engine.pipelined is pipelined
+        assert self.engine.pipelined is pipelined or self.engine.pipelined == pipelined == "auto"
 
     @rule()
     def settle(self):

@@ -1,0 +1,164 @@
+"""Launch ahead or not: the per-tick choice of ``Engine(pipelined="auto")``.
+
+Two orders of one tick, both sequences of the same three phases::
+
+    ahead    launch t+1, commit t, finalize t+1   (the seed's pipelined tick)
+    behind   commit t, launch t+1, finalize t+1   (t+1 planned after t's commit)
+
+Either leaves one finalized step in flight, so the next tick may take either
+order again; the choice changes timing only, never what is committed (I8):
+masks are built after the commit in both (I9), and a row that ends at t is a
+zombie of t+1 only when t+1 was launched first, which the refcounts already
+keep safe (I3, I6). The exhaustive search and the state machine let an
+oracle pick the order at every tick, so every policy is covered at once.
+
+The rule. Launching ahead hides the bubble, ``b``: the host time from a
+commit's copy arriving to the next forward's launch (commit bookkeeping,
+planning, the launch call). It costs the forward share of the rows that end
+at t, since they are already in t+1: ``F * z / n`` for a step of ``n`` rows,
+``z`` of them expected to end, ``F`` the device time of a step. So::
+
+    ahead  iff  z == 0  or  b >= F * z / n
+
+``z`` sums, over the rows of the would-be step that are in the uncommitted
+step and may end there (a stop id its mask allows, or a skill whose
+``may_end()`` says so), that skill's measured rate of ending when it may.
+No row can end: ahead, never worse. Every row surely ends (rate 1): ahead
+only when the bubble is at least a whole forward, i.e. when the zombie step
+runs entirely inside time the host spends anyway. The length cap makes no
+zombies (a row at its last token is not planned again: ``policy``).
+
+Pure and torch-free: the Engine measures with the clock it was given and
+hands this module numbers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping
+
+import attrs
+
+from bubblefree.core.sequence import Sequence
+from bubblefree.core.values import StepKind
+
+if TYPE_CHECKING:
+    from bubblefree.core.scheduler import Scheduler
+
+SMOOTHING = 0.2  # weight of the newest sample in each running mean
+MODES = (True, False, "auto")  # ``Engine.pipelined``: always ahead, never (blocking), chosen per tick
+
+
+def check_mode(mode: object) -> None:
+    if not any(mode is m if isinstance(m, bool) else mode == m for m in MODES):
+        raise ValueError(f'pipelined: must be True, False or "auto", got {mode!r}')
+
+
+def launch_ahead(rows: int, zombies: float, bubble: float, forward: float) -> bool:
+    """The rule above: True to launch the next step before committing the last."""
+    if rows <= 0 or zombies <= 0:
+        return True
+    return bubble >= forward * min(zombies, rows) / rows
+
+
+def outlook(sched: "Scheduler", rates: "EndRates") -> tuple[int, float, tuple[tuple[int, Hashable], ...]]:
+    """What the core knows before this tick's launch, without the device: the
+    would-be decode step's row count, its expected zombies, and which of its
+    rows may end at the uncommitted step ((seq id, skill) pairs). Pure: it
+    plans nothing and admits nobody."""
+    if not sched.inflight or sched.pool.free_slot() is None:
+        return 0, 0.0, ()
+    chosen = sched.preview()
+    if chosen is None or chosen[0] is not StepKind.DECODE:
+        return 0, 0.0, ()  # a prefill's rows are in no uncommitted step
+    pending = {sid: (step, row) for step in sched.inflight for row, sid in enumerate(step.seq_ids)}
+    may = []
+    for s in chosen[1]:
+        if s.seq_id in pending:
+            step, row = pending[s.seq_id]
+            mask = step.mask_ids[row] if step.mask_ids else None
+            if may_end(s, mask, sched.masks):
+                may.append((s.seq_id, s.request.skill))
+    return len(chosen[1]), sum(rates.rate(skill) for _, skill in may), tuple(may)
+
+
+def may_end(s: Sequence, mask_id: int | None, masks: Mapping[int, frozenset[int]]) -> bool:
+    """Can the token the pending step samples for ``s`` end it? A stop id its
+    mask allows, or a skill whose optional ``may_end()`` says so (absent:
+    True). A raise here counts as True and nothing else: this is timing only,
+    and the modes must agree on outputs (I8)."""
+    stops = s.request.stop_ids
+    if stops and (mask_id is None or mask_id not in masks or not stops.isdisjoint(masks[mask_id])):
+        return True
+    ask: Any = getattr(s.state, "may_end", None)
+    if s.state is None or ask is None:
+        return s.state is not None
+    try:
+        return bool(ask())
+    except Exception:  # noqa: BLE001 - the skill's bug shows where it fails its request
+        return True
+
+
+@attrs.define
+class EndRates:
+    """Per skill (``Request.skill``, None for plain requests): how often a row
+    that may end at a step did end there. Starts at one half (a prior of one
+    end in two chances), so a skill learns within a few steps."""
+
+    counts: dict[Hashable, tuple[int, int]] = attrs.Factory(dict)  # skill -> (ended, chances)
+
+    def rate(self, skill: Hashable) -> float:
+        ended, chances = self.counts.get(skill, (0, 0))
+        return (ended + 1) / (chances + 2)
+
+    def record(self, skill: Hashable, ended: bool) -> None:
+        e, c = self.counts.get(skill, (0, 0))
+        self.counts[skill] = (e + ended, c + 1)
+
+
+def _mean(old: float | None, sample: float) -> float:
+    return sample if old is None else old + SMOOTHING * (sample - old)
+
+
+@attrs.define
+class Timings:
+    """Host-clock measurements, fed by the Engine around its backend calls.
+
+    ``bubble`` = commit host time (after the copy arrived) + launch host time
+    (planning and the launch call). ``forward`` = a step's device time: from
+    the later of its launch and the previous copy's arrival to its own copy's
+    arrival (behind, the launch comes later; ahead, the device ran the steps
+    back to back, so the gap between arrivals is one step)."""
+
+    clock: Callable[[], float]
+    commit_host: float | None = None
+    launch_host: float | None = None
+    forward: float | None = None
+    _arrived: float | None = None  # when the last copy arrived (``wait`` returned)
+    _launched: dict[int, float] = attrs.Factory(dict)  # step id -> launch call returned
+
+    @property
+    def bubble(self) -> float:
+        return (self.commit_host or 0.0) + (self.launch_host or 0.0)
+
+    def launched(self, step_id: int, started: float) -> None:
+        now = self.clock()
+        self.launch_host = _mean(self.launch_host, now - started)
+        self._launched[step_id] = now
+
+    def arrived(self, step_id: int) -> float:
+        now = self.clock()
+        launched = self._launched.pop(step_id, None)
+        if launched is not None:
+            start = launched if self._arrived is None else max(launched, self._arrived)
+            self.forward = _mean(self.forward, max(0.0, now - start))
+        self._arrived = now
+        return now
+
+    def committed(self, arrived: float) -> None:
+        self.commit_host = _mean(self.commit_host, self.clock() - arrived)
+
+    def forget(self, step_id: int | None = None) -> None:
+        """A step that will never arrive (failed); None: every step (aborted)."""
+        if step_id is None:
+            self._launched.clear()
+        self._launched.pop(step_id, None)

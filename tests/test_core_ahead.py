@@ -1,0 +1,214 @@
+"""The auto mode's per-tick choice (core/ahead.py): the rule, its
+measurements on a fixed clock, the skills' ``may_end``, and an engine that
+skips the zombie step where a row surely ends and launches ahead elsewhere,
+with the tokens of blocking (I8)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from bubblefree.core import Engine, Request
+from bubblefree.core.ahead import EndRates, Timings, launch_ahead, may_end
+from bubblefree.core.sequence import Sequence
+from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
+from bubblefree.skills import Kind, SkillSet, demo_tokenizer
+from bubblefree.skills.driver import MaskRecorder
+
+
+# ------------------------------------------------------------------ the rule
+def test_no_row_that_may_end_means_ahead_whatever_the_costs():
+    assert launch_ahead(rows=4, zombies=0.0, bubble=0.0, forward=100.0)
+    assert launch_ahead(rows=0, zombies=0.0, bubble=0.0, forward=100.0)
+
+
+def test_rows_that_surely_end_block_unless_the_bubble_covers_a_forward():
+    assert not launch_ahead(rows=3, zombies=3.0, bubble=0.9, forward=1.0)
+    assert launch_ahead(rows=3, zombies=3.0, bubble=1.0, forward=1.0)
+
+
+def test_the_zombies_cost_their_share_of_the_forward():
+    # One row in four likely to end: a quarter of a 2.0 forward against the bubble.
+    assert launch_ahead(rows=4, zombies=1.0, bubble=0.5, forward=2.0)
+    assert not launch_ahead(rows=4, zombies=1.0, bubble=0.49, forward=2.0)
+    assert not launch_ahead(rows=1, zombies=5.0, bubble=0.99, forward=1.0)  # never more than all rows
+
+
+def test_end_rates_start_at_a_half_and_learn_per_skill():
+    rates = EndRates()
+    assert rates.rate("point") == 0.5
+    for _ in range(8):
+        rates.record(None, False)
+    rates.record("point", True)
+    assert rates.rate(None) == 0.1 and rates.rate("point") == 2 / 3
+
+
+# --------------------------------------------------------- measurements
+@attrs.define
+class FakeClock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_timings_measure_bubble_and_forward_on_a_fixed_clock():
+    clock = FakeClock()
+    t = Timings(clock)
+    assert t.bubble == 0.0 and t.forward is None
+    clock.now = 1.0
+    t.launched(0, started=0.5)  # planning and the launch call: 0.5
+    clock.now = 5.0
+    arrived = t.arrived(0)  # behind: device time from its launch, 4.0
+    clock.now = 5.25
+    t.committed(arrived)  # commit bookkeeping: 0.25
+    assert (t.launch_host, t.commit_host, t.forward, t.bubble) == (0.5, 0.25, 4.0, 0.75)
+    # Ahead: step 1 launched before step 0 arrived; its device time is the
+    # gap between the two arrivals.
+    t.launched(1, started=4.0)  # launched at 5.25: after the arrival, so behind again
+    clock.now = 8.25
+    t.arrived(1)
+    assert t.forward == pytest.approx(4.0 + 0.2 * (3.0 - 4.0))
+    clock.now = 9.0
+    t.launched(2, started=9.0)
+    t.launched(3, started=9.0)
+    clock.now = 11.0
+    t.arrived(2)
+    clock.now = 12.0
+    t.arrived(3)  # launched at 9, but the device was busy with step 2 until 11
+    assert t.forward == pytest.approx(3.8 + 0.2 * (2.0 - 3.8) + 0.2 * (1.0 - (3.8 + 0.2 * (2.0 - 3.8))))
+    t.launched(4, started=12.0)
+    t.forget()
+    assert t.arrived(4) == 12.0 and t.forward == pytest.approx(
+        3.8 + 0.2 * (2.0 - 3.8) + 0.2 * (1.0 - (3.8 + 0.2 * (2.0 - 3.8))))  # forgotten: no sample
+
+
+# ------------------------------------------------------------- may_end
+TOK = demo_tokenizer()
+MASKS = MaskRecorder()
+SKILLS = SkillSet(TOK, MASKS.register).compile_all()
+CODEC = SKILLS.codec
+
+
+def test_an_object_list_may_end_only_at_slot_0_or_its_last_object():
+    state = SKILLS.request("detect", object="dog", max_objects=2).decode_state()
+    box = (CODEC.encode(Kind.X, .5), CODEC.encode(Kind.Y, .5), CODEC.encode(Kind.SIZE, .1),
+           CODEC.encode(Kind.SIZE, .1))
+    seen = []
+    for token in box + box:
+        seen.append(state.may_end())
+        state.advance(token)
+    # slot 0 (EOS allowed); then the second box's last slot ends the list (max_objects).
+    assert seen == [True, False, False, False, True, False, False, True]
+    assert state.done
+
+
+def test_a_point_list_cut_by_its_budget_may_end_at_the_last_point():
+    state = SKILLS.request("point", object="cat", max_tokens=3).decode_state()  # one point fits
+    x, y = CODEC.encode(Kind.X, .5), CODEC.encode(Kind.Y, .5)
+    assert state.may_end()
+    state.advance(x)
+    assert state.may_end()  # y completes the only point that fits
+    assert state.advance(y)
+
+
+def test_text_skills_may_always_end():
+    for name, args in (("query", {"question": "what"}), ("caption", {"length": "short"})):
+        assert SKILLS.request(name, **args).decode_state().may_end()
+
+
+@attrs.define
+class Never:
+    def mask_id(self):
+        return None
+
+    def advance(self, token, value):
+        return False
+
+    def may_end(self):
+        raise RuntimeError("skill bug")
+
+
+def test_may_end_reads_stop_ids_through_the_mask_then_the_skill():
+    masks = {7: frozenset({1, 2}), 8: frozenset({0, 1})}
+    plain = Sequence(0, Request(prompt=(1,), max_tokens=4, stop_ids={0}))
+    assert may_end(plain, None, masks) and may_end(plain, 8, masks)
+    assert not may_end(plain, 7, masks)  # its mask excludes the stop id, and no skill
+    assert not may_end(Sequence(1, Request(prompt=(1,), max_tokens=4)), None, masks)
+    skilled = Sequence(2, Request(prompt=(1,), max_tokens=4, stop_ids={0}))
+    skilled.state = Never()
+    assert may_end(skilled, 7, masks)  # a raising may_end counts as True, and only that
+
+
+# ----------------------------------------------------------- the engine
+@attrs.define
+class Three:
+    """Done after three tokens, and says so: ``may_end`` only at the third."""
+
+    at: int = 0
+
+    def mask_id(self):
+        return None
+
+    def advance(self, token, value):
+        self.at += 1
+        return self.at == 3
+
+    def may_end(self):
+        return self.at == 2
+
+
+@attrs.define(eq=False)
+class Recording(Engine):
+    """Keeps each auto choice: True ahead, False behind."""
+
+    choices: list = attrs.Factory(list)
+
+    def _ahead(self) -> bool:
+        self.choices.append(super()._ahead())
+        return self.choices[-1]
+
+
+def run(pipelined, requests):
+    backend = FakeBackend(model=FakeModel(), timing=Timing(forward=2.0, sampling=0.0, copy=0.0))
+    engine = Recording(backend, pipelined=pipelined, clock=lambda: backend.clock.host)
+    handles = [engine.submit(r) for r in requests]
+    engine.run_until_idle(max_ticks=200)
+    launches = sum(e[0] == "launch" for e in engine.trace)
+    return [h.result for h in handles], launches, engine
+
+
+def test_auto_skips_the_zombie_step_of_a_sure_end_and_keeps_the_tokens():
+    reqs = [Request(prompt=(3, 5), max_tokens=8, decode_state=Three) for _ in range(2)]
+    blocking, block_launches, _ = run(False, reqs)
+    ahead, ahead_launches, _ = run(True, reqs)
+    auto, auto_launches, engine = run("auto", reqs)
+    assert auto == blocking == ahead  # I8: timing only
+    assert block_launches == 3  # one prefill, two decodes
+    assert ahead_launches == 4  # the zombie decode after the third token
+    assert auto_launches == 3
+    assert False in engine.choices and engine.end_rates.rate(None) > 0.5
+
+
+def test_auto_launches_ahead_once_text_rarely_ends():
+    reqs = [Request(prompt=(0, 5), max_tokens=40, stop_ids={0})]  # EOS never comes first here
+    blocking, _, _ = run(False, reqs)
+    auto, _, engine = run("auto", reqs)
+    assert auto == blocking
+    # The prior (one end in two chances) blocks the first decodes; each
+    # step that did not end teaches the rate down until the bubble wins.
+    assert False in engine.choices[:5] and all(engine.choices[-20:])
+    assert engine.end_rates.rate(None) < 0.1
+    assert engine.timings.forward == pytest.approx(2.0, rel=0.1)
+
+
+def test_the_mode_is_true_false_or_auto():
+    engine = Engine(FakeBackend(zero_cost=True))
+    engine.pipelined = "auto"
+    engine.pipelined = False
+    for bad in ("yes", 1, None, "Auto"):
+        with pytest.raises(ValueError, match="pipelined"):
+            engine.pipelined = bad
+        with pytest.raises(ValueError, match="pipelined"):
+            Engine(FakeBackend(zero_cost=True), pipelined=bad)
+    assert engine.pipelined is False
