@@ -128,3 +128,77 @@ def test_of_unknown_fields_are_named_sorted():
 def test_of_anything_else_is_refused_naming_its_type(value):
     with pytest.raises(InvalidRequest, match=rf"^sampling: must be SamplingParams or a mapping, got {type(value).__name__}$"):
         SamplingParams.of(value)
+
+
+# -- Engine.submit / cancel / validate and the policy at their exact edges ----
+# (survivors of the mutation run: each test below fails under one of them)
+
+def test_a_chosen_request_id_is_used_and_an_id_in_use_refused_even_for_a_zombie():
+    from bubblefree.core import Request as Req
+    e = engine()
+    h = e.submit(Req(prompt=(1, 2), max_tokens=8), request_id=41)
+    assert h.request_id == 41
+    with pytest.raises(ValueError, match=r"^request id 41 is in use$"):
+        e.submit(Req(prompt=(1, 2), max_tokens=8), request_id=41)
+    e.tick()  # its prefill is in flight
+    assert e.cancel(41)  # ended now: a zombie until its step commits
+    assert 41 in e.scheduler.seqs and 41 not in e.handles
+    with pytest.raises(ValueError, match=r"^request id 41 is in use$"):
+        e.submit(Req(prompt=(1, 2), max_tokens=8), request_id=41)
+    e.run_until_idle()
+    assert e.submit(Req(prompt=(1, 2), max_tokens=2), request_id=41).request_id == 41  # free again
+
+
+def test_cancel_with_a_reason_fails_and_without_one_cancels():
+    e = engine()
+    failed, cancelled = (e.submit(Request(prompt=(1, 2), max_tokens=8)) for _ in range(2))
+    assert e.cancel(failed.request_id, reason="the client left")
+    assert e.cancel(cancelled.request_id)
+    assert not e.cancel(cancelled.request_id)  # already ended
+    assert (failed.result.status, failed.result.finish_reason) == (Status.FAILED, "the client left")
+    assert (cancelled.result.status, cancelled.result.finish_reason) == (Status.CANCELLED, "cancelled")
+
+
+def test_scheduler_cancel_says_cancelled_by_default():
+    e = engine()
+    h = e.submit(Request(prompt=(1, 2), max_tokens=8))
+    assert e.scheduler.cancel(h.request_id)
+    e.tick()
+    assert (h.result.status, h.result.finish_reason) == (Status.CANCELLED, "cancelled")
+
+
+@pytest.mark.parametrize("req, message", [
+    ("not a request", r"^request: must be a Request, got str$"),
+    (Request(prompt=(1,), max_tokens=2, sampling={"temperature": 0}),
+     r"^sampling: must be SamplingParams, got dict$"),
+    (Request(prompt=(1,), max_tokens=2, decode_state=3), r"^decode_state: must be callable or None$"),
+    (Request(prompt=(1,), max_tokens=2, finisher="x"), r"^finisher: must be callable or None$"),
+])
+def test_validate_names_what_is_wrong(req, message):
+    e = engine()
+    with pytest.raises(InvalidRequest, match=message):
+        e.submit(req)
+    assert not e.scheduler.seqs  # nothing accepted
+
+
+def test_the_trace_is_trimmed_only_past_twice_its_limit():
+    e = Engine(FakeBackend(model=FakeModel(vocab_size=VOCAB, eos_id=EOS), num_pages=32, max_rows=4),
+               trace_limit=3)
+    lengths = []
+    for i in range(14):
+        e._log(("entry", i))
+        lengths.append(len(e.trace))
+    assert max(lengths) == 6 and lengths[6] == 3  # 7 > 2 x 3: the newest 3 are kept
+    assert e.trace[-1] == ("entry", 13)
+
+
+def test_a_prefill_takes_a_prompt_that_fills_the_budget_exactly():
+    from bubblefree.core import Capacity
+    from bubblefree.core.policy import choose_step
+    from bubblefree.core.sequence import Phase, Sequence
+    cap = Capacity(num_pages=16, page_size=4, max_rows=4, max_seqs=4, max_prefill_tokens=10, max_context=64)
+    seqs = [Sequence(i, Request(prompt=tuple(range(1, 1 + n)), max_tokens=2)) for i, n in enumerate((4, 6, 1))]
+    for s in seqs:
+        s.phase = Phase.ADMITTED
+    kind, chosen = choose_step(seqs, cap, None)
+    assert [s.seq_id for s in chosen] == [0, 1]  # 4 + 6 == 10 fits; the third waits
