@@ -236,3 +236,12 @@ def test_fingerprints_and_markers_are_the_recorded_ones():
     assert image_markers(7, 3) == (-1349189357350, -1633669087025, -1150561488259)
     assert value_marker(ValueKind.COORD, 0.25) == -325813509135
     assert value_marker(ValueKind.SIZE, (0.5, 0.125)) == -634474092656
+
+
+def test_fingerprints_of_arrays_see_their_shape():
+    import numpy as np
+
+    from bubblefree.fake_backend.images import fingerprint
+    flat = np.arange(6, dtype=np.uint8)
+    assert len({fingerprint(flat), fingerprint(flat.reshape(2, 3)), fingerprint(flat.reshape(3, 2))}) == 3
+    assert fingerprint(flat.reshape(2, 3)) == fingerprint(np.arange(6, dtype=np.uint8).reshape(2, 3))
