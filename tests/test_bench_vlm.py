@@ -23,6 +23,7 @@ def test_vlm_speed_runs_the_image_api_and_writes_its_section(tmp_path):
     assert "smoke run, not a measurement" in text
     rec = json.loads(record.read_text())
     assert [r["workload"] for r in rec["rows"]] == ["point", "query"]
+    assert all("a_req_s" in r for r in rec["rows"])  # the per-tick choice measured beside the two modes
     assert all("error" not in r for r in rec["rows"]), rec["rows"]
     assert rec["encode"][0]["crops"] == 2  # a 378-px image: the global view and one local crop
 
@@ -48,3 +49,16 @@ def test_unknown_workloads_are_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         vlm_speed.main(["--workloads", "point,dance", "--device", "cpu"])
     assert "unknown dance" in capsys.readouterr().err
+
+
+def test_a_run_with_auto_reports_it_against_the_better_mode():
+    row = dict(workload="point", side=378, streams=1, requests=17, p_req_s=10.0, b_req_s=12.0, ratio=10 / 12,
+               p_p50=20.0, p_p99=30.0, b_p50=18.0, b_p99=25.0, a_req_s=11.0, a_vs_better=11 / 12)
+    good = dict(row, workload="detect", a_req_s=12.0, a_vs_better=1.0)
+    record = dict(env="somewhere", command="c", quick=False, rows=[row, good], encode=[], peer=[],
+                  peer_crop_ms=None)
+    text = vlm_speed.render(record, None, None)
+    assert "| auto req/s | auto ÷ better |" in text
+    assert "| point | 378 px | 1 | 10.0 | 12.0 | 0.83 | 11.0 | 0.92 | 20.0 / 30.0 | 18.0 / 25.0 | — |  |" in text
+    assert "auto (the per-tick choice) >= 0.98 x the better of pipelined and blocking: 1 of 2 cells " \
+           "(below: point 378 px x1 0.92)" in text
