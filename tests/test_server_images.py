@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from tests.server_support import serving
-from tests.image_world import moon_engine, picture, png
+from tests.image_world import expected, moon_engine, picture, png
 
 KEY = "sesame"
 IMAGE = picture(5, 64, 48)
@@ -76,7 +76,9 @@ def test_moondream_client_point_and_detect(md, engine):
     jpeg = sent(IMAGE)
     points = md.point(IMAGE, "cat", settings={"max_objects": 3})
     assert points == {"points": engine.point(jpeg, "cat", max_objects=3)["points"]}
-    assert 1 <= len(points["points"]) <= 3
+    # ... and both are the fake model's own answer for those bytes, a real list of points
+    want = expected(engine, "point", image=jpeg, object="cat", max_objects=3)[1]["points"]
+    assert points["points"] == want and want
     boxes = md.detect(IMAGE, "dog", settings={"max_objects": 2, "temperature": 0.5, "seed": 9})
     assert boxes == {"objects": engine.detect(jpeg, "dog", settings={"max_objects": 2, "temperature": 0.5,
                                                                         "seed": 9})["objects"]}
