@@ -36,22 +36,33 @@ QUESTIONS = (
 )
 
 
-def ask_all(engine: Engine, max_tokens: int, stream_first: bool) -> tuple[list, float]:
-    """Submit every question at once (one hand-over, so they share their
-    first prefill and every decode step); returns (results, seconds)."""
+def printer(engine: Engine) -> Callable:
+    """A listener that prints a request's text as its tokens commit. It runs
+    on the decode thread: it prints and never blocks."""
     tok = engine.skills.tokenizer
     shown = TextStream(tok, frozenset({tok.eos_id}))
 
-    def show(handle, token):  # on the decode thread: print, never block
+    def show(handle, token):
         if token is not None:
             print(shown.push([token]), end="", flush=True)
+    return show
 
+
+def submit_timed(engine: Engine, calls) -> tuple[list, float]:
+    """Submit ``calls`` at once (one hand-over, so they share their first
+    prefill and every decode step); returns (results, seconds)."""
     start = time.perf_counter()
-    handles = engine.submit_many(
-        ("query", dict(question=q, max_tokens=max_tokens, listener=show if i == 0 and stream_first else None))
-        for i, q in enumerate(QUESTIONS))
+    handles = engine.submit_many(calls)
     results = [h.result() for h in handles]
     return results, time.perf_counter() - start
+
+
+def ask_all(engine: Engine, max_tokens: int, stream_first: bool) -> tuple[list, float]:
+    """Every question at once, the first streamed when ``stream_first``."""
+    show = printer(engine) if stream_first else None
+    return submit_timed(engine, (
+        ("query", dict(question=q, max_tokens=max_tokens, listener=show if i == 0 else None))
+        for i, q in enumerate(QUESTIONS)))
 
 
 def timed_modes(engine: Engine, ask: Callable[[], tuple[list, float]],

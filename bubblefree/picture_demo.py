@@ -16,9 +16,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from bubblefree.demo import timed_modes
+from bubblefree.demo import printer, submit_timed, timed_modes
 from bubblefree.engine import Engine
-from bubblefree.skills import TextStream
 
 QUESTION = "What shapes are in this picture, and what colours are they?"
 POINT = "the red circle"
@@ -46,17 +45,7 @@ def calls(image: Any, max_tokens: int, show=None) -> list[tuple[str, dict]]:
 
 def ask_all(engine: Engine, image: Any, max_tokens: int, stream_caption: bool) -> tuple[list, float]:
     """The four requests submitted together; (results, seconds)."""
-    tok = engine.skills.tokenizer
-    shown = TextStream(tok, frozenset({tok.eos_id}))
-
-    def show(handle, token):  # on the decode thread: print, never block
-        if token is not None:
-            print(shown.push([token]), end="", flush=True)
-
-    start = time.perf_counter()
-    handles = engine.submit_many(calls(image, max_tokens, show if stream_caption else None))
-    results = [h.result() for h in handles]
-    return results, time.perf_counter() - start
+    return submit_timed(engine, calls(image, max_tokens, printer(engine) if stream_caption else None))
 
 
 def run(engine: Engine, picture: Any, max_tokens: int, rounds: int) -> bool:
