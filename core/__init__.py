@@ -31,14 +31,14 @@ from bubblefree.core.scheduler import InvariantViolation, Scheduler
 from bubblefree.core.sequence import IllegalTransition, Phase, Sequence
 from bubblefree.core.slots import DecodeSlot, SlotPool, SlotState, Step
 from bubblefree.core.values import (
-    GREEDY, ImageRef, InvalidRequest, Request, Result, SamplePlan, SamplingParams, Status, StepFailed,
-    StepKind, StepOutput, StepPlan, StepRow, ValueKind,
+    GREEDY, ImageRef, InvalidRequest, PromptValue, Request, Result, SamplePlan, SamplingParams, Status,
+    StepFailed, StepKind, StepOutput, StepPlan, StepRow, ValueKind,
 )
 
 __all__ = [
     "Backend", "Capacity", "DecodeSlot", "DecodeState", "DoubleRelease", "Engine", "GREEDY",
     "Handle", "IdPool", "ImageRef", "IllegalTransition", "InvalidRequest", "InvariantViolation", "Phase",
-    "Request", "Result", "SamplePlan", "SamplingParams", "Scheduler", "Sequence", "SlotPool",
+    "PromptValue", "Request", "Result", "SamplePlan", "SamplingParams", "Scheduler", "Sequence", "SlotPool",
     "SlotState", "Status", "Step", "StepFailed", "StepKind", "StepOutput", "StepPlan", "StepRow",
     "ValueKind", "pages_needed",
 ]

@@ -43,7 +43,8 @@ from bubblefree.core.integrity import InvariantViolation
 from bubblefree.core.pages import pages_needed
 from bubblefree.core.scheduler import Scheduler
 from bubblefree.core.sequence import Sequence
-from bubblefree.core.values import ImageRef, InvalidRequest, Request, Result, SamplingParams, Status, StepFailed
+from bubblefree.core.values import (ImageRef, InvalidRequest, Request, Result, SamplingParams, Status, StepFailed,
+                                   bad_prompt_values)
 
 @attrs.define(eq=False)
 class Engine:
@@ -315,6 +316,9 @@ class Engine:
                 raise InvalidRequest("image: this backend takes no images")
             if type(req.image.length) is not int or req.image.length < 1:
                 raise InvalidRequest(f"image: length must be an int >= 1, got {req.image.length!r}")
+        why = bad_prompt_values(req.prompt_values, n, cap.values)
+        if why is not None:
+            raise InvalidRequest(f"prompt_values: {why}")
         # An image's prefix shares the prompt's prefill budget, context and pages.
         image = "" if req.image is None else f"image ({req.image.length}) + "
         if req.prefix_len > cap.max_prefill_tokens:

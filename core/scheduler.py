@@ -125,7 +125,7 @@ class Scheduler:
                            pages=s.pages, sampling=s.request.sampling, adapter_slot=s.adapter_slot)
         return StepRow(seq_id=s.seq_id, row_slot=s.row_slot, tokens=s.request.prompt, position=0,
                        pages=s.pages, sampling=s.request.sampling, adapter_slot=s.adapter_slot,
-                       image=s.request.image)
+                       image=s.request.image, prompt_values=s.request.prompt_values)
 
     def launched(self, slot: DecodeSlot, plan: StepPlan) -> Step:
         """The backend accepted ``plan``: every row's sequence gains a ref (I3)."""

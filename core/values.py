@@ -31,6 +31,19 @@ class ValueKind(enum.Enum):
     SIZE = "size"  # (width, height), each 2 ** (bin / 1023 * 10 - 10), in (0, 1]
 
 
+@attrs.frozen
+class PromptValue:
+    """A prompt position whose input is a value's encoding instead of its
+    token's embedding: moondream's spatial references (a point is two COORD
+    positions, a box its centre's two COORDs then a SIZE). The token at
+    ``index`` is the model's placeholder; the value must pass ``bad_value``
+    for ``kind`` (I13), checked when the request is submitted."""
+
+    index: int  # into Request.prompt (a StepRow's: into its tokens)
+    kind: ValueKind
+    value: Any
+
+
 @attrs.frozen(eq=False)
 class ImageRef:
     """An image as the core sees it: how many KV positions its prefix takes.
@@ -147,6 +160,7 @@ class Request:
     tag: Any = None  # caller's own label, carried into the result untouched
     skill: str | None = None  # the skill that built it: named in the reasons of its own errors
     image: ImageRef | None = None  # prefilled before the prompt (IMAGE_PREFILL)
+    prompt_values: tuple[PromptValue, ...] = attrs.field(converter=tuple, factory=tuple)
 
     @property
     def prefix_len(self) -> int:
@@ -185,6 +199,7 @@ class StepRow:
     sampling: SamplingParams = GREEDY
     adapter_slot: int | None = None
     image: ImageRef | None = None  # IMAGE_PREFILL rows only: the prefix before ``tokens``
+    prompt_values: tuple[PromptValue, ...] = ()  # prefill rows: inputs that are values
 
     @property
     def num_tokens(self) -> int:
@@ -243,6 +258,30 @@ def bad_value(kind: ValueKind | None, value: Any) -> str | None:
     if type(value) is tuple and len(value) == 2 and _in(value[0], 0.0, False) and _in(value[1], 0.0, False):
         return None
     return f"size value {value!r} is not a (width, height) pair in (0, 1]"
+
+
+def bad_prompt_values(values: tuple, prompt_len: int, values_ok: bool) -> str | None:
+    """Why a request's ``prompt_values`` cannot be taken, or None: each a
+    ``PromptValue`` at a prompt index, in increasing order, its value fit for
+    its kind (``bad_value``), and only on a backend with a region head."""
+    if not values:
+        return None
+    if not values_ok:
+        return "this backend has no region head to encode values"
+    last = -1
+    for i, pv in enumerate(values):
+        if not isinstance(pv, PromptValue):
+            return f"entry {i} must be a PromptValue, got {type(pv).__name__}"
+        if type(pv.index) is not int or not last < pv.index < prompt_len:
+            return (f"entry {i}: index {pv.index!r} must be an int in [0, {prompt_len}), "
+                    f"after the previous entry's")
+        if not isinstance(pv.kind, ValueKind):
+            return f"entry {i}: kind must be a ValueKind, got {pv.kind!r}"
+        why = bad_value(pv.kind, pv.value)
+        if why is not None:
+            return f"entry {i}: {why}"
+        last = pv.index
+    return None
 
 
 def _in(x: Any, low: float, closed: bool) -> bool:

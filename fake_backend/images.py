@@ -58,6 +58,15 @@ def image_markers(fp: int, length: int) -> tuple[int, ...]:
     return tuple(-1 - _SPAN - stable_hash(0x1A, fp, i) % _SPAN for i in range(length))
 
 
+def with_values(tokens: tuple[int, ...], prompt_values: tuple) -> tuple[int, ...]:
+    """A prompt as the forward reads it: each ``PromptValue``'s position
+    holds its value's marker (its encoding on a GPU), not the placeholder."""
+    out = list(tokens)
+    for pv in prompt_values:
+        out[pv.index] = value_marker(pv.kind, pv.value)
+    return tuple(out)
+
+
 def value_marker(kind: ValueKind, value: float | tuple[float, float]) -> int:
     """The next decode input after a row decoded ``value`` of ``kind``."""
     parts = value if isinstance(value, tuple) else (value,)

@@ -26,7 +26,7 @@ import attrs
 
 from bubblefree.core.values import StepKind, StepPlan, StepRow
 from bubblefree.fake_backend.errors import HardwareMisuse, KVCorruption
-from bubblefree.fake_backend.images import fingerprint, image_markers
+from bubblefree.fake_backend.images import fingerprint, image_markers, with_values
 
 
 @attrs.frozen
@@ -78,7 +78,8 @@ class DeviceMemory:
     def _inputs(self, row: StepRow, plan: StepPlan) -> list[Entry]:
         if plan.kind is not StepKind.DECODE:
             prefix = () if row.image is None else image_markers(image_source(row, plan), row.image.length)
-            return [Entry(row.seq_id, row.position + i, tok, True) for i, tok in enumerate(prefix + row.tokens)]
+            text = with_values(row.tokens, row.prompt_values)
+            return [Entry(row.seq_id, row.position + i, tok, True) for i, tok in enumerate(prefix + text)]
         held = self.row_tokens.get(row.row_slot)
         where = f"step {plan.step_id}: decode row of seq {row.seq_id} at position {row.position}"
         if held is None:

@@ -30,7 +30,7 @@ import attrs
 
 from bubblefree.core.values import GREEDY, ImageRef, SamplingParams, ValueKind
 from bubblefree.fake_backend.hashing import stable_hash
-from bubblefree.fake_backend.images import fingerprint, image_markers, value_marker
+from bubblefree.fake_backend.images import fingerprint, image_markers, value_marker, with_values
 
 __all__ = ["EOS_BOTTOM", "EOS_TOP", "Expected", "FakeModel", "gumbel", "sample", "stable_hash"]
 
@@ -155,12 +155,14 @@ class FakeModel:
 
     def expect(self, prompt: Sequence[int], max_tokens: int, sampling: SamplingParams = GREEDY,
                stop_ids: Iterable[int] | None = None, *, image: ImageRef | None = None,
-               state: Any = None, masks: Mapping[int, frozenset[int]] | None = None) -> Expected:
+               state: Any = None, masks: Mapping[int, frozenset[int]] | None = None,
+               prompt_values: tuple = ()) -> Expected:
         """The tokens and values the engine must return, computed without a
         backend: after ``image``'s prefix, under ``state`` (a DecodeState: its
         mask, from ``masks``, and its value kind before each token; ``advance``
-        after), ending at a stop id, the state's end, or ``max_tokens``."""
-        text = tuple(prompt)
+        after), ending at a stop id, the state's end, or ``max_tokens``;
+        ``prompt_values`` (``PromptValue``s) replace their positions' tokens."""
+        text = with_values(tuple(prompt), prompt_values)
         if not text:
             raise ValueError("prompt must hold at least one token")
         full = text if image is None else image_markers(fingerprint(image.source), image.length) + text

@@ -15,7 +15,7 @@ import functools
 
 import attrs
 
-from bubblefree.core import ImageRef, InvariantViolation, Request, ValueKind
+from bubblefree.core import ImageRef, InvariantViolation, PromptValue, Request, ValueKind
 from bubblefree.fake_backend import FakeModel, Timing
 from bubblefree.fake_backend.model import Expected
 
@@ -96,7 +96,7 @@ def expected(model: FakeModel, request: Request) -> Expected:
         state = request.decode_state()
         masks = dict(zip(state.mask_ids, (EVENS, ODDS)))
     return model.expect(request.prompt, request.max_tokens, request.sampling, request.stop_ids,
-                        image=request.image, state=state, masks=masks)
+                        image=request.image, state=state, masks=masks, prompt_values=request.prompt_values)
 
 
 def expected_tokens(model: FakeModel, request: Request) -> tuple[int, ...]:
@@ -135,8 +135,11 @@ class Bounds:
     def contents(self, mask_ids: tuple[int, int]) -> tuple[Request, ...]:
         # An image request is a text request with an image before its prompt:
         # one KV page more, so it contends for pages harder.
+        # With values, its second prompt position is a spatial reference: the
+        # forward reads the value's encoding there, not the token.
+        refs = (PromptValue(1, ValueKind.COORD, 0.375),) if self.values else ()
         texts = [Request(prompt=(k, 6), image=ImageRef(IMAGE_LENGTH, source=0x1A6E + k), max_tokens=self.max_tokens,
-                         stop_ids={EOS}, tag=f"image-eos{k}")
+                         stop_ids={EOS}, tag=f"image-eos{k}", prompt_values=refs)
                  if k in self.image_eos else
                  Request(prompt=(k, 6), max_tokens=self.max_tokens, stop_ids={EOS}, tag=f"eos{k}",
                          adapter="a" if k in self.adapter_eos else None)

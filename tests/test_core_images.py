@@ -10,8 +10,8 @@ import attrs
 import pytest
 
 from bubblefree.core import (
-    Capacity, Engine, ImageRef, InvalidRequest, InvariantViolation, Phase, Request, Scheduler, Sequence, Status,
-    StepKind, StepOutput, ValueKind,
+    Capacity, Engine, ImageRef, InvalidRequest, InvariantViolation, Phase, PromptValue, Request, Scheduler, Sequence,
+    Status, StepKind, StepOutput, ValueKind,
 )
 from bubblefree.core.policy import choose_step
 from bubblefree.core.protocol import PlanRejected, check_plan, check_sample
@@ -248,3 +248,61 @@ def test_check_plan_fast_path_and_named_checks_agree_on_image_plans():
         assert "refused by the contract's checks" not in str(err.value)
     with pytest.raises(PlanRejected, match="without images"):
         check_plan(StepPlan(0, StepKind.IMAGE_PREFILL, (row,)), attrs.evolve(CAP, images=False), 32)
+
+
+# ------------------------------------------------------------- prompt values
+REFS = (PromptValue(1, ValueKind.COORD, 0.25), PromptValue(2, ValueKind.COORD, 0.75),
+        PromptValue(3, ValueKind.SIZE, (0.5, 0.125)))
+
+
+def test_prompt_values_are_the_inputs_at_their_positions_in_both_modes():
+    """A spatial reference's positions read the value's encoding, not the
+    placeholder token: the answer differs from the same prompt without them,
+    and equals the reference computed with them, pipelined or not."""
+    model = FakeModel()
+    prompt = (0, 9, 9, 9, 3)  # 9 is the placeholder the values replace
+    want = model.expect(prompt, 5, image=image(2, 11), prompt_values=REFS)
+    plain = model.expect(prompt, 5, image=image(2, 11))
+    assert want.tokens != plain.tokens
+    for pipelined in (True, False):
+        e = Engine(FakeBackend(zero_cost=True, model=model, max_prefill_tokens=8), pipelined=pipelined)
+        h = e.submit(Request(prompt=prompt, max_tokens=5, stop_ids={0}, image=image(2, 11), prompt_values=REFS))
+        e.submit(Request(prompt=prompt, max_tokens=5, stop_ids={0}, image=image(2, 11)))
+        e.run_until_idle()
+        assert h.result.tokens == want.tokens[:len(h.result.tokens)]
+        assert h.result.tokens == model.generate(prompt, 5, stop_ids={0}, image=image(2, 11), prompt_values=REFS)
+
+
+def test_a_text_prefill_row_carries_its_prompt_values():
+    sched = Scheduler(CAP)
+    sched.add(Sequence(0, Request(prompt=(1, 2, 3), max_tokens=2, prompt_values=REFS[:1])))
+    _, plan = sched.plan_launch()
+    assert plan.kind is StepKind.PREFILL and plan.rows[0].prompt_values == REFS[:1]
+
+
+@pytest.mark.parametrize("backend_kw, values, message", [
+    ({"values": False}, REFS[:1], "this backend has no region head to encode values"),
+    ({}, ((1, ValueKind.COORD, 0.5),), "entry 0 must be a PromptValue, got tuple"),
+    ({}, (PromptValue(4, ValueKind.COORD, 0.5),), r"entry 0: index 4 must be an int in \[0, 4\)"),
+    ({}, (PromptValue(-1, ValueKind.COORD, 0.5),), r"entry 0: index -1 must be an int in \[0, 4\)"),
+    ({}, (PromptValue(True, ValueKind.COORD, 0.5),), "entry 0: index True must be an int"),
+    ({}, (PromptValue(1.0, ValueKind.COORD, 0.5),), "entry 0: index 1.0 must be an int"),
+    ({}, REFS[1:2] + REFS[:1], "entry 1: index 1 must be an int .* after the previous entry's"),
+    ({}, REFS[:1] * 2, "entry 1: index 1 must be an int"),
+    ({}, (PromptValue(0, "coord", 0.5),), "entry 0: kind must be a ValueKind, got 'coord'"),
+    ({}, (PromptValue(0, ValueKind.COORD, 1.5),), "entry 0: coord value 1.5 is not a number in"),
+    ({}, (PromptValue(0, ValueKind.COORD, float("nan")),), "entry 0: coord value nan"),
+    ({}, (PromptValue(0, ValueKind.COORD, "0.5"),), "entry 0: coord value '0.5'"),
+    ({}, (PromptValue(0, ValueKind.SIZE, (0.0, 0.5)),), r"entry 0: size value \(0.0, 0.5\) is not"),
+    ({}, (PromptValue(0, ValueKind.SIZE, 0.5),), "entry 0: size value 0.5 is not"),
+    ({}, REFS[:1] + (PromptValue(3, ValueKind.SIZE, [0.5, 0.5]),), r"entry 1: size value \[0.5, 0.5\]"),
+])
+def test_refused_prompt_values_name_the_field_and_the_engine_keeps_serving(backend_kw, values, message):
+    e = engine(**backend_kw)
+    with pytest.raises(InvalidRequest, match=f"^prompt_values: {message}"):
+        e.submit(Request(prompt=(1, 2, 3, 4), max_tokens=2, prompt_values=values))
+    assert not e.handles and not e.trace
+    fine = (PromptValue(0, ValueKind.COORD, 0.0),) if backend_kw.get("values", True) else ()
+    h = e.submit(Request(prompt=(1, 2, 3, 4), max_tokens=2, prompt_values=fine))
+    e.run_until_idle()
+    assert h.result.status is Status.COMPLETED
