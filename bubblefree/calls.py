@@ -1,7 +1,8 @@
 """The skills as moondream's client spells them, image first.
 
     engine.caption(image, length="normal", stream=False, settings=None)  -> {"caption": str}
-    engine.query(image=None, question=..., stream=False, settings=None)  -> {"answer": str}
+    engine.query(image=None, question=..., stream=False, settings=None,
+                 spatial_refs=None)                                      -> {"answer": str}
     engine.point(image, object, settings=None)                           -> {"points": [{"x", "y"}]}
     engine.detect(image, object, settings=None)                          -> {"objects": [{"x_min", ...}]}
     engine.segment(image, object, settings=None)                         -> {"path", "bbox"}
@@ -14,7 +15,9 @@ forms: in a worker thread). ``stream=True`` gives ``{"answer": iterator}``
 ``temperature``, ``top_p``, ``max_tokens``, ``max_objects`` (point,
 detect), and our ``seed``; the engine's own keywords (``max_tokens``,
 ``sampling``, ``max_objects``, ``listener``) are accepted too. Coordinates
-are normalized to the image, origin top left.
+are normalized to the image, origin top left; so are ``spatial_refs``,
+points ``[x, y]`` and boxes ``[x_min, y_min, x_max, y_max]`` a question
+refers to (models whose config names the placeholders; ``skills.spatial_refs``).
 
 The calls of a text model keep their keyword forms and their first
 positional meaning: ``query("What is...")`` is a question, ``point("the
@@ -91,9 +94,10 @@ class SkillCalls:
         return self._text("caption", "caption", stream, call_args("caption", image, settings, kw, length=length))
 
     def query(self, image: Any = None, question: str | None = None, stream: bool = False,
-              settings: Mapping | None = None, **kw: Any) -> dict:
+              settings: Mapping | None = None, spatial_refs: Any = None, **kw: Any) -> dict:
         image, question = _shift(image, question)
-        return self._text("query", "answer", stream, call_args("query", image, settings, kw, question=question))
+        return self._text("query", "answer", stream, call_args("query", image, settings, kw, question=question,
+                                                                spatial_refs=spatial_refs))
 
     def point(self, image: Any = None, object: str | None = None,  # noqa: A002 - moondream's name
               settings: Mapping | None = None, **kw: Any) -> dict:
@@ -139,10 +143,11 @@ class SkillCalls:
         return await self._atext("caption", "caption", stream, args)
 
     async def aquery(self, image: Any = None, question: str | None = None, stream: bool = False,
-                     settings: Mapping | None = None, **kw: Any) -> dict:
+                     settings: Mapping | None = None, spatial_refs: Any = None, **kw: Any) -> dict:
         image, question = _shift(image, question)
         return await self._atext("query", "answer", stream,
-                                 call_args("query", image, settings, kw, question=question))
+                                 call_args("query", image, settings, kw, question=question,
+                                           spatial_refs=spatial_refs))
 
     async def apoint(self, image: Any = None, object: str | None = None,  # noqa: A002
                      settings: Mapping | None = None, **kw: Any) -> dict:

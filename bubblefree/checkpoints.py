@@ -67,13 +67,14 @@ def moondream_tokenizer(raw: Any, config: Any) -> HFTokenizer:
     from transformers import PreTrainedTokenizerFast
 
     size = raw.get_vocab_size(with_added_tokens=True)
-    templates = MoondreamTemplates.from_ids(config.bos_id, config.templates)
-    used = [config.bos_id, config.eos_id, *templates.query[0], *templates.query[1],
+    templates = MoondreamTemplates.from_ids(config.bos_id, config.templates, config.coord_id, config.size_id)
+    placeholders = [i for i in (config.coord_id, config.size_id) if i is not None]
+    used = [config.bos_id, config.eos_id, *placeholders, *templates.query[0], *templates.query[1],
             *(i for ids in templates.captions.values() for i in ids),
             *templates.point[0], *templates.point[1], *templates.detect[0], *templates.detect[1]]
     outside = sorted({i for i in used if not 0 <= i < size})
     if outside:
-        raise ValueError(f"the config's BOS, EOS or prompt templates use ids {outside[:5]} that "
+        raise ValueError(f"the config's BOS, EOS, placeholders or prompt templates use ids {outside[:5]} that "
                          f"the tokenizer ({size} tokens) lacks")
     hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=raw.id_to_token(config.eos_id),
                                  bos_token=raw.id_to_token(config.bos_id))

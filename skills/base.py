@@ -114,6 +114,11 @@ class Skill(abc.ABC):
     @abc.abstractmethod
     def finish(self, state: SkillState) -> Any: ...
 
+    def prompt_values(self, tokenizer: Tokenizer, args: Any) -> tuple:
+        """The prompt positions whose inputs are values (``PromptValue``s,
+        indices into ``prompt``'s ids): none unless a skill says so."""
+        return ()
+
     def unserved(self, codec: SpatialCodec | None) -> str | None:
         """Why this skill cannot run on a model with ``codec``, or None."""
         if self.spatial and codec is None:

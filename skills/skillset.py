@@ -127,6 +127,9 @@ class SkillSet:
             raise invalid(name, "image", f"must be an ImageRef from the backend's image_ref, "
                           f"got {type(image).__name__}")
         prompt = tuple(skill.prompt(self.tokenizer, parsed))
+        values = tuple(skill.prompt_values(self.tokenizer, parsed))
+        if values and image is None:  # the references are to an image, as in moondream's reference
+            raise invalid(name, "spatial_refs", "refer to an image: give one")
         templates = templates_of(self.tokenizer)
         if templates is not None and image is None:
             if templates.requires_image(name):
@@ -154,7 +157,7 @@ class SkillSet:
         return Request(prompt=prompt, max_tokens=max_tokens, stop_ids=skill.stop_ids(self),
                        sampling=sampling, decode_state=factory,
                        finisher=functools.partial(finish_request, skill, factory),
-                       adapter=adapter, tag=tag, skill=name, image=image)
+                       adapter=adapter, tag=tag, skill=name, image=image, prompt_values=values)
 
 
 def _room(prompt_len: int, max_context: int | None, max_positions: int | None) -> int | None:

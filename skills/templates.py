@@ -26,6 +26,8 @@ from typing import Any, Mapping
 
 import attrs
 
+from bubblefree.core.values import PromptValue
+from bubblefree.skills.spatial_refs import place
 from bubblefree.skills.tokenizer import Tokenizer
 
 # The texts behind moondream2's template ids (GPT-2 BPE), for tokenizers that
@@ -52,9 +54,14 @@ class MoondreamTemplates:
         hash=False, converter=lambda m: MappingProxyType({k: _ids(v) for k, v in m.items()}))
     point: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     detect: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    # The placeholders a spatial reference's values replace (skills.spatial_refs);
+    # older moondream2 configs name none, and then take no spatial_refs.
+    coord_id: int | None = None
+    size_id: int | None = None
 
     @classmethod
-    def from_ids(cls, bos_id: int, templates: Mapping[str, Any]) -> MoondreamTemplates:
+    def from_ids(cls, bos_id: int, templates: Mapping[str, Any], coord_id: int | None = None,
+                 size_id: int | None = None) -> MoondreamTemplates:
         """From a config's ``templates`` (moondream's layout: ``{"query":
         {"prefix": [...], "suffix": [...]}, "caption": {"short": [...], ...},
         "detect": {...}, "point": {...}}``)."""
@@ -62,22 +69,36 @@ class MoondreamTemplates:
             part = templates[skill]
             return _ids(part["prefix"]), _ids(part["suffix"])
         return cls(bos_id=int(bos_id), query=pair("query"), captions=templates["caption"],
-                   point=pair("point"), detect=pair("detect"))
+                   point=pair("point"), detect=pair("detect"),
+                   coord_id=None if coord_id is None else int(coord_id),
+                   size_id=None if size_id is None else int(size_id))
 
     @classmethod
-    def from_text(cls, tokenizer: Tokenizer, bos_id: int) -> MoondreamTemplates:
+    def from_text(cls, tokenizer: Tokenizer, bos_id: int, coord_id: int | None = None,
+                  size_id: int | None = None) -> MoondreamTemplates:
         """The same prompts spelled in ``tokenizer``'s own ids."""
         enc = tokenizer.encode
         ids = {skill: {part: enc(text) for part, text in parts.items()} for skill, parts in TEXTS.items()}
-        return cls.from_ids(bos_id, ids)
+        return cls.from_ids(bos_id, ids, coord_id, size_id)
 
     @staticmethod
     def requires_image(skill: str) -> bool:
         return skill in IMAGE_SKILLS
 
     def query_prompt(self, tokenizer: Tokenizer, question: str) -> list[int]:
+        return self.referring_query(tokenizer, question, ())[0]
+
+    def referring_query(self, tokenizer: Tokenizer, question: str,
+                        refs: tuple) -> tuple[list[int], tuple[PromptValue, ...]]:
+        """The query's ids with the spatial references' placeholders after
+        the prefix, and the values those positions take."""
         prefix, suffix = self.query
-        return [*prefix, *tokenizer.encode(question), *suffix]
+        marks, values = place(refs, len(prefix), self.coord_id, self.size_id) if refs else ([], ())
+        return [*prefix, *marks, *tokenizer.encode(question), *suffix], values
+
+    @property
+    def takes_spatial_refs(self) -> bool:
+        return self.coord_id is not None and self.size_id is not None
 
     def caption_prompt(self, length: str) -> list[int] | None:
         """The length's template, or None when this model has none for it."""

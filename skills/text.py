@@ -13,6 +13,7 @@ import attrs
 
 from bubblefree.skills.base import (CompileContext, Skill, SkillError, SkillState, check_fields,
                          choice_arg, invalid, text_arg)
+from bubblefree.skills.spatial_refs import spatial_refs_arg
 from bubblefree.skills.templates import templates_of
 from bubblefree.skills.tokenizer import Tokenizer
 
@@ -59,24 +60,35 @@ class TextState(SkillState):
 @attrs.frozen
 class QueryArgs:
     question: str
+    spatial_refs: tuple = ()  # skills.spatial_refs: points and boxes the question refers to
 
 
 @attrs.frozen
 class Query(Skill):
-    """``query(question)`` → ``{"answer": str}``."""
+    """``query(question, spatial_refs=None)`` → ``{"answer": str}``."""
 
     name: str = "query"
     max_tokens: int = 512
 
     def parse_args(self, args: Mapping[str, Any]) -> QueryArgs:
-        check_fields(self.name, args, ("question",))
-        return QueryArgs(question=text_arg(self.name, args, "question"))
+        check_fields(self.name, args, ("question", "spatial_refs"))
+        return QueryArgs(question=text_arg(self.name, args, "question"),
+                         spatial_refs=spatial_refs_arg(self.name, args))
 
     def prompt(self, tokenizer: Tokenizer, args: QueryArgs) -> list[int]:
+        return self._prompt(tokenizer, args)[0]
+
+    def prompt_values(self, tokenizer: Tokenizer, args: QueryArgs) -> tuple:
+        return self._prompt(tokenizer, args)[1]
+
+    def _prompt(self, tokenizer: Tokenizer, args: QueryArgs) -> tuple[list[int], tuple]:
         templates = templates_of(tokenizer)
+        if args.spatial_refs and (templates is None or not templates.takes_spatial_refs):
+            raise invalid(self.name, "spatial_refs", "this model takes none: its tokenizer config names "
+                          "no coord_id and size_id placeholders")
         if templates is not None:
-            return templates.query_prompt(tokenizer, args.question)
-        return tokenizer.prompt(f"\n\nQuestion: {args.question}\n\nAnswer:", args.question)
+            return templates.referring_query(tokenizer, args.question, args.spatial_refs)
+        return tokenizer.prompt(f"\n\nQuestion: {args.question}\n\nAnswer:", args.question), ()
 
     def default_max_tokens(self, args: QueryArgs) -> int:
         return self.max_tokens

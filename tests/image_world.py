@@ -31,7 +31,11 @@ from bubblefree.skills.templates import MoondreamTemplates
 from tests.serving_world import Gate
 
 WORDS = demo_tokenizer(coord_bins=64, size_bins=16)
-MOON_TOK = attrs.evolve(WORDS, templates=MoondreamTemplates.from_text(WORDS, bos_id=WORDS.eos_id))
+# Two of the small vocabulary's ids stand in for the spatial-reference
+# placeholders (moondream's coord_id and size_id): the forward never reads
+# them, it reads the values' encodings at their positions.
+MOON_TOK = attrs.evolve(WORDS, templates=MoondreamTemplates.from_text(
+    WORDS, bos_id=WORDS.eos_id, coord_id=len(WORDS) - 2, size_id=len(WORDS) - 1))
 EOS = WORDS.eos_id
 KINDS = ("pil", "path", "bytes", "array", "encoded")
 
@@ -121,7 +125,8 @@ def expected(engine: Engine, skill: str, *, image: Any = None, sampling: Any = N
     state = request.decode_state()
     backend = engine.core.backend
     got = backend.model.expect(request.prompt, request.max_tokens, request.sampling, request.stop_ids,
-                               image=request.image, state=state, masks=_Masks(backend))
+                               image=request.image, state=state, masks=_Masks(backend),
+                               prompt_values=request.prompt_values)
     return got.tokens, request.finisher(got.tokens, state)
 
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from bubblefree import EncodedImage, InvalidRequest, RequestFailed, SamplingParams, Status
 from bubblefree.core import ImageRef
-from tests.image_world import KINDS, as_kind, expected, loc_engine, moon_engine, picture
+from tests.image_world import KINDS, MOON_TOK, as_kind, expected, loc_engine, moon_engine, picture
 from tests.serving_world import WAIT, Gate, wait_idle, wait_until
 from tests.test_images import BAD
 
@@ -397,3 +397,58 @@ def test_a_text_model_refuses_images_and_keeps_its_calls():
         assert engine.detect("cat", max_objects=2) == expected(engine, "detect", object="cat", max_objects=2)[1]
     finally:
         engine.close()
+
+
+# ----------------------------------------------------------- spatial_refs
+REFS = [[0.25, 0.5], [0.1, 0.2, 0.3, 0.6]]
+
+
+def test_spatial_refs_are_read_as_values_at_their_placeholders(moon):
+    """A point is two coordinates, a box its centre's two and its size, after
+    the query prefix; the forward reads the values there, so the answer is
+    the fake model's with those values, and differs from the plain one."""
+    img = picture(7)
+    want_tokens, want = expected(moon, "query", image=img, question="what is here", spatial_refs=REFS)
+    plain_tokens, _ = expected(moon, "query", image=img, question="what is here")
+    assert want_tokens != plain_tokens
+    request = moon._request("query", SamplingParams.of(None), dict(image=img, question="what is here",
+                                                                  spatial_refs=REFS))
+    prefix = len(MOON_TOK.templates.query[0])
+    coord, size = MOON_TOK.templates.coord_id, MOON_TOK.templates.size_id
+    assert request.prompt[prefix:prefix + 5] == (coord, coord, coord, coord, size)
+    assert [(v.index, v.kind.value, v.value) for v in request.prompt_values] == [
+        (prefix, "coord", 0.25), (prefix + 1, "coord", 0.5), (prefix + 2, "coord", (0.1 + 0.3) / 2),
+        (prefix + 3, "coord", (0.2 + 0.6) / 2), (prefix + 4, "size", (0.3 - 0.1, 0.6 - 0.2))]
+    for call in (lambda: moon.query(img, "what is here", spatial_refs=REFS),
+                 lambda: asyncio.run(moon.aquery(img, "what is here", spatial_refs=REFS))):
+        assert call() == want
+
+
+@pytest.mark.parametrize("refs, field, message", [
+    ("0.5,0.5", "spatial_refs", "must be a list of"),
+    ({"x": 0.5}, "spatial_refs", "must be a list of"),
+    ([[0.5]], r"spatial_refs\[0\]", "must be .x, y. or"),
+    ([[0.5, 0.5, 0.5]], r"spatial_refs\[0\]", "must be .x, y. or"),
+    ([0.5, 0.5], r"spatial_refs\[0\]", "must be .x, y. or"),
+    ([[0.5, 0.5], "ab"], r"spatial_refs\[1\]", "must be .x, y. or"),
+    ([[0.5, 1.5]], r"spatial_refs\[0\]", "coordinates must be numbers in"),
+    ([[0.5, -0.1]], r"spatial_refs\[0\]", "coordinates must be numbers in"),
+    ([[0.5, float("nan")]], r"spatial_refs\[0\]", "coordinates must be numbers in"),
+    ([[True, 0.5]], r"spatial_refs\[0\]", "coordinates must be numbers in"),
+    ([["0.5", 0.5]], r"spatial_refs\[0\]", "coordinates must be numbers in"),
+    ([[0.6, 0.1, 0.2, 0.5]], r"spatial_refs\[0\]", "a box needs x_min < x_max"),
+    ([[0.1, 0.5, 0.2, 0.5]], r"spatial_refs\[0\]", "a box needs x_min < x_max and y_min < y_max"),
+])
+def test_bad_spatial_refs_are_refused_naming_the_reference_and_the_engine_keeps_serving(moon, refs, field, message):
+    img = picture(8)
+    with pytest.raises(InvalidRequest, match=f"^{field}: {message}"):
+        moon.query(img, "what is here", spatial_refs=refs)
+    assert moon.query(img, "what is here", spatial_refs=[[0.0, 1.0]])["answer"] is not None
+
+
+def test_spatial_refs_need_an_image_and_a_model_with_placeholders(moon, loc):
+    with pytest.raises(InvalidRequest, match="^spatial_refs: refer to an image: give one"):
+        moon.query(question="what is here", spatial_refs=REFS)
+    with pytest.raises(InvalidRequest, match="^spatial_refs: this model takes none"):
+        loc.query(picture(9), "what is here", spatial_refs=REFS)
+    assert moon.query(question="what is here")["answer"] is not None

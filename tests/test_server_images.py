@@ -101,7 +101,10 @@ def test_segment_and_missing_images_are_refused_clearly(md, url):
         ("point", {"object": "cat"}, "image_url", "is required"),
         ("detect", {"object": "cat", "stream": True}, "stream", "answers whole"),
         ("point", {"object": "cat", "image_url": data_uri(png(IMAGE)), "spatial_refs": [[0.1, 0.2]]},
-         "spatial_refs", "not supported"),
+         "spatial_refs", "point takes none"),
+        ("query", {"question": "a", "image_url": data_uri(png(IMAGE)), "spatial_refs": [[0.1, 2]]},
+         "spatial_refs[0]", "numbers in [0, 1]"),
+        ("query", {"question": "a", "spatial_refs": [[0.1, 0.2]]}, "spatial_refs", "refer to an image"),
         ("point", {"object": "cat", "image_url": data_uri(png(IMAGE)), "settings": {"max_objects": 0}},
          "settings.max_objects", ">= 1"),
         ("caption", {"image_url": data_uri(png(IMAGE)), "settings": {"max_objects": 2}},
@@ -115,6 +118,13 @@ def test_segment_and_missing_images_are_refused_clearly(md, url):
         error = reply.json()["error"]
         assert error["param"] == field and words in error["message"], error
     assert md.point(IMAGE, "cat")["points"] is not None  # still serving
+
+
+def test_moondreams_client_sends_spatial_refs_with_a_query(md, engine):
+    refs = [[0.5, 0.25], [0.1, 0.1, 0.4, 0.3]]
+    want = engine.query(sent(IMAGE), "what is there", spatial_refs=refs)
+    assert md.query(IMAGE, "what is there", spatial_refs=refs) == want
+    assert want != engine.query(sent(IMAGE), "what is there")
 
 
 def test_openai_chat_with_an_image_part(oa, engine):

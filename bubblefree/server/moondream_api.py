@@ -70,8 +70,11 @@ async def _skill(served: Served, request: Request, body: Fields, skill: str, arg
     image = body.raw("image_url")
     stream = body.flag("stream")
     body.text("model", None)  # one model per server: any name is this one
-    if body.raw("spatial_refs") not in (None, Fields.MISSING):
-        raise body.refuse("spatial_refs", "not supported by this server")
+    refs = body.raw("spatial_refs")
+    if refs not in (None, Fields.MISSING):
+        if skill != "query":  # moondream2's reference reads them in query alone
+            raise body.refuse("spatial_refs", f"{skill} takes none; query refers to points and boxes")
+        args = {**args, "spatial_refs": refs}  # the skill checks them, naming the reference
     args = {**args, **_settings(body, spatial=skill in ("point", "detect"))}
     body.done()
     if image is Fields.MISSING or image is None:

@@ -92,6 +92,10 @@ def _templates() -> dict:
 class TokenizerConfig:
     bos_id: int = 50256
     eos_id: int = 50256
+    # Placeholders of spatial references (skills.spatial_refs), in configs
+    # that have them; moondream2's GPT-2 vocabulary configs name none.
+    coord_id: int | None = None
+    size_id: int | None = None
     # Nested dicts are not hashable, so the frozen value holds tuples of ids
     # and compares by value; ``template`` reads one.
     templates: dict = attrs.field(factory=_templates, eq=False, hash=False)

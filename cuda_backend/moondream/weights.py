@@ -103,7 +103,9 @@ def config_to_json(config: MoondreamConfig) -> dict:
     for part in ("vision", "text", "region"):
         back = {ours: theirs for theirs, ours in _RENAMES[part].items()}
         out[part] = {back.get(k, k): v for k, v in attrs.asdict(getattr(config, part)).items()}
-    out["tokenizer"] = {"bos_id": config.tokenizer.bos_id, "eos_id": config.tokenizer.eos_id}
+    tok = config.tokenizer
+    out["tokenizer"] = {"bos_id": tok.bos_id, "eos_id": tok.eos_id}
+    out["tokenizer"].update({k: getattr(tok, k) for k in ("coord_id", "size_id") if getattr(tok, k) is not None})
     return out
 
 
