@@ -53,7 +53,8 @@ from typing import Container, Mapping, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
-from bubblefree.core.values import ImageRef, SamplePlan, SamplingParams, StepKind, StepOutput, StepPlan, ValueKind
+from bubblefree.core.values import (ImageRef, SamplePlan, SamplingParams, StepKind, StepOutput, StepPlan, ValueKind,
+                                   bad_prompt_values)
 
 NUM_SLOTS = 2
 
@@ -233,6 +234,9 @@ def check_plan(plan: StepPlan, cap: Capacity, vocab_size: int, *,
             raise bad(f"{who}: adapter_slot {r.adapter_slot} out of range [0, {cap.num_adapter_slots})")
         if not isinstance(r.sampling, SamplingParams):
             raise bad(f"{who}: sampling must be SamplingParams")
+        why = bad_prompt_values(r.prompt_values, len(r.tokens), cap.values)
+        if why is not None:
+            raise bad(f"{who}: prompt_values: {why}")
         seen_seqs.add(r.seq_id)
         seen_slots.add(r.row_slot)
     pages = list(chain.from_iterable(r.pages for r in rows))
@@ -269,7 +273,8 @@ def _plan_ok(plan: StepPlan, cap: Capacity, vocab_size: int) -> bool:
         if (bool(tokens) is not prefill or r.position < 0
                 or r.position + size > min(cap.max_context, len(row_pages) * cap.page_size)
                 or (r.adapter_slot is not None and not 0 <= r.adapter_slot < cap.num_adapter_slots)
-                or type(r.sampling) is not SamplingParams):
+                or type(r.sampling) is not SamplingParams
+                or (r.prompt_values and bad_prompt_values(r.prompt_values, len(tokens), cap.values))):
             return False
         if tokens:
             total += size
