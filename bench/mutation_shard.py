@@ -1,11 +1,11 @@
 """One shard of the mutation run: mutmut under a wall-clock budget, its
 results kept in a small file, and shards' files merged.
 
-A full run of both packages (about 2,230 mutants) takes hours on two CPUs.
-On a machine with many CPUs it fits in a few commands of a few minutes each,
-one shard per command, selected with ``--only`` (mutmut's wildcards over the
-mutant names, which start with the module: ``'bubblefree.core*'``,
-``'bubblefree.fake_backend*'``).
+A full run of the three packages (about 3,470 mutants) takes hours on two
+CPUs. On a machine with many CPUs it fits in a few commands of a few minutes
+each, one shard per command, selected with ``--only`` (mutmut's wildcards
+over the mutant names, which start with the module: ``'bubblefree.core*'``,
+``'bubblefree.fake_backend*'``, ``'bubblefree.loop*'``).
 
 mutmut writes a file's results (``mutants/<path>.meta``) after each mutant
 it finishes, so a run stopped at its budget keeps every finished mutant;
@@ -40,9 +40,38 @@ import time
 from pathlib import Path
 
 FORMAT = 1
-PACKAGES = ("core", "fake_backend")  # under mutants/bubblefree/
-KILLED = {"killed", "timeout", "caught by type check", "segfault"}
+# Each package's modules as mutmut names its mutants: by import name, so the
+# layers reached through bubblefree/'s symlinks are `bubblefree.core...`,
+# and the serving layer's own files in bubblefree/ `bubblefree.loop...`.
+# pyproject.toml's source_paths list the same files.
+PACKAGES = {
+    "core": ("bubblefree.core",),
+    "fake_backend": ("bubblefree.fake_backend",),
+    "serving": ("bubblefree.loop", "bubblefree.engine", "bubblefree.handle", "bubblefree.streams"),
+}
+# What mutmut's own score counts as killed (`mutmut badge`: killed and
+# timeout over every mutant not skipped); a segfault, or a test run killed
+# at its hard CPU limit, which mutmut also calls one, is not.
+KILLED = {"killed", "timeout"}
 UNRUN = {"not checked", "skipped"}
+
+
+def module_of(name: str) -> str:
+    """``bubblefree.core.scheduler.xǁSchedulerǁcommit__mutmut_12`` -> ``bubblefree.core.scheduler``."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].startswith(("x_", "xǁ")):
+            return ".".join(parts[:i])
+    raise ValueError(f"{name!r} is not a mutant's name")
+
+
+def package_of(name: str) -> str | None:
+    """The package in ``PACKAGES`` that a mutant belongs to, if any."""
+    module = module_of(name)
+    for package, modules in PACKAGES.items():
+        if any(module == m or module.startswith(m + ".") for m in modules):
+            return package
+    return None
 # mutmut's command line, with its timeout set from the first argument when
 # one is given (mutmut reads it from pyproject.toml only). mutmut times a
 # mutant out after (its tests' time in mutmut's stats run + 1 s) x 15. The
@@ -78,21 +107,20 @@ def read_meta(root: Path, last: dict[Path, dict]) -> dict[str, dict]:
     ``root/mutants``; a file that does not parse is taken from ``last`` (the
     previous read), which is updated with the ones that do."""
     out = {}
-    for package in PACKAGES:
-        for meta in sorted((root / "mutants" / "bubblefree" / package).rglob("*.py.meta")):
-            try:
-                data = json.loads(meta.read_text())
-                last[meta] = data
-            except (OSError, ValueError):
-                data = last.get(meta)
-                if data is None:
-                    print(f"{meta}: unreadable and never read before; its mutants are left out",
-                          file=sys.stderr)
-                    continue
-            path = meta.relative_to(root / "mutants").as_posix()[: -len(".meta")]
-            durations = data.get("durations_by_key", {})
-            for name, code in data["exit_code_by_key"].items():
-                out[name] = {"path": path, "code": code, "s": durations.get(name)}
+    for meta in sorted((root / "mutants" / "bubblefree").rglob("*.py.meta")):
+        try:
+            data = json.loads(meta.read_text())
+            last[meta] = data
+        except (OSError, ValueError):
+            data = last.get(meta)
+            if data is None:
+                print(f"{meta}: unreadable and never read before; its mutants are left out",
+                      file=sys.stderr)
+                continue
+        path = meta.relative_to(root / "mutants").as_posix()[: -len(".meta")]
+        durations = data.get("durations_by_key", {})
+        for name, code in data["exit_code_by_key"].items():
+            out[name] = {"path": path, "code": code, "s": durations.get(name)}
     return out
 
 
@@ -186,7 +214,7 @@ def shard(root: Path, records: dict[str, dict], only: list[str], info: dict, max
     mine = {n: dict(r, status=status_by_exit_code[r["code"]]) for n, r in records.items()
             if selected(n, only)}
     alive = sorted(n for n, r in mine.items() if r["status"] not in KILLED | UNRUN)
-    totals = {p: sum(n.startswith(f"bubblefree.{p}.") for n in records) for p in PACKAGES}
+    totals = {p: sum(package_of(n) == p for n in records) for p in PACKAGES}
     return dict(format=FORMAT, date=datetime.date.today().isoformat(), machine=platform.machine(),
                 cpus=os.cpu_count(), max_children=max_children, only=only, totals=totals, **info,
                 mutants={n: {"path": r["path"], "status": r["status"], "s": r["s"]}
@@ -199,7 +227,7 @@ def unchecked_modules(mutants: dict[str, dict]) -> dict[str, int]:
     out: dict[str, int] = {}
     for name, record in mutants.items():
         if record["status"] == "not checked":
-            module = name.partition(".x")[0]
+            module = module_of(name)
             out[module] = out.get(module, 0) + 1
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 

@@ -51,6 +51,6 @@ def test_a_lost_device_fails_every_live_request_and_refuses_new_work():
     result = wait_result(loop, Request(prompt=(0, 1), max_tokens=20))
     assert result.status is Status.FAILED  # I7: answered, not left waiting
     assert "RuntimeError: device lost" in result.finish_reason
-    with pytest.raises(EngineStopped, match="device lost"):
+    with pytest.raises(EngineStopped, match="stopped: RuntimeError: device lost"):
         loop.submit(Request(prompt=(0, 1), max_tokens=2))
     loop.close()
