@@ -12,11 +12,12 @@ have passed; with *images*, each request carries the next of that many
 random 378-px images (``bench/load_images.py``), made before the timing. A
 share (*stream*) of queries streams; a share (*leave*) disconnects on
 purpose: a stream after its first piece, a waiting request *leave-after*
-seconds after its body went out, before its answer. Reported: completed
-requests per second, time to first token (p50, p99; streams only, as a
-waiting request has no first token to see) and latency (requests that ran
-to the end), errors by kind, and the load's own CPU time per second (near 1,
-the client and not the server would be what is measured).
+seconds after its body went out, before its answer. Reported: requests per
+second (answered in full within *duration*, over it; ``window``), time to
+first token (p50, p99; streams only, as a waiting request has no first
+token to see) and latency (requests that ran to the end), errors by kind,
+and the load's own CPU time per second (near 1, the client and not the
+server would be what is measured).
 
 Then ``/v1/stats`` is polled until the server has settled (bounded by
 *settle*): every request sent was counted once (answered, or 499 for a
@@ -50,7 +51,7 @@ from bubblefree.bench.load_checks import Stats, checks, settle
 from bubblefree.bench.load_request import OBJECT, QUESTION, Outcome, Plan, body, one
 
 __all__ = ["OBJECT", "QUESTION", "Load", "Outcome", "Plan", "Stats", "body", "checks", "main", "measure",
-           "one", "run", "settle", "summary"]
+           "one", "run", "settle", "summary", "window"]
 
 BEGIN, END = "<!-- load:begin -->", "<!-- load:end -->"
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -84,6 +85,8 @@ class Measured:
     checks: dict[str, bool]
     cpu: float  # the load's CPU seconds per wall second
     images_reused: int  # requests that sent an image an earlier one sent
+    in_window: int  # requests answered in full within the window (``window``)
+    window_s: float
 
 
 def plans(load: Load) -> Iterator[Plan]:
@@ -130,13 +133,27 @@ async def measure(load: Load, images: Sequence[str] = ()) -> Measured:
         sent = sum(o.sent for o in outcomes)
         result = await settle(stats, sent, load.settle_s)
     reused = max(0, len(outcomes) - len(images)) if images else 0
-    return Measured(outcomes, wall, model, result, cpu / wall if wall else 0.0, reused)
+    return Measured(outcomes, wall, model, result, cpu / wall if wall else 0.0, reused,
+                    *window(load, outcomes, start, wall))
+
+
+def window(load: Load, outcomes: list[Outcome], start: float, wall: float) -> tuple[int, float]:
+    """The requests answered in full within the cell's window, and the
+    window: its duration when time ended the cell, or the wall time when the
+    request count ran out first. Requests still running at the end of the
+    duration count in latency, not in req/s: their tail grows with the
+    latency, and dividing by the wall time would understate a slow server's
+    req/s more than a fast one's."""
+    if len(outcomes) >= load.requests:
+        return sum(o.latency_s is not None for o in outcomes), wall
+    end = start + load.duration_s
+    return sum(o.ended is not None and o.ended <= end for o in outcomes), load.duration_s
 
 
 async def run(load: Load, images: Sequence[str] = ()) -> dict[str, Any]:
     m = await measure(load, images)
-    return summary(load, m.outcomes, m.wall_s, m.model) | {"checks": m.checks, "load_cpu": [m.cpu],
-                                                           "images_reused": m.images_reused}
+    return summary(load, m.outcomes, m.wall_s, m.model, (m.in_window, m.window_s)) | {
+        "checks": m.checks, "load_cpu": [m.cpu], "images_reused": m.images_reused}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -147,12 +164,14 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-def summary(load: Load, outcomes: list[Outcome], wall: float, model: str) -> dict[str, Any]:
+def summary(load: Load, outcomes: list[Outcome], wall: float, model: str,
+            rate: tuple[int, float]) -> dict[str, Any]:
+    """``rate``: requests answered within the window, and the window (``window``)."""
     done = [o for o in outcomes if o.latency_s is not None]
     ttft = [o.ttft_s for o in outcomes if o.ttft_s is not None]
     latency = [o.latency_s for o in done]
     return dict(model=model, workload=load.workload, clients=load.clients, requests=len(outcomes), wall_s=wall,
-                completed=len(done), req_s=len(done) / wall if wall else 0.0,
+                completed=len(done), req_s=rate[0] / rate[1] if rate[1] else 0.0, window_s=rate[1],
                 left_stream=sum(o.left and o.plan.stream for o in outcomes),
                 left_wait=sum(o.left and not o.plan.stream for o in outcomes),
                 errors=dict(collections.Counter(o.error for o in outcomes if o.error)),

@@ -86,7 +86,8 @@ def render(one: dict, two: dict, target: float, note: str = "") -> str:
         f"Each cell sends requests for {s['duration_s']:g} s (before each workload, {s['warmup_s']:g} s "
         f"untimed at the most clients), {image}. query: answers capped at {s['max_tokens']} tokens, "
         f"{s['stream']:.0%} streamed (TTFT from those); point: one object. {s['leave']:.0%} of requests "
-        "leave early; req/s counts requests answered in full, latency is theirs. *Lost*: after each cell, "
+        "leave early. req/s: requests answered in full within the cell's seconds, over them; latency: every "
+        "request answered in full. *Lost*: after each cell, "
         "`/v1/stats` of every server must show each request sent to it counted once, none live or queued, "
         "every KV page and row slot free. *Load CPU*: each load process's CPU seconds per second (near 1, "
         "the client would be what is measured).", "",

@@ -35,6 +35,7 @@ class Outcome:
     error: str | None = None
     ttft_s: float | None = None
     latency_s: float | None = None
+    ended: float | None = None  # time.monotonic() when it ran to the end
 
 
 def body(load: Load, plan: Plan, image: str | None) -> dict[str, Any]:
@@ -72,7 +73,7 @@ async def one(http: httpx.AsyncClient, load: Load, plan: Plan, image: str | None
     except httpx.HTTPError as err:
         out.error = type(err).__name__
     if out.error is None and not out.left:
-        out.latency_s = time.perf_counter() - start
+        out.latency_s, out.ended = time.perf_counter() - start, time.monotonic()
     return out
 
 

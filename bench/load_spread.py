@@ -88,7 +88,8 @@ class Spread:
         bound = LEAD_S + load.duration_s + load.request_timeout_s + load.settle_s + 30
         parts: list[tuple[int, Measured]] = [(i, _answer(self._conns[i], bound, "measure")) for i in busy]
         outcomes = [o for _, m in parts for o in m.outcomes]
-        result = summary(load, outcomes, max(m.wall_s for _, m in parts), parts[0][1].model)
+        rate = (sum(m.in_window for _, m in parts), max(m.window_s for _, m in parts))
+        result = summary(load, outcomes, max(m.wall_s for _, m in parts), parts[0][1].model, rate)
         result["checks"] = {f"{self.urls[i]}: {name}": ok for i, m in parts for name, ok in m.checks.items()}
         result["servers"] = [dict(url=url, clients=clients[i],
                                   requests=next((len(m.outcomes) for j, m in parts if j == i), 0))

@@ -62,6 +62,19 @@ def test_only_loopback_is_loaded():
         load.main(["--url", "http://10.0.0.1:2020", "--requests", "1"])
 
 
+def test_req_s_counts_what_ended_within_the_duration():
+    """Time ended the cell: the requests still running at its end count in
+    latency but not in req/s. The request count ended it: all over the wall."""
+    def done(at):
+        return load.Outcome(load.Plan(stream=False, leave=False), latency_s=0.1, ended=at)
+    outcomes = [done(100.5), done(101.9), done(102.4), load.Outcome(load.Plan(stream=False, leave=True))]
+    timed = load.Load(url="u", requests=100, duration_s=2.0)
+    assert load.window(timed, outcomes, start=100.0, wall=2.6) == (2, 2.0)
+    counted = load.Load(url="u", requests=4, duration_s=60.0)
+    assert load.window(counted, outcomes, start=100.0, wall=2.6) == (3, 2.6)
+    assert load.summary(timed, outcomes, 2.6, "m", (2, 2.0))["req_s"] == 1.0
+
+
 # -- several servers ---------------------------------------------------------
 
 def test_clients_spread_across_servers_each_checked_on_its_own():
