@@ -64,4 +64,8 @@ def test_the_comparison_judges_each_cell_against_the_target(tmp_path):
     assert "Two processes, not Ray Serve." in text
     written = doc.read_text()
     assert "earlier runs stay" in written and written.count(load_compare.BEGIN) == 1 and text in written
+    # An image sent twice is said, so "fresh" is never claimed for it.
+    assert "sent an image again" not in text
+    two["cells"][2]["images_reused"] = 5
+    assert "(but 5 requests in all sent an image again" in load_compare.render(one, two, 1.8)
 
