@@ -75,12 +75,13 @@ def verdict(one: dict, two: dict, target: float) -> str:
 
 def render(one: dict, two: dict, target: float, note: str = "") -> str:
     s, n = one["settings"], len(two["urls"])
-    image = (f"every request about a fresh random {s['image_side']}-px image as a JPEG data URI, as "
-             "moondream's client sends it" if s["images"] else "no images")
+    image = (f"every request in a cell about a different random {s['image_side']}-px image, a JPEG data URI "
+             "as moondream's client sends it (the server keeps no image cache: it decodes, crops and "
+             "encodes every one)" if s["images"] else "no images")
     reused = sum(c.get("images_reused", 0) for r in (one, two) for c in r["cells"])
     if s["images"] and reused:
-        image += (f" (but {reused} requests in all sent an image again: a load process's {s['images']} "
-                  "ran out; the server keeps no image cache, so it decoded and encoded them again)")
+        image += (f"; but {reused} requests in all sent an image again within their cell (a load "
+                  f"process's {s['images']} ran out)")
     return "\n".join([
         f"## Load: one server against {n}, {two['date']}", "",
         f"Machine: {two['env'] or one['env'] or 'not recorded'}. Model: {one['model']}. "

@@ -5,8 +5,8 @@ several, each cell bounded in time; one JSON record of the run.
         [--workloads query,point] [--clients 1,8,32,128] [--duration 6] [--warmup 3]
         [--images 2048] [--label "one replica"] [--record grid.json]
 
-Every request asks about a fresh random 378-px image (``load_images``),
-sent as a data URI as moondream's client sends it; queries are capped at
+Every request in a cell asks about a different random 378-px image
+(``load_images``), sent as a data URI as moondream's client sends it; queries are capped at
 ``--max-tokens`` (10) and a share of them stream (``--stream``); point asks
 for one object. The clients are spread across the servers one load process
 per server (``load_spread``), also for one server, so one server and two
@@ -27,7 +27,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -36,8 +36,12 @@ from bubblefree.bench.load_spread import Spread
 
 
 def cells(spread: Spread, base: Load, workloads: list[str], clients: list[int], warmup_s: float,
-          say=print) -> tuple[list[dict], list[dict]]:
-    rows, warm = [], []
+          say: Callable[[str], None] = print, after: Callable[[list[dict], list[dict]], None] = lambda r, w: None
+          ) -> tuple[list[dict], list[dict]]:
+    """Every cell, in order; ``after(rows, warmups)`` once each is measured
+    (the record is written then, so a run cut short keeps what it measured)."""
+    rows: list[dict] = []
+    warm: list[dict] = []
     for workload in workloads:
         load = attrs.evolve(base, workload=workload)
         if warmup_s > 0:
@@ -48,6 +52,7 @@ def cells(spread: Spread, base: Load, workloads: list[str], clients: list[int], 
             r = spread.run(attrs.evolve(load, clients=n))
             rows.append(r)
             say(line(r))
+            after(rows, warm)
     return rows, warm
 
 
@@ -109,16 +114,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 settle_s=args.settle, seed=args.seed)
     print(f"{args.label or 'load grid'}: {len(args.url)} server(s) {args.url}, one load process each; "
           f"client i asks server i mod {len(args.url)}", flush=True)
-    with Spread(args.url, images=args.images, side=args.image_side, seed=args.seed) as spread:
-        rows, warm = cells(spread, base, workloads, clients, args.warmup, say=lambda s: print(s, flush=True))
     record = dict(label=args.label, env=args.env, date=str(datetime.date.today()), urls=args.url,
                   command=shown(sys.argv[1:] if argv is None else argv),
                   settings=dict(duration_s=args.duration, warmup_s=args.warmup, images=args.images,
                                 image_side=args.image_side, max_tokens=args.max_tokens, stream=args.stream,
                                 leave=args.leave),
-                  model=rows[0]["model"] if rows else "?", cells=rows, warmup=warm)
-    if args.record:
-        Path(args.record).write_text(json.dumps(record, indent=1) + "\n")
+                  model="?", cells=[], warmup=[])
+
+    def save(rows: list[dict], warm: list[dict]) -> None:
+        record.update(model=rows[0]["model"], cells=rows, warmup=warm)
+        if args.record:
+            Path(args.record).write_text(json.dumps(record, indent=1) + "\n")
+
+    with Spread(args.url, images=args.images, side=args.image_side, seed=args.seed) as spread:
+        cells(spread, base, workloads, clients, args.warmup, say=lambda s: print(s, flush=True), after=save)
     return record
 
 

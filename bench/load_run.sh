@@ -5,16 +5,19 @@
 #
 # The two replicas here are two `bubblefree serve` processes, one per GPU,
 # the load generator spreading the clients between them: not `serve
-# --replicas 2` on Ray Serve, because Ray's wheel cannot be installed on the
-# machine this was written for. Server B starts with server A, so their
-# start-ups overlap; B serves nothing until the second grid.
+# --replicas 2` on Ray Serve, because Ray cannot be installed on the two-GPU
+# machine this runs on. Server B starts with server A, so their start-ups
+# overlap; B serves nothing until the second grid.
 #
-# Every step runs under `timeout`. Knobs (environment): CELL_SECONDS (4),
-# WARMUP_SECONDS (2), CLIENTS (1,8,32,128), WORKLOADS (query,point),
-# IMAGES (2048 a load process), START_SECONDS (180, for both servers' /health),
-# GRID_SECONDS (150 each), SHAPE (moondream-full), DEVICE (cuda), PYTHON
-# (python3), DOC (docs/benchmarks.md), RECORDS (docs/runs), WHEELS (.whl:
-# installed into /tmp/site when fastapi or uvicorn is missing).
+# Expected: about 230 s, the full shape's start-up included. Every step runs
+# under `timeout`, which bounds the whole at about 570 s.
+#
+# Knobs (environment): CELL_SECONDS (4), WARMUP_SECONDS (2), CLIENTS
+# (1,8,32,128), WORKLOADS (query,point), IMAGES (2048 a load process),
+# START_SECONDS (150, for both servers' /health), GRID_SECONDS (100 each),
+# SHAPE (moondream-full), DEVICE (cuda), PYTHON (python3), DOC
+# (docs/benchmarks.md), RECORDS (docs/runs), WHEELS (.whl: installed into
+# /tmp/site when fastapi or uvicorn is missing).
 set -u
 out="${OUT:-/tmp/bubblefree-load}"
 mkdir -p "$out"
@@ -74,7 +77,7 @@ grid() {  # grid LABEL RECORD URL...
   local label="$1" rec="$2"; shift 2
   local urls=(); for u in "$@"; do urls+=(--url "$u"); done
   echo "== $label"
-  timeout -k 10 "${GRID_SECONDS:-150}" "$py" -m bubblefree.bench.load_grid "${urls[@]}" \
+  timeout -k 10 "${GRID_SECONDS:-100}" "$py" -m bubblefree.bench.load_grid "${urls[@]}" \
     --workloads "${WORKLOADS:-query,point}" --clients "$clients" --duration "${CELL_SECONDS:-4}" \
     --warmup "${WARMUP_SECONDS:-2}" --images "${IMAGES:-2048}" --max-tokens 10 --label "$label" \
     --env "$machine" --record "$rec"
@@ -88,15 +91,15 @@ main() {
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1 | head -4
   if ! "$py" -c "import fastapi, uvicorn" 2>/dev/null; then
     echo "installing the server's wheels into /tmp/site"
-    timeout 120 "$py" -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl 2>&1 | tail -3
+    timeout 60 "$py" -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl 2>&1 | tail -3
   fi
   timeout 60 "$py" -c "import sys, torch, fastapi, uvicorn; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.cuda.is_available(), torch.cuda.device_count(), '| fastapi', fastapi.__version__, '| uvicorn', uvicorn.__version__)" || return 1
   machine="$(nvidia-smi -L 2>/dev/null | wc -l)× $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $("$py" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null), $day"
   local a=http://127.0.0.1:2020 b=http://127.0.0.1:2021 t0=$SECONDS
   serve A 0 2020
   serve B 1 2021
-  if ! healthy "${START_SECONDS:-180}" "$a" "$b"; then
-    echo "the servers did not come up within ${START_SECONDS:-180} s; their logs:"
+  if ! healthy "${START_SECONDS:-150}" "$a" "$b"; then
+    echo "the servers did not come up within ${START_SECONDS:-150} s; their logs:"
     tail -n 30 "$out"/server_*.txt
     return 1
   fi

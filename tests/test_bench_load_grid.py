@@ -64,8 +64,33 @@ def test_the_comparison_judges_each_cell_against_the_target(tmp_path):
     assert "Two processes, not Ray Serve." in text
     written = doc.read_text()
     assert "earlier runs stay" in written and written.count(load_compare.BEGIN) == 1 and text in written
-    # An image sent twice is said, so "fresh" is never claimed for it.
+    # An image sent twice in a cell is said, so "different" is never claimed for it.
     assert "sent an image again" not in text
     two["cells"][2]["images_reused"] = 5
-    assert "(but 5 requests in all sent an image again" in load_compare.render(one, two, 1.8)
+    assert "; but 5 requests in all sent an image again within their cell" in load_compare.render(one, two, 1.8)
 
+
+
+def test_each_cell_is_handed_on_as_it_is_measured():
+    """A run cut short keeps its measured cells: ``after`` sees each one as
+    it ends, the warm-up (untimed, at the most clients) never among them."""
+    from bubblefree.bench.load import Load
+
+    class Spread:
+        urls = ["a"]
+
+        def __init__(self):
+            self.asked = []
+
+        def run(self, load):
+            self.asked.append((load.workload, load.clients, load.duration_s))
+            return _cell(load.workload, load.clients, 1.0) | dict(completed=1, requests=1, servers=[])
+
+    spread, seen = Spread(), []
+    load_grid.cells(spread, Load(url="a", duration_s=4), ["query", "point"], [1, 8], warmup_s=2, say=lambda s: None,
+                    after=lambda rows, warm: seen.append(([(r["workload"], r["clients"]) for r in rows], len(warm))))
+    assert spread.asked == [("query", 8, 2), ("query", 1, 4), ("query", 8, 4),
+                            ("point", 8, 2), ("point", 1, 4), ("point", 8, 4)]
+    assert seen == [([("query", 1)], 1), ([("query", 1), ("query", 8)], 1),
+                    ([("query", 1), ("query", 8), ("point", 1)], 2),
+                    ([("query", 1), ("query", 8), ("point", 1), ("point", 8)], 2)]
