@@ -1,23 +1,32 @@
-"""Many clients at once against a running server, some leaving early: does
-it keep up, and does it get everything back?
+"""Many clients at once against running servers, some leaving early: do
+they keep up, and do they get everything back?
 
-    python -m bubblefree.bench.load [--url http://127.0.0.1:2020] [--clients 16]
-        [--requests 200] [--duration 60] [--stream 0.5] [--leave 0.2] [--out docs/benchmarks.md]
+    python -m bubblefree.bench.load [--url http://127.0.0.1:2020 ...] [--clients 16]
+        [--workload query|point] [--images 0] [--requests 200] [--duration 60]
+        [--stream 0.5] [--leave 0.2] [--out docs/benchmarks.md]
 
 *clients* loopback clients (asyncio tasks sharing one httpx client) send
-Moondream ``/v1/query`` requests one after another until *requests* have
-been sent or *duration* seconds have passed. A share (*stream*) streams; a
-share (*leave*) disconnects on purpose: a stream after its first piece, a
-waiting request *leave-after* seconds after its body went out, before its
-answer. Reported: completed requests per second, time to first token (p50,
-p99; streams only, as a waiting request has no first token to see) and
-latency (requests that ran to the end), errors by kind.
+Moondream requests (``/v1/query``, or ``/v1/point`` for *workload* point)
+one after another until *requests* have been sent or *duration* seconds
+have passed; with *images*, each request carries the next of that many
+random 378-px images (``bench/load_images.py``), made before the timing. A
+share (*stream*) of queries streams; a share (*leave*) disconnects on
+purpose: a stream after its first piece, a waiting request *leave-after*
+seconds after its body went out, before its answer. Reported: requests per
+second (answered in full within *duration*, over it; ``window``), time to
+first token (p50, p99; streams only, as a waiting request has no first
+token to see) and latency (requests that ran to the end), errors by kind,
+and the load's own CPU time per second (near 1, the client and not the
+server would be what is measured).
 
 Then ``/v1/stats`` is polled until the server has settled (bounded by
 *settle*): every request sent was counted once (answered, or 499 for a
 client that left), none is live or queued, and every KV page and row slot
-is free again. A check that fails is reported and the exit status is 1.
-The table is printed and, with ``--out``, written into docs/benchmarks.md.
+is free again (``bench/load_checks.py``). A check that fails is reported and
+the exit status is 1. Given several ``--url``, the clients are spread across
+the servers (``bench/load_spread.py``) and each server is checked on its
+own. The table is printed and, with ``--out``, written into
+docs/benchmarks.md; ``bench/load_grid.py`` runs a grid of these.
 """
 
 from __future__ import annotations
@@ -26,44 +35,33 @@ import argparse
 import asyncio
 import collections
 import datetime
-import json
+import itertools
 import random
 import sys
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import attrs
 import httpx
 
 from bubblefree.bench.doc_block import write_block
+from bubblefree.bench.load_checks import Stats, checks, settle
+from bubblefree.bench.load_request import OBJECT, QUESTION, Outcome, Plan, body, one
+
+__all__ = ["OBJECT", "QUESTION", "Load", "Outcome", "Plan", "Stats", "body", "checks", "main", "measure",
+           "one", "run", "settle", "summary", "window"]
 
 BEGIN, END = "<!-- load:begin -->", "<!-- load:end -->"
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
-QUESTION = "What is the cat on?"
-
-
-@attrs.frozen
-class Plan:
-    stream: bool
-    leave: bool
-
-
-@attrs.define
-class Outcome:
-    plan: Plan
-    sent: bool = False  # its body went out, so the server should count it
-    left: bool = False  # it disconnected on purpose before the end
-    status: int | None = None
-    error: str | None = None
-    ttft_s: float | None = None
-    latency_s: float | None = None
+WORKLOADS = ("query", "point")  # query may stream; point answers whole
 
 
 @attrs.frozen
 class Load:
     url: str
+    workload: str = "query"
     clients: int = 16
     requests: int = 200
     duration_s: float = 60.0
@@ -74,159 +72,88 @@ class Load:
     request_timeout_s: float = 60.0
     settle_s: float = 10.0
     seed: int = 0
+    start_at: float | None = None  # time.time() at which the clients start; None: at once
+
+
+@attrs.frozen
+class Measured:
+    """One server's cell as measured, before it is summed up (it travels
+    back from a load process, so it holds plain values)."""
+    outcomes: list[Outcome]
+    wall_s: float
+    model: str
+    checks: dict[str, bool]
+    cpu: float  # the load's CPU seconds per wall second
+    images_reused: int  # requests that sent an image an earlier one sent
+    in_window: int  # requests answered in full within the window (``window``)
+    window_s: float
 
 
 def plans(load: Load) -> Iterator[Plan]:
     rng = random.Random(load.seed)
+    streams = load.workload == "query"
     for _ in range(load.requests):
-        yield Plan(stream=rng.random() < load.stream, leave=rng.random() < load.leave)
-
-
-async def one(http: httpx.AsyncClient, load: Load, plan: Plan) -> Outcome:
-    out = Outcome(plan)
-    sent = asyncio.Event()
-
-    async def trace(name: str, info: dict) -> None:
-        if name == "http11.send_request_body.complete":
-            out.sent = True
-            sent.set()
-
-    body = {"question": QUESTION, "stream": plan.stream,
-            "settings": {"max_tokens": load.max_tokens, "temperature": 0.0}}
-    start = time.perf_counter()
-    try:
-        async with asyncio.timeout(load.request_timeout_s):
-            request = http.build_request("POST", f"{load.url}/v1/query", json=body,
-                                         extensions={"trace": trace})
-            if plan.stream:
-                await _streamed(http, request, out, start)
-            else:
-                await _waited(http, request, out, sent, load.leave_after_s if plan.leave else None)
-    except TimeoutError:
-        out.error = "client timeout"
-    except httpx.HTTPError as err:
-        out.error = type(err).__name__
-    if out.error is None and not out.left:
-        out.latency_s = time.perf_counter() - start
-    return out
-
-
-async def _streamed(http: httpx.AsyncClient, request: httpx.Request, out: Outcome, start: float) -> None:
-    # Closing the response before its body ends closes the connection: the
-    # server sees the disconnect, as it would from a client that went away.
-    response = await http.send(request, stream=True)
-    try:
-        out.status = response.status_code
-        if response.status_code != 200:
-            out.error = f"HTTP {response.status_code}"
-            return
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            if event.get("chunk") and out.ttft_s is None:
-                out.ttft_s = time.perf_counter() - start
-                if out.plan.leave:
-                    out.left = True
-                    return
-            if event.get("completed"):
-                return
-        out.error = "stream ended before completed"
-    finally:
-        await response.aclose()
-
-
-async def _waited(http: httpx.AsyncClient, request: httpx.Request, out: Outcome, sent: asyncio.Event,
-                  leave_after_s: float | None) -> None:
-    task = asyncio.ensure_future(http.send(request))
-    if leave_after_s is not None:
-        # Leave only once the body is out: a request never sent is one the
-        # server never saw, and the count check would miss it for nothing.
-        went = asyncio.ensure_future(sent.wait())
-        await asyncio.wait({task, went}, return_when=asyncio.FIRST_COMPLETED)
-        went.cancel()
-        if not task.done():
-            await asyncio.wait({task}, timeout=leave_after_s)
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            out.left = True
-            return
-    response = await task
-    out.status = response.status_code
-    if response.status_code != 200:
-        out.error = f"HTTP {response.status_code}"
+        stream = rng.random() < load.stream
+        yield Plan(stream=stream and streams, leave=rng.random() < load.leave)
 
 
 async def client(http: httpx.AsyncClient, load: Load, todo: Iterator[Plan], deadline: float,
-                 outcomes: list[Outcome]) -> None:
+                 outcomes: list[Outcome], images: Iterator[str | None]) -> None:
     while time.monotonic() < deadline:
         plan = next(todo, None)  # one iterator shared by all clients: the count bounds the loop
         if plan is None:
             return
-        outcomes.append(await one(http, load, plan))
+        outcomes.append(await one(http, load, plan, next(images)))
 
 
-class Stats:
-    """``/v1/stats``, read so that its own calls are left out of the count:
-    a call is counted when it is answered, after it has read the counters."""
-
-    def __init__(self, http: httpx.AsyncClient, url: str):
-        self.http, self.url, self.calls = http, url, 0
-        self.first: dict[str, Any] | None = None
-
-    async def read(self) -> dict[str, Any]:
-        response = await self.http.get(f"{self.url}/v1/stats")
-        response.raise_for_status()
-        self.calls += 1
-        stats = response.json()
-        self.first = self.first or stats
-        return stats
-
-    def counted_since_first(self, stats: dict[str, Any]) -> int:
-        """Requests the server counted since the first read, less this one's own reads."""
-        total = sum(stats["requests_by_status"].values()) - sum(self.first["requests_by_status"].values())
-        return total - (self.calls - 1)
-
-
-def checks(stats: Stats, last: dict[str, Any], sent: int) -> dict[str, bool]:
-    pages, rows = last["kv_pages"], last["row_slots"]
-    counted = stats.counted_since_first(last)
-    return {f"every request sent was counted once by the server ({counted} of {sent})": counted == sent,
-            f"no request still live ({last['live_requests']})": last["live_requests"] == 0,
-            f"no request still queued ({last['queue_depth']})": last["queue_depth"] == 0,
-            f"every KV page free again ({pages['free']} of {pages['total']})": pages["free"] == pages["total"],
-            f"every row slot free again ({rows['free']} of {rows['total']})": rows["free"] == rows["total"]}
-
-
-async def settle(stats: Stats, sent: int, within_s: float) -> dict[str, bool]:
-    """Poll until every check holds or ``within_s`` has passed: a client's
-    disconnect reaches the server a moment after the client has moved on."""
-    deadline = time.monotonic() + within_s
-    while True:
-        result = checks(stats, await stats.read(), sent)
-        if all(result.values()) or time.monotonic() > deadline:
-            return result
-        await asyncio.sleep(0.05)
-
-
-async def run(load: Load) -> dict[str, Any]:
+def check(load: Load) -> None:
     host = urllib.parse.urlsplit(load.url).hostname
     if host not in LOOPBACK:
         raise SystemExit(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}), got {host!r}")
+    if load.workload not in WORKLOADS:
+        raise SystemExit(f"workload must be one of {', '.join(WORKLOADS)}, got {load.workload!r}")
+
+
+async def measure(load: Load, images: Sequence[str] = ()) -> Measured:
+    """One server under ``load``; ``images``, if any, sent one a request in turn."""
+    check(load)
     limits = httpx.Limits(max_connections=load.clients + 2, max_keepalive_connections=load.clients + 2)
     async with httpx.AsyncClient(limits=limits, timeout=load.request_timeout_s, trust_env=False) as http:
         model = (await http.get(f"{load.url}/health")).json().get("model", "?")
         stats = Stats(http, load.url)
         await stats.read()
+        if load.start_at is not None:  # several load processes start together
+            await asyncio.sleep(max(0.0, load.start_at - time.time()))
         outcomes: list[Outcome] = []
-        todo, start = plans(load), time.monotonic()
-        await asyncio.gather(*(client(http, load, todo, start + load.duration_s, outcomes)
+        todo, start, cpu = plans(load), time.monotonic(), time.process_time()
+        pictures = itertools.cycle(images) if images else itertools.repeat(None)
+        await asyncio.gather(*(client(http, load, todo, start + load.duration_s, outcomes, pictures)
                                for _ in range(load.clients)))
-        wall = time.monotonic() - start
+        wall, cpu = time.monotonic() - start, time.process_time() - cpu
         sent = sum(o.sent for o in outcomes)
         result = await settle(stats, sent, load.settle_s)
-    return summary(load, outcomes, wall, model) | {"checks": result}
+    reused = max(0, len(outcomes) - len(images)) if images else 0
+    return Measured(outcomes, wall, model, result, cpu / wall if wall else 0.0, reused,
+                    *window(load, outcomes, start, wall))
+
+
+def window(load: Load, outcomes: list[Outcome], start: float, wall: float) -> tuple[int, float]:
+    """The requests answered in full within the cell's window, and the
+    window: its duration when time ended the cell, or the wall time when the
+    request count ran out first. Requests still running at the end of the
+    duration count in latency, not in req/s: their tail grows with the
+    latency, and dividing by the wall time would understate a slow server's
+    req/s more than a fast one's."""
+    if len(outcomes) >= load.requests:
+        return sum(o.latency_s is not None for o in outcomes), wall
+    end = start + load.duration_s
+    return sum(o.ended is not None and o.ended <= end for o in outcomes), load.duration_s
+
+
+async def run(load: Load, images: Sequence[str] = ()) -> dict[str, Any]:
+    m = await measure(load, images)
+    return summary(load, m.outcomes, m.wall_s, m.model, (m.in_window, m.window_s)) | {
+        "checks": m.checks, "load_cpu": [m.cpu], "images_reused": m.images_reused}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -237,12 +164,14 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-def summary(load: Load, outcomes: list[Outcome], wall: float, model: str) -> dict[str, Any]:
+def summary(load: Load, outcomes: list[Outcome], wall: float, model: str,
+            rate: tuple[int, float]) -> dict[str, Any]:
+    """``rate``: requests answered within the window, and the window (``window``)."""
     done = [o for o in outcomes if o.latency_s is not None]
     ttft = [o.ttft_s for o in outcomes if o.ttft_s is not None]
     latency = [o.latency_s for o in done]
-    return dict(model=model, clients=load.clients, requests=len(outcomes), wall_s=wall,
-                completed=len(done), req_s=len(done) / wall if wall else 0.0,
+    return dict(model=model, workload=load.workload, clients=load.clients, requests=len(outcomes), wall_s=wall,
+                completed=len(done), req_s=rate[0] / rate[1] if rate[1] else 0.0, window_s=rate[1],
                 left_stream=sum(o.left and o.plan.stream for o in outcomes),
                 left_wait=sum(o.left and not o.plan.stream for o in outcomes),
                 errors=dict(collections.Counter(o.error for o in outcomes if o.error)),
@@ -271,11 +200,16 @@ def table(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m bubblefree.bench.load", description=__doc__.splitlines()[0])
     d = Load(url="http://127.0.0.1:2020")
-    ap.add_argument("--url", default=d.url, help="the server (loopback only)")
+    ap.add_argument("--url", action="append", default=None,
+                    help=f"a server (loopback only; default {d.url}); again for each further server")
+    ap.add_argument("--workload", choices=WORKLOADS, default=d.workload)
+    ap.add_argument("--images", type=int, default=0,
+                    help="send each request one of this many random images, in turn (0: no image)")
+    ap.add_argument("--image-side", type=int, default=378)
     ap.add_argument("--clients", type=int, default=d.clients)
     ap.add_argument("--requests", type=int, default=d.requests, help="at most this many, in all")
     ap.add_argument("--duration", type=float, default=d.duration_s, help="no request starts after this (s)")
-    ap.add_argument("--stream", type=float, default=d.stream, help="share of requests that stream")
+    ap.add_argument("--stream", type=float, default=d.stream, help="share of queries that stream")
     ap.add_argument("--leave", type=float, default=d.leave, help="share of requests whose client leaves early")
     ap.add_argument("--leave-after", type=float, default=d.leave_after_s,
                     help="seconds a waiting client that leaves stays after sending")
@@ -285,17 +219,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", default="", help="write the table into this file (docs/benchmarks.md)")
     args = ap.parse_args(argv)
-    load = Load(url=args.url.rstrip("/"), clients=args.clients, requests=args.requests,
+    urls = [u.rstrip("/") for u in args.url or [d.url]]
+    load = Load(url=urls[0], workload=args.workload, clients=args.clients, requests=args.requests,
                 duration_s=args.duration, stream=args.stream, leave=args.leave,
                 leave_after_s=args.leave_after, max_tokens=args.max_tokens,
                 request_timeout_s=args.timeout, settle_s=args.settle, seed=args.seed)
-    result = asyncio.run(run(load))
+    for url in urls:
+        check(attrs.evolve(load, url=url))
+    if len(urls) == 1:
+        from bubblefree.bench.load_images import pool
+        result = asyncio.run(run(load, pool(args.images, args.image_side, args.seed)))
+    else:
+        from bubblefree.bench.load_spread import Spread
+        with Spread(urls, images=args.images, side=args.image_side, seed=args.seed) as spread:
+            result = spread.run(load)
     command = "python -m bubblefree.bench.load " + " ".join(sys.argv[1:] if argv is None else argv)
+    where = f"{len(urls)} servers, client i asking server i mod {len(urls)}. " if len(urls) > 1 else ""
     result["text"] = (f"## Load through HTTP, {datetime.date.today()}\n\n"
-                      f"Model: {result['model']}. Command: `{command.strip()}`. {load.clients} clients, "
-                      f"{result['requests']} requests in {result['wall_s']:.1f} s; streams "
-                      f"{load.stream:.0%}, clients leaving early {load.leave:.0%}. TTFT from streams only; "
-                      "latency of requests that ran to the end.\n\n" + table(result) + "\n")
+                      f"Model: {result['model']}. Command: `{command.strip()}`. {where}{load.clients} clients, "
+                      f"{result['requests']} {load.workload} requests in {result['wall_s']:.1f} s; streams "
+                      f"{load.stream if load.workload == 'query' else 0:.0%}, clients leaving early "
+                      f"{load.leave:.0%}. TTFT from streams only; latency of requests that ran to the end.\n\n"
+                      + table(result) + "\n")
     print(result["text"])
     if args.out:
         write_block(Path(args.out), BEGIN, END, result["text"])

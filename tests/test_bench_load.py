@@ -1,11 +1,17 @@
 """``bench.load`` against a server on the fake engine: many clients, some
 leaving mid-stream or mid-wait; the server counts every request once and
 gets every KV page and row slot back; the table is written. And the checks
-can fail: a request still live is reported."""
+can fail: a request still live is reported. Against two servers, the
+clients are spread (client i to server i mod 2) and each server is checked
+on its own; the grid and its comparison are in test_bench_load_grid.py."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -54,3 +60,98 @@ def test_a_request_still_live_fails_the_checks():
 def test_only_loopback_is_loaded():
     with pytest.raises(SystemExit, match="loopback"):
         load.main(["--url", "http://10.0.0.1:2020", "--requests", "1"])
+
+
+def test_req_s_counts_what_ended_within_the_duration():
+    """Time ended the cell: the requests still running at its end count in
+    latency but not in req/s. The request count ended it: all over the wall."""
+    def done(at):
+        return load.Outcome(load.Plan(stream=False, leave=False), latency_s=0.1, ended=at)
+    outcomes = [done(100.5), done(101.9), done(102.4), load.Outcome(load.Plan(stream=False, leave=True))]
+    timed = load.Load(url="u", requests=100, duration_s=2.0)
+    assert load.window(timed, outcomes, start=100.0, wall=2.6) == (2, 2.0)
+    counted = load.Load(url="u", requests=4, duration_s=60.0)
+    assert load.window(counted, outcomes, start=100.0, wall=2.6) == (3, 2.6)
+    assert load.summary(timed, outcomes, 2.6, "m", (2, 2.0))["req_s"] == 1.0
+
+
+# -- several servers ---------------------------------------------------------
+
+def test_clients_spread_across_servers_each_checked_on_its_own():
+    """Client i asks server i mod 2: with 3 clients the first server holds 2
+    and the second 1, the requests split alike, and each server's own
+    counters agree with what was sent to it."""
+    with fake_engine(delay_s=0.002) as one, fake_engine(delay_s=0.002) as two, \
+            serving(one) as a, serving(two) as b:
+        result = load.main(["--url", a, "--url", b, "--clients", "3", "--requests", "45", "--duration", "20",
+                            "--stream", "0.5", "--leave", "0.2", "--max-tokens", "6"])
+    assert [(s["url"], s["clients"], s["requests"]) for s in result["servers"]] == [(a, 2, 30), (b, 1, 15)]
+    assert all(result["checks"].values()), result["checks"]
+    for url, sent in ((a, 30), (b, 15)):
+        counted = f"{url}: every request sent was counted once by the server ({sent} of {sent})"
+        assert result["checks"][counted]
+    assert len(result["checks"]) == 10 and len(result["load_cpu"]) == 2
+    assert result["requests"] == 45 and not result["errors"], result
+    assert result["completed"] + result["left_stream"] + result["left_wait"] == 45
+
+
+def test_a_server_left_with_a_live_request_fails_only_its_own_checks():
+    from bubblefree.bench.load_spread import Spread
+
+    with fake_engine(delay_s=0.001) as one, fake_engine(endless=True, delay_s=0.05) as two, \
+            serving(one) as a, serving(two, request_timeout_s=60) as b, Spread([a, b]) as spread:
+        with _hung_query(b):  # live on b through the whole cell
+            result = spread.run(load.Load(url=a, clients=2, requests=8, duration_s=10, stream=0.0, leave=0.0,
+                                          max_tokens=4, settle_s=0.3))
+    failed = [name for name, ok in result["checks"].items() if not ok]
+    assert failed and all(name.startswith(f"{b}: ") for name in failed), result["checks"]
+    assert f"{b}: no request still live (1)" in failed
+    assert all(ok for name, ok in result["checks"].items() if name.startswith(f"{a}: "))
+
+
+@contextlib.contextmanager
+def _hung_query(url: str):
+    """A query sent on a bare socket, live until the block ends (the socket
+    closes: the server cancels it)."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps({"question": "what", "settings": {"max_tokens": 200}}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/query HTTP/1.1\r\nHost: load\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        time.sleep(0.3)
+        yield
+
+
+def test_clients_and_requests_are_shared_out_in_proportion():
+    from bubblefree.bench.load_spread import shares, split
+
+    assert shares(3, 2) == [2, 1] and shares(1, 2) == [1, 0] and shares(128, 2) == [64, 64]
+    assert split(45, [2, 1]) == [30, 15] and split(5, [1, 0]) == [5, 0] and split(0, [1, 1]) == [0, 0]
+    parts = split(7, [1, 1, 1])
+    assert sum(parts) == 7 and max(parts) - min(parts) == 1
+
+
+# -- workloads and images ----------------------------------------------------
+
+def test_a_point_asks_whole_with_its_image_and_a_query_as_asked():
+    image = "data:image/jpeg;base64,AAAA"
+    point = load.body(load.Load(url="u", workload="point"), load.Plan(stream=True, leave=False), image)
+    assert point == {"object": load.OBJECT, "settings": {"temperature": 0.0, "max_objects": 1}, "image_url": image}
+    query = load.body(load.Load(url="u", max_tokens=10), load.Plan(stream=True, leave=False), None)
+    assert query == {"question": load.QUESTION, "stream": True, "settings": {"max_tokens": 10, "temperature": 0.0}}
+    # The same seed gives point the same leavers, and no streams.
+    query_plans = list(load.plans(load.Load(url="u", requests=50, stream=0.5, leave=0.3)))
+    point_plans = list(load.plans(load.Load(url="u", workload="point", requests=50, stream=0.5, leave=0.3)))
+    assert any(p.stream for p in query_plans) and not any(p.stream for p in point_plans)
+    assert [p.leave for p in query_plans] == [p.leave for p in point_plans]
+
+
+def test_the_images_are_different_and_read_as_the_server_reads_them():
+    from bubblefree.bench.load_images import pool
+    from bubblefree.server.images import check_image
+
+    uris = pool(4, 378, seed=1)
+    assert len(set(uris)) == 4 and all(u.startswith("data:image/jpeg;base64,") for u in uris)
+    pictures = [check_image(u, "image_url", True, 10**7) for u in uris]
+    assert all(p.size == (378, 378) and p.mode == "RGB" for p in pictures)
+    assert pool(4, 378, seed=1) == uris and pool(1, 378, seed=2)[0] not in uris

@@ -1,11 +1,20 @@
-"""``python -m bubblefree serve``: its options, and loopback by default."""
+"""``python -m bubblefree serve``: its options, loopback by default, and a
+random-weight moondream2 (``--random``) served as the load benchmark
+serves it."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 
-from bubblefree.server.cli import parser
+import httpx
+import pytest
+
+from bubblefree.bench import load
+from bubblefree.server.cli import main, parser
+from server_support import free_port
 
 
 def test_serve_defaults_to_loopback_on_moondreams_port():
@@ -17,5 +26,50 @@ def test_python_dash_m_bubblefree_serve_help():
     out = subprocess.run([sys.executable, "-m", "bubblefree", "serve", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for option in ("--host", "--port", "--api-key", "--max-body-bytes", "--max-live", "--timeout"):
+    for option in ("--host", "--port", "--api-key", "--max-body-bytes", "--max-live", "--timeout", "--random",
+                   "--log-level"):
         assert option in out.stdout
+
+
+def test_random_takes_no_model():
+    with pytest.raises(SystemExit) as err:
+        main(["serve", "/some/model", "--random", "moondream-tiny"])
+    assert err.value.code == 2
+
+
+def test_serve_a_random_moondream_and_load_it_with_images():
+    """``serve --random moondream-tiny`` on the CPU, as the load benchmark
+    starts its servers: it answers point and query about fresh images under
+    load, gets every request and page back, and stops cleanly on SIGINT."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "bubblefree", "serve", "--random", "moondream-tiny",
+                               "--device", "cpu", "--port", str(port), "--log-level", "warning",
+                               "--max-live", "16"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert _healthy(url, server, within_s=120) == "moondream2-random-tiny"
+        for workload in ("point", "query"):
+            result = load.main(["--url", url, "--workload", workload, "--images", "3", "--clients", "2",
+                                "--requests", "6", "--duration", "60", "--leave", "0", "--max-tokens", "4"])
+            assert all(result["checks"].values()) and not result["errors"], result
+            assert result["completed"] == 6 and result["images_reused"] == 3
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            output = server.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            server.kill()
+            output = server.communicate()[0]
+    assert server.returncode == 0, output
+
+
+def _healthy(url: str, server: subprocess.Popen, within_s: float) -> str:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"the server exited: {server.communicate()[0]}")
+        try:
+            return httpx.get(f"{url}/health", timeout=2, trust_env=False).json()["model"]
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise AssertionError(f"no /health within {within_s} s")

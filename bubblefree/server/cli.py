@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from typing import Any, Callable
 
 from bubblefree.server.settings import ServerSettings
+
+# --random: the shapes Engine.moondream_random builds, and the name the server gives each.
+RANDOM = {"moondream-tiny": "moondream2-random-tiny", "moondream-full": "moondream2-random-full"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -15,6 +20,10 @@ def parser() -> argparse.ArgumentParser:
     defaults = ServerSettings()
     serve.add_argument("model", nargs="?", default=None,
                        help="a model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--random", choices=sorted(RANDOM), default=None,
+                       help="for benchmarks and tests: moondream2 with random weights, built in memory "
+                            "(full: moondream2's shapes; tiny: small widths, runs on a CPU); its answers "
+                            "are noise, its shapes and timings moondream2's")
     serve.add_argument("--host", default=defaults.host,
                        help="address to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=defaults.port)
@@ -26,7 +35,11 @@ def parser() -> argparse.ArgumentParser:
                        help="requests live at once; more are answered 429")
     serve.add_argument("--timeout", type=float, default=defaults.request_timeout_s,
                        help="seconds a request may run before it is cancelled (504)")
-    serve.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
+    serve.add_argument("--device", default=None,
+                       help="cuda, cuda:N or cpu (default: cuda where there is one; CUDA_VISIBLE_DEVICES "
+                            "chooses which GPUs cuda sees)")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="uvicorn's; info logs every request (a cost under heavy load)")
     serve.add_argument("--location-tokens", action="store_true",
                        help="add the spatial skills' location tokens to a text model")
     serve.add_argument("--replicas", type=int, default=0,
@@ -36,39 +49,49 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    top = parser()
+    args = top.parse_args(argv)
+    if args.random and (args.model or args.location_tokens):
+        top.error("--random builds its own model: give no MODEL and no --location-tokens")
     import uvicorn  # imported here: `--help` works without the server extra
 
-    from bubblefree.engine import Engine
     from bubblefree.server.app import create_app
 
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                               max_body_bytes=args.max_body_bytes, max_image_pixels=args.max_image_pixels,
-                              max_live=args.max_live,
-                              request_timeout_s=args.timeout, model_name=args.model or "smollm2-135m-instruct")
-    options = {"location_tokens": True} if args.location_tokens else {}
+                              max_live=args.max_live, request_timeout_s=args.timeout,
+                              model_name=RANDOM.get(args.random) or args.model or "smollm2-135m-instruct")
+    make = engine_maker(args)
     if args.replicas > 0:
-        return serve_replicas(args, settings, options)
-    with Engine.from_pretrained(args.model, device=args.device, **options) as engine:
+        return serve_replicas(args, settings, make)
+    with make() as engine:
         uvicorn.run(create_app(engine, settings), host=settings.host, port=settings.port,
-                    log_level="info", timeout_graceful_shutdown=5)
+                    log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 
 
-def serve_replicas(args: argparse.Namespace, settings: ServerSettings, options: dict) -> int:
+def engine_maker(args: argparse.Namespace) -> Callable[[], Any]:
+    """What builds the engine (here, or on each replica): a picklable call."""
+    from bubblefree.engine import Engine
+
+    if args.random:
+        return functools.partial(Engine.moondream_random, args.random.removeprefix("moondream-"),
+                                 device=args.device)
+    options = {"location_tokens": True} if args.location_tokens else {}
+    return functools.partial(Engine.from_pretrained, args.model, device=args.device, **options)
+
+
+def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Callable[[], Any]) -> int:
     """Start Ray here (or join the cluster RAY_ADDRESS names), serve until interrupted."""
-    import functools
     import threading
 
     import ray
     from ray import serve
 
-    from bubblefree.engine import Engine
     from bubblefree.server.replicas import application
 
     ray.init(include_dashboard=False)
     gpus = ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu"
-    make = functools.partial(Engine.from_pretrained, args.model, device=args.device, **options)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(application(make, settings, args.replicas, gpus=gpus), name="bubblefree", route_prefix="/")
     print(f"{args.replicas} replicas on http://{settings.host}:{settings.port}", flush=True)
