@@ -218,14 +218,25 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         k, v = _gather(keys, values, ctx.kv_index[r0:r1], q.dtype)  # [g, L, KVH, D]
         groups = h // k.shape[2]
         qp = q.index_select(0, ctx.q_gather[r0 * s:r1 * s]).view(r1 - r0, s, h, -1)
-        kr = k.permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)  # [g, H, L, D]
-        vr = v.permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)  # [g, H, L, Dv]
+        kr, vr = _repeat_heads(k, groups), _repeat_heads(v, groups)  # [g, H, L, D] each
         mask = ctx.mask(window) if len(ctx.row_groups) == 1 else ctx.mask(window, r0, r1)
         out = F.scaled_dot_product_attention(qp.transpose(1, 2), kr, vr,
                                              attn_mask=mask.unsqueeze(1), scale=scaling)
         outs.append(out.transpose(1, 2).reshape((r1 - r0) * s, h, -1))  # [g * S, H, Dv]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [R * S, H, Dv]
     return out.index_select(0, ctx.out_gather)  # [T, H, Dv]
+
+
+def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[g, L, KVH, D]`` -> ``[g, KVH * groups, L, D]``, each KV head repeated
+    for its query heads (``repeat_interleave``'s order). By expand and
+    reshape: the same copy, with no device-side repeat count that a CUDA
+    graph capture could trip on."""
+    g, length, kvh, d = x.shape
+    x = x.permute(0, 2, 1, 3)  # [g, KVH, L, D]
+    if groups == 1:
+        return x
+    return x.unsqueeze(2).expand(g, kvh, groups, length, d).reshape(g, kvh * groups, length, d)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -54,13 +54,14 @@ class CudaBackend:
                  num_pages: int | None = None, kv_memory_fraction: float = 0.9,
                  max_rows: int = 64, max_seqs: int = 256, max_prefill_tokens: int = 2048,
                  max_context: int | None = None, use_graphs: bool = True,
-                 compile_decode: bool | None = None, fused_decode: bool = True,
+                 prefill_graphs: bool = True, compile_decode: bool | None = None, fused_decode: bool = True,
                  token_prefill: int | None = None, kernels: KernelConfig | None = None,
                  min_graph_context: int = 256, mask_capacity: int = 16):
         check_backend_options(dict(
             page_size=page_size, num_pages=num_pages, kv_memory_fraction=kv_memory_fraction,
             max_rows=max_rows, max_seqs=max_seqs, max_prefill_tokens=max_prefill_tokens,
-            max_context=max_context, use_graphs=use_graphs, compile_decode=compile_decode,
+            max_context=max_context, use_graphs=use_graphs, prefill_graphs=prefill_graphs,
+            compile_decode=compile_decode,
             fused_decode=fused_decode, token_prefill=token_prefill,
             min_graph_context=min_graph_context, mask_capacity=mask_capacity))
         self.loaded = model if isinstance(model, LoadedModel) else None
@@ -88,7 +89,9 @@ class CudaBackend:
         if compile_decode is None:  # on by default where graphs will capture it
             compile_decode = cuda and use_graphs
         if token_prefill is None:  # in graphs on CUDA; on the CPU its key gather costs more
-            token_prefill = DEFAULT_TOKEN_PREFILL if cuda and use_graphs else 0
+            token_prefill = DEFAULT_TOKEN_PREFILL if cuda and use_graphs and prefill_graphs else 0
+        # Off: every prefill eager, decode steps still in graphs (a baseline).
+        self.prefill_graphs = use_graphs and prefill_graphs
         # Which kernels a step runs, chosen once: every graph captures this.
         self.kernels = KernelConfig.measured(self.device) if kernels is None else kernels
         self._runner = self.runner_class(module, self.cache, self._cap, self.device,

@@ -64,6 +64,7 @@ BACKEND_OPTIONS: Mapping[str, Check] = {
     "max_prefill_tokens": integer(1),
     "max_context": integer(1, optional=True),
     "use_graphs": flag(),
+    "prefill_graphs": flag(),
     "compile_decode": flag(optional=True),
     "fused_decode": flag(),
     "token_prefill": integer(0, optional=True),

@@ -92,7 +92,7 @@ BAD = [
     ("kv_memory_fraction", float("nan")), ("kv_memory_fraction", "0.5"), ("max_rows", -1),
     ("max_rows", False), ("max_seqs", 2.0), ("max_context", 0), ("max_context", "1024"),
     ("max_prefill_tokens", None), ("fused_decode", 1), ("fused_decode", "yes"),
-    ("use_graphs", None), ("compile_decode", 0), ("token_prefill", -1),
+    ("use_graphs", None), ("prefill_graphs", 1), ("compile_decode", 0), ("token_prefill", -1),
     ("min_graph_context", 0), ("mask_capacity", 1.0),
 ]
 LOAD_BAD = [("dtype", "int8"), ("dtype", torch.int32), ("dtype", 16), ("device", 3),

@@ -79,18 +79,25 @@ def test_images_batched_in_one_step_equal_one_at_a_time(backend, monkeypatch):
     assert first.kind is StepKind.IMAGE_PREFILL and len(first.rows) == 3
 
 
-def test_an_encoded_image_is_encoded_once_and_answers_like_a_fresh_one(backend, monkeypatch):
+@pytest.fixture(scope="module")
+def eager(model):
+    return MoondreamBackend(model, **OPTIONS, prefill_graphs=False)
+
+
+@pytest.mark.parametrize("path", ["backend", "eager"])
+def test_an_encoded_image_is_encoded_once_and_answers_like_a_fresh_one(path, monkeypatch,
+                                                                      backend, eager):
+    """On the bucketed path (the graphs' code, eager here) and the eager one."""
+    backend = {"backend": backend, "eager": eager}[path]
     image, other = picture(640, 480, 8), picture(300, 900, 12)
     fresh = run(backend, [request(backend.image_ref(image), [2, 3], DETECT),
                           request(backend.image_ref(image), [4], POINT),
                           request(backend.image_ref(other), [5, 6], MIXED)])
     encoded = backend.encode_image(image)
     assert not encoded.encoded
-    calls, inputs = [], []
-    embed, prefill = backend.vision.embed, backend._runner.prefill
-    monkeypatch.setattr(backend.vision, "embed", lambda *a: calls.append(a) or embed(*a))
-    monkeypatch.setattr(backend._runner, "prefill",
-                        lambda meta, shape, *a: inputs.append(shape[0]) or prefill(meta, shape, *a))
+    calls, inputs = [], prefill_tokens(backend, monkeypatch)
+    project = backend.vision.project_images  # once per encoder call, on either path
+    monkeypatch.setattr(backend.vision, "project_images", lambda *a: calls.append(a) or project(*a))
     plans = recording(backend, monkeypatch)
     first = run(backend, [request(backend.image_ref(encoded), [2, 3], DETECT)])
     # Its prefix KV kept (what its row wrote at positions 0..729), its crops
@@ -142,6 +149,24 @@ def test_image_sources_the_backend_did_not_make_are_refused_before_anything_runs
             backend.launch(0, StepPlan(0, StepKind.IMAGE_PREFILL, rows))
     with pytest.raises(Exception, match="another backend"):
         backend.image_ref(foreign)
+
+
+def prefill_tokens(backend, monkeypatch) -> list[int]:
+    """Record the tokens each prefill runs (before any padding), on
+    whichever path the backend takes."""
+    tokens = []
+    if backend._prefill is not None:
+        launch = backend._prefill.launch
+
+        def counted(slot, key, pages, inputs, *a):
+            tokens.append(sum(len(x) for x in inputs))
+            return launch(slot, key, pages, inputs, *a)
+        monkeypatch.setattr(backend._prefill, "launch", counted)
+    else:
+        prefill = backend._runner.prefill
+        monkeypatch.setattr(backend._runner, "prefill",
+                            lambda meta, shape, *a: tokens.append(shape[0]) or prefill(meta, shape, *a))
+    return tokens
 
 
 def prefix_kv(backend, row) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """moondream2's backend on a GPU: pinned buffers and value graphs, answers
 equal to the native model in float32 with graphs and compiled, graphs equal
 to eager, pipelined equal to blocking in bfloat16, no host sync in an image
-prefill, and I10 for decode steps with and without value rows. Skipped,
-with the reason, where there is no GPU."""
+prefill, and I10 for decode steps with and without value rows; the encoder
+and prefill graphs captured at warm-up and never during a request, their
+replays equal to their functions run eagerly. Skipped, with the reason,
+where there is no GPU."""
 
 from __future__ import annotations
 
@@ -57,10 +59,84 @@ def test_answers_equal_the_native_model_in_float32(model, compiled):
         assert got == reference(model, image, [7, 19, 3], kinds)
 
 
-def test_graphs_equal_eager(model):
+@pytest.mark.parametrize("off", [{"use_graphs": False}, {"prefill_graphs": False}])
+def test_graphs_equal_eager(model, off):
     sampling = SamplingParams(0.8, 0.9, 5)
-    graphs, eager = make(model), make(model, use_graphs=False)
+    graphs, eager = make(model), make(model, **off)
+    assert eager._prefill is None and eager._encoder is None
     assert run(graphs, workload(graphs, sampling)) == run(eager, workload(eager, sampling))
+
+
+def graph_count(be) -> int:
+    sets = (be._decode_graphs, be._sample_graphs, be._value_graphs, be._encoder.graphs,
+            be._prefill.graphs)
+    return sum(len(g) for g in sets)
+
+
+def test_encoder_and_prefill_graphs_are_captured_at_warm_up_and_only_then(model, monkeypatch):
+    be = make(model)
+    enc, pre = be._encoder, be._prefill
+    assert enc.graphs.enabled and len(enc.graphs) == len(enc.buckets) == 16
+    assert pre.graphs.enabled and len(pre.graphs) == len(pre.keys()) > 0
+    assert enc.graphs.pool == pre.graphs.pool == be._decode_graphs.pool
+    replayed = []
+    for graphs in (enc.graphs, pre.graphs):
+        def recorded(key, fn, graphs=graphs, run=graphs.run):
+            replayed.append(key in graphs._graphs)
+            return run(key, fn)
+        monkeypatch.setattr(graphs, "run", recorded)
+    before = graph_count(be)
+    kept = be.encode_image(picture(640, 480, 8))
+    requests = workload(be) + [request(be.image_ref(kept), [4], POINT),
+                               request(None, [1, 30, 31], MIXED)]
+    run(be, requests)
+    run(be, [request(be.image_ref(kept), [2, 3], DETECT)])  # the kept image's KV reused
+    assert graph_count(be) == before
+    assert replayed and all(replayed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_image_prefills_replays_equal_their_eager_computation(dtype):
+    """The encoder's replay against its function run eagerly on the same
+    static crops; the prefill's against its function on the same static
+    metadata (which rewrites the same KV)."""
+    be = make(random_model(tiny_config(), seed=4, device="cuda", dtype=dtype))
+    close = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    kept = be.encode_image(picture(500, 700, 3))
+    run(be, [request(be.image_ref(kept), [3], POINT)])
+    cap = be.capacity
+    pages = scattered_pages([800] * 3, cap.page_size, cap.num_pages, seed=1)
+    images = [picture(1100, 1300, 1), kept, picture(1300, 1100, 2)]
+    crops = sum(be.image_ref(im).source.n_crops for im in images[::2])
+    assert crops > be._encoder.chunk  # two chunks of crops
+    rows = tuple(StepRow(seq_id=i, row_slot=i, tokens=tuple(range(5, 5 + 2 * i + 1)),
+                         position=0, pages=pages[i], image=be.image_ref(im))
+                 for i, im in enumerate(images))
+    keys, features = [], []  # features: (crop count, the replay's output) per chunk
+    enc_run, pre_run = be._encoder.graphs.run, be._prefill.graphs.run
+    be._encoder.graphs.run = lambda key, fn: features.append((key, enc_run(key, fn).clone())) \
+        or features[-1][1]
+    be._prefill.graphs.run = lambda key, fn: keys.append(key) or pre_run(key, fn)
+    try:
+        be.launch(0, StepPlan(0, StepKind.IMAGE_PREFILL, rows))
+    finally:
+        del be._encoder.graphs.run, be._prefill.graphs.run
+    torch.cuda.synchronize()
+    [key] = keys
+    assert key in be._prefill.graphs._graphs and key[1] == 4  # three rows pad to four
+    logits, hidden = be._slots[0].logits[:3].clone(), be._vslots[0].hidden[:3].clone()
+    kv = be.cache.data.clone()
+    with torch.no_grad():
+        eager_logits, eager_hidden = be._prefill.forward(*key)
+        torch.testing.assert_close(logits, eager_logits[:3].float(), **close)
+        torch.testing.assert_close(hidden, eager_hidden[:3], **close)
+        torch.testing.assert_close(be.cache.data, kv, **close)
+        n, got = features[-1]  # the last chunk's crops are still in the static buffer
+        torch.testing.assert_close(got, be._encoder.encode(n), **close)
+    assert sum(k for k, _ in features) == crops
+    be.finalize(0, SamplePlan(0, (None,) * 3))
+    be.wait(0)
+    be.release(0)
 
 
 def test_pipelined_equals_blocking_in_bfloat16():

@@ -7,7 +7,8 @@ shares its weights); on top of it (``Capacity.images`` and ``.values``):
               images not encoded yet (all rows' at once) copied from pinned
               host memory and through the vision encoder in one call; then
               one packed prefill over [BOS, 729 image features, prompt] per
-              row, the prefix attending both ways. An ``EncodedImage`` is
+              row, the prefix attending both ways (both in CUDA graphs:
+              ``encoder_graphs``, ``prefill_graphs``). An ``EncodedImage`` is
               encoded by the first step that uses it and keeps its prefix
               KV on the device: later rows copy it into their pages and
               prefill their prompt alone. Every forward keeps its rows'
@@ -37,8 +38,10 @@ from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.graphs import GraphSet, bucket
 from bubblefree.cuda_backend.moondream import image_prefill
+from bubblefree.cuda_backend.moondream.encoder_graphs import EncoderGraphs
 from bubblefree.cuda_backend.moondream.image_prefill import ImageWork, refusal
 from bubblefree.cuda_backend.moondream.model import Moondream
+from bubblefree.cuda_backend.moondream.prefill_graphs import PrefillGraphs
 from bubblefree.cuda_backend.moondream.prepared import EncodedImage, PreparedImage, prepare
 from bubblefree.cuda_backend.moondream.region_head import COORD, KIND_CODES, NONE, RegionHead
 from bubblefree.cuda_backend.moondream.runner import MoondreamRunner
@@ -108,11 +111,34 @@ class MoondreamBackend(CudaBackend):
         self._value_graphs = GraphSet(self.device, options.get("use_graphs", True))
         if self._value_graphs.enabled:
             self._capture_values()
+        self._encoder, self._prefill = self._image_graphs() if self.prefill_graphs else (None, None)
         self._sync()
+
+    def _image_graphs(self) -> tuple[EncoderGraphs, PrefillGraphs | None]:
+        """The encoder's and the packed prefill's graphs, captured now (warm-up,
+        after the decode graphs, into their pool: every replay runs on the one
+        compute stream and its outputs are consumed in stream order). Without
+        CUDA the same bucketed code runs eagerly."""
+        share = self._decode_graphs
+        prefill = PrefillGraphs.make(self._runner, self.prefix_len, self._pages,
+                                     GraphSet(self.device, True, share_pool_of=share))
+        rows = prefill.rm if prefill is not None else 1
+        encoder = EncoderGraphs(self.vision, rows * (self.config.vision.max_crops + 1),
+                                GraphSet(self.device, True, share_pool_of=share), self.device)
+        with self._on(self._compute):
+            if prefill is not None:
+                prefill.capture()  # the larger graphs first: the encoder's reuse their memory
+            encoder.capture()
+        self._sync()
+        return encoder, prefill
 
     @property
     def prefill_path(self) -> str:
-        return "image prefix and prompt packed, eager (attention over gathered pages)"
+        if self._prefill is None:
+            return "image prefix and prompt packed, eager (attention over gathered pages)"
+        where = "in graphs" if self._prefill.graphs.enabled else "bucketed, eager"
+        return (f"image prefix and prompt packed, {where} up to {self._prefill.rm} rows and "
+                f"{self._prefill.pages * self.capacity.page_size} positions, else eager")
 
     # -- host side: callers' threads ---------------------------------------------------
 
@@ -162,11 +188,23 @@ class MoondreamBackend(CudaBackend):
         if plan.kind is StepKind.IMAGE_PREFILL:
             logits, hidden = image_prefill.launch(self, plan, s, v.work)  # [n, V], [n, D]
         else:
-            k, shape = self._runner.pack_prefill(plan, s.staging_np)
-            meta = s.staging[:k].to(self.device, non_blocking=True)
-            logits, hidden = self._runner.prefill(meta, shape)
-        v.hidden[:n].copy_(hidden)
+            logits, hidden = self._text_prefill(s, plan)
+        v.hidden[:n].copy_(hidden[:n])
         return logits, bucket(n, self._rows)
+
+    def _text_prefill(self, s: DecodeSlot, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill without images: the image prefill's graphs where its
+        rows fit one (no prefix, no features), else eager."""
+        inputs = [np.asarray(r.tokens, dtype=np.int64) for r in plan.rows]
+        starts = np.array([r.position for r in plan.rows], dtype=np.int64)
+        key = self._prefill.key(inputs, starts) if self._prefill is not None else None
+        if key is not None:
+            return self._prefill.launch(s.index, key, [r.pages for r in plan.rows], inputs,
+                                        starts, np.zeros(len(inputs), dtype=np.int64), [],
+                                        None, [])
+        k, shape = self._runner.pack_prefill(plan, s.staging_np)
+        meta = s.staging[:k].to(self.device, non_blocking=True)
+        return self._runner.prefill(meta, shape)
 
     def _forward_failed(self, s: DecodeSlot) -> None:
         self._vslots[s.index].work.settle(failed=True)

@@ -18,6 +18,11 @@ within itself, so its KV does not depend on the prompt): later requests
 skip the encoder and the prefix's 730 positions. Everything is enqueued on
 the current (compute) stream, in order, without a host sync.
 
+With the backend's prefill graphs (the default), the encoder runs as a
+graph per chunk of crops (``encoder_graphs``) and the packed prefill as a
+graph per token and row bucket (``prefill_graphs``) where the step's rows
+fit one; otherwise, or with ``prefill_graphs=False``, both run eagerly.
+
 ``ImageWork`` lists what a step encoded, for the slot to settle at release:
 a completed step drops the images' crops; a failed one forgets what it
 meant to compute (the image is encoded again when next used).
@@ -81,6 +86,17 @@ def launch(backend, plan: StepPlan, s, work: ImageWork) -> tuple[torch.Tensor, t
     starts = np.array([r.position + (n if k else 0) for r, k in zip(plan.rows, kept)])
     prefix = np.array([0 if k else n for k in kept])
     features = encode(backend, [sources[i] for i in fresh], work) if fresh else None
+    graphs = backend._prefill
+    key = graphs.key(inputs, starts) if graphs is not None else None
+    if key is not None:  # static shapes: a graph replay (prefill_graphs)
+        logits, hidden = graphs.launch(s.index, key, [r.pages for r in plan.rows], inputs,
+                                       starts, prefix, fresh, features,
+                                       [(i, sources[i].kv) for i in cached])
+        for image in work.encoded:  # keep the prefix KV its first row wrote
+            j = next(i for i in fresh if sources[i] is image)
+            image.kv = backend.cache.gather(graphs.slots(key, j, int(starts[j]), n))
+            image.features = None
+        return logits[:len(plan.rows)], hidden[:len(plan.rows)]
     k, shape = runner.pack_prefill(plan, s.staging_np, inputs, prefix, starts)
     s.staging_np[k:k + len(plan.rows)] = fresh + cached  # the rows by kind, for the device
     meta = s.staging[:k + len(plan.rows)].to(backend.device, non_blocking=True)
@@ -107,15 +123,19 @@ def encode(backend, sources: list, work: ImageWork) -> torch.Tensor:
     fresh = {}
     if todo:
         prepared = [src.prepared if isinstance(src, EncodedImage) else src for src in todo]
-        size = backend.config.vision.crop_size
-        crops = torch.empty((sum(p.n_crops for p in prepared), size, size, 3), dtype=torch.uint8,
-                            device=backend.device)
-        at = 0
-        for p in prepared:  # pinned host -> device, in stream order
-            crops[at:at + p.n_crops].copy_(p.crops, non_blocking=True)
-            at += p.n_crops
-            work.keep.append(p.crops)
-        embeds = backend.vision.embed(crops, [p.tiling for p in prepared])  # [k, 729, D]
+        work.keep.extend(p.crops for p in prepared)  # pinned host -> device, in stream order
+        tilings = [p.tiling for p in prepared]
+        if backend._encoder is not None:  # a graph replay per chunk of crops
+            embeds = backend._encoder.embed([p.crops for p in prepared], tilings)
+        else:
+            size = backend.config.vision.crop_size
+            crops = torch.empty((sum(p.n_crops for p in prepared), size, size, 3),
+                                dtype=torch.uint8, device=backend.device)
+            at = 0
+            for p in prepared:
+                crops[at:at + p.n_crops].copy_(p.crops, non_blocking=True)
+                at += p.n_crops
+            embeds = backend.vision.embed(crops, tilings)  # [k, 729, D]
         for src, e in zip(todo, embeds):
             fresh[id(src)] = e
             if isinstance(src, EncodedImage):

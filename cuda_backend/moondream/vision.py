@@ -88,7 +88,13 @@ class VisionEncoder(nn.Module):
         image's tiling -> image embeddings ``[k, 729, text dim]``. One encoder
         call over all N crops (a crop attends only within itself, so batching
         changes nothing), one projection over all k images."""
-        features = self.encode(normalize(crops, self.patch_emb.weight.dtype))  # [N, 729, dim]
+        return self.project_images(self.encode(normalize(crops, self.patch_emb.weight.dtype)),
+                                   tilings)
+
+    def project_images(self, features: torch.Tensor,
+                       tilings: list[tuple[int, int]]) -> torch.Tensor:
+        """``encode``'s features ``[N, 729, dim]`` of several images' crops
+        (each image's consecutive, global first) -> ``[k, 729, text dim]``."""
         g, at = self.config.grid, 0
         views = []
         for rows, cols in tilings:
