@@ -87,7 +87,7 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     moondream's templates."""
     import attrs
 
-    from bubblefree.checkpoints import moondream_tokenizer, text_templates, word_tokenizer
+    from bubblefree.checkpoints import moondream_tokenizer, placeholder_ids, text_templates, word_tokenizer
     from bubblefree.cuda_backend.moondream.build import build
     from bubblefree.cuda_backend.moondream.config import MoondreamConfig, TokenizerConfig
 
@@ -106,7 +106,8 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
         if end is None:
             raise InvalidRequest("tokenizer: must hold <|endoftext|> (moondream2's BOS and EOS)")
         source = attrs.evolve(source, tokenizer=TokenizerConfig(bos_id=end, eos_id=end,
-                                                                templates=text_templates(raw)))
+                                                                templates=text_templates(raw),
+                                                                **placeholder_ids(raw)))
         if raw.get_vocab_size(with_added_tokens=True) > source.text.vocab_size:
             raise InvalidRequest(f"tokenizer: {raw.get_vocab_size()} tokens, more than the config's "
                                  f"vocab_size {source.text.vocab_size}")

@@ -25,7 +25,10 @@ from bubblefree.skills.templates import TEXTS, MoondreamTemplates
 
 MOONDREAM_TYPES = ("moondream1", "moondream2")
 PARTS = ("vision", "text", "region", "tokenizer")
-END = "<|endoftext|>"  # moondream2's BOS and EOS (GPT-2's), id 0 in ``word_tokenizer``
+END = "<|endoftext|>"
+# What a random-weight model's small tokenizer names moondream's coord_id and
+# size_id (the inputs a spatial reference's values replace).
+PLACEHOLDERS = ("<|coord|>", "<|size|>")  # moondream2's BOS and EOS (GPT-2's), id 0 in ``word_tokenizer``
 
 WORDS = (
     "<unk>", ":", ".", ",", "?", "!", "Question", "Answer", "Short", "Long", "Caption", "caption",
@@ -83,14 +86,22 @@ def moondream_tokenizer(raw: Any, config: Any) -> HFTokenizer:
 
 def word_tokenizer() -> Any:
     """A word-level ``tokenizers.Tokenizer``: ``<|endoftext|>`` (0), then
-    ``WORDS``; split on whitespace and punctuation, unknown words ``<unk>``."""
+    ``WORDS``, then the spatial references' placeholders (``PLACEHOLDERS``);
+    split on whitespace and punctuation, unknown words ``<unk>``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {word: i for i, word in enumerate((END, *WORDS))}
+    vocab = {word: i for i, word in enumerate((END, *WORDS, *PLACEHOLDERS))}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    raw.add_special_tokens([END])
+    raw.add_special_tokens([END, *PLACEHOLDERS])
     return raw
+
+
+def placeholder_ids(raw: Any) -> dict:
+    """``coord_id`` and ``size_id`` for a ``TokenizerConfig``: the
+    placeholders' ids where ``raw`` holds them."""
+    ids = {name: raw.token_to_id(token) for name, token in zip(("coord_id", "size_id"), PLACEHOLDERS)}
+    return {name: i for name, i in ids.items() if i is not None}
 
 
 def text_templates(raw: Any) -> dict:

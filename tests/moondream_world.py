@@ -33,18 +33,23 @@ def picture(height: int, width: int, seed: int) -> Image.Image:
     return Image.fromarray(((base + noise) % 256).astype(np.uint8))
 
 
-def reference(model, image, prompt, kinds):
+def reference(model, image, prompt, kinds, prompt_values=()):
     """The native model over the whole sequence at every step (no cache):
     each step's token is the argmax of the last position's logits; where a
     step asks a value it is decoded from the same hidden state, greedily,
     and its encoding is the next input, else the token's embedding. Without
-    an image: the prompt alone, causal."""
+    an image: the prompt alone, causal. ``prompt_values`` (PromptValues)
+    replace their prompt positions' embeddings by their encodings, as
+    moondream's reference does for a query's spatial references."""
     region, text = model.region, model.text
     tokens, values = [], []
     prefix = 0 if image is None else None  # None: the config's, BOS and the image
     device = text.wte.device
     with torch.no_grad():
         x = text.embed(torch.tensor(prompt, device=device))  # [L, D]
+        for pv in prompt_values:
+            v = torch.tensor(pv.value if pv.kind is S else [pv.value], dtype=x.dtype, device=device)
+            x[pv.index] = region.encode_size(v) if pv.kind is S else region.encode_coordinate(v)
         if image is not None:
             x = torch.cat([model.image_prefix(image), x])
         for kind in kinds:
@@ -83,10 +88,10 @@ class Script:
         return len(self.values) == len(self.kinds)
 
 
-def request(ref, prompt, kinds, sampling=SamplingParams()):
+def request(ref, prompt, kinds, sampling=SamplingParams(), prompt_values=()):
     return Request(prompt=tuple(prompt), max_tokens=len(kinds) + 1, image=ref,
                    decode_state=lambda: Script(kinds), sampling=sampling,
-                   finisher=lambda tokens, state: tuple(state.values))
+                   finisher=lambda tokens, state: tuple(state.values), prompt_values=prompt_values)
 
 
 def run(backend, requests, pipelined=True):

@@ -12,7 +12,7 @@ import attrs
 import pytest
 import torch
 
-from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
+from bubblefree.core.values import PromptValue, SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
 from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.moondream.backend import MoondreamBackend
 from bubblefree.cuda_backend.moondream.build import build
@@ -165,7 +165,7 @@ def prefill_tokens(backend, monkeypatch) -> list[int]:
     else:
         prefill = backend._runner.prefill
         monkeypatch.setattr(backend._runner, "prefill",
-                            lambda meta, shape, *a: tokens.append(shape[0]) or prefill(meta, shape, *a))
+                            lambda meta, shape, *a, **kw: tokens.append(shape[0]) or prefill(meta, shape, *a, **kw))
     return tokens
 
 
@@ -174,3 +174,29 @@ def prefix_kv(backend, row) -> torch.Tensor:
     ps = backend.capacity.page_size
     slots = torch.tensor([row.pages[p // ps] * ps + p % ps for p in range(backend.prefix_len)])
     return backend.cache.gather(slots)
+
+
+# The last prompt position holds a value too: its hidden state, which the
+# first value is decoded from, then carries the value's input directly.
+REFS = (PromptValue(1, C, 0.25), PromptValue(2, C, 0.625), PromptValue(3, S, (0.5, 0.125)),
+        PromptValue(4, C, 0.875))
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["bucketed", "eager"])
+def test_prompt_values_are_the_region_encoders_inputs_at_their_positions(model, graphs):
+    """Spatial references: fresh image, encoded image and text rows in one
+    engine, on the bucketed (graph) path and the eager one, pipelined and
+    blocking, each equal to the native model with those positions' inputs
+    replaced, and not to the same prompt without them."""
+    backend = MoondreamBackend(model, **OPTIONS, prefill_graphs=graphs)
+    image, other = picture(300, 500, 4), picture(400, 400, 6)
+    encoded = backend.encode_image(other)
+    prompt = [7, 90, 90, 91, 90]
+    shifted = tuple(attrs.evolve(r, index=r.index + 1) for r in REFS)  # after BOS
+    rows = [(image, prompt, POINT, REFS), (other, prompt, POINT, REFS), (None, [1, *prompt], DETECT, shifted)]
+    want = [reference(model, im, p, kinds, refs) for im, p, kinds, refs in rows]
+    assert all(w != reference(model, im, p, kinds) for w, (im, p, kinds, _) in zip(want, rows))
+    for pipelined in (True, False):
+        reqs = [request(None if im is None else backend.image_ref(im if im is image else encoded), p, kinds,
+                        prompt_values=refs) for im, p, kinds, refs in rows]
+        assert run(backend, reqs, pipelined) == want

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
+from bubblefree.core.values import PromptValue, SamplePlan, SamplingParams, StepKind, StepPlan, StepRow
 from bubblefree.cuda_backend.drive import scattered_pages
 from bubblefree.cuda_backend.moondream.backend import MoondreamBackend
 from bubblefree.cuda_backend.moondream.config import tiny_config
@@ -65,6 +65,26 @@ def test_graphs_equal_eager(model, off):
     graphs, eager = make(model), make(model, **off)
     assert eager._prefill is None and eager._encoder is None
     assert run(graphs, workload(graphs, sampling)) == run(eager, workload(eager, sampling))
+
+
+def test_prompt_values_in_the_prefill_graphs_equal_the_native_model(model):
+    """Spatial references through the captured prefill (fresh image, kept
+    image, text row) in float32 on the GPU, equal to the native model."""
+    refs = (PromptValue(1, C, 0.25), PromptValue(2, C, 0.625), PromptValue(3, S, (0.5, 0.125)),
+            PromptValue(4, C, 0.875))
+    shifted = tuple(PromptValue(r.index + 1, r.kind, r.value) for r in refs)
+    be = make(model)
+    assert be._prefill.graphs.enabled
+    image, other = picture(300, 500, 4), picture(400, 400, 6)
+    encoded = be.encode_image(other)
+    run(be, [request(be.image_ref(encoded), [5], POINT)])  # keeps its prefix KV
+    prompt = [7, 90, 90, 91, 90]
+    reqs = [request(be.image_ref(image), prompt, POINT, prompt_values=refs),
+            request(be.image_ref(encoded), prompt, POINT, prompt_values=refs),
+            request(None, [1, *prompt], DETECT, prompt_values=shifted)]
+    assert run(be, reqs) == [reference(model, image, prompt, POINT, refs),
+                             reference(model, other, prompt, POINT, refs),
+                             reference(model, None, [1, *prompt], DETECT, shifted)]
 
 
 def graph_count(be) -> int:

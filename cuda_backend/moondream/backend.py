@@ -37,7 +37,7 @@ from bubblefree.core.values import ImageRef, InvalidRequest, SamplePlan, StepKin
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.graphs import GraphSet, bucket
-from bubblefree.cuda_backend.moondream import image_prefill
+from bubblefree.cuda_backend.moondream import image_prefill, prompt_values
 from bubblefree.cuda_backend.moondream.encoder_graphs import EncoderGraphs
 from bubblefree.cuda_backend.moondream.image_prefill import ImageWork, refusal
 from bubblefree.cuda_backend.moondream.model import Moondream
@@ -60,18 +60,21 @@ class ValueSlot:
     kinds: torch.Tensor  # [max_rows] int64 device: region_head codes
     values: torch.Tensor  # [max_rows, 2] float32 device
     landing: torch.Tensor  # [max_rows, 2] float32 host (pinned)
+    prompt_staging: torch.Tensor  # [4 * max_prefill_tokens] int64 host (pinned): prompt_values.stage
     asked: tuple = ()  # the SamplePlan's values: () or a kind (or None) per row
     work: ImageWork = attrs.Factory(ImageWork)  # an image prefill's, settled at release
 
     @classmethod
-    def make(cls, rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> "ValueSlot":
+    def make(cls, rows: int, dim: int, dtype: torch.dtype, device: torch.device,
+             prefill_tokens: int) -> "ValueSlot":
         pin = device.type == "cuda"
         staging = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
         return cls(hidden=torch.zeros(rows, dim, dtype=dtype, device=device),
                    kinds_staging=staging, kinds_np=staging.numpy(),
                    kinds=torch.zeros(rows, dtype=torch.long, device=device),
                    values=torch.zeros(rows, 2, dtype=torch.float32, device=device),
-                   landing=torch.zeros(rows, 2, dtype=torch.float32, pin_memory=pin))
+                   landing=torch.zeros(rows, 2, dtype=torch.float32, pin_memory=pin),
+                   prompt_staging=torch.zeros(4 * prefill_tokens, dtype=torch.long, pin_memory=pin))
 
 
 # An image row is 730 positions and its prompt: room for five in one prefill
@@ -106,8 +109,8 @@ class MoondreamBackend(CudaBackend):
         self._pin = self.device.type == "cuda"
         rows = self._cap.max_rows
         self._head = RegionHead(self.region, rows, self.device)
-        self._vslots = [ValueSlot.make(rows, self.config.text.dim, self.dtype, self.device)
-                        for _ in (0, 1)]
+        self._vslots = [ValueSlot.make(rows, self.config.text.dim, self.dtype, self.device,
+                                       self._cap.max_prefill_tokens) for _ in (0, 1)]
         self._value_graphs = GraphSet(self.device, options.get("use_graphs", True))
         if self._value_graphs.enabled:
             self._capture_values()
@@ -121,7 +124,7 @@ class MoondreamBackend(CudaBackend):
         CUDA the same bucketed code runs eagerly."""
         share = self._decode_graphs
         prefill = PrefillGraphs.make(self._runner, self.prefix_len, self._pages,
-                                     GraphSet(self.device, True, share_pool_of=share))
+                                     GraphSet(self.device, True, share_pool_of=share), self.region)
         rows = prefill.rm if prefill is not None else 1
         encoder = EncoderGraphs(self.vision, rows * (self.config.vision.max_crops + 1),
                                 GraphSet(self.device, True, share_pool_of=share), self.device)
@@ -197,14 +200,28 @@ class MoondreamBackend(CudaBackend):
         rows fit one (no prefix, no features), else eager."""
         inputs = [np.asarray(r.tokens, dtype=np.int64) for r in plan.rows]
         starts = np.array([r.position for r in plan.rows], dtype=np.int64)
-        key = self._prefill.key(inputs, starts) if self._prefill is not None else None
+        values = prompt_values.locate(plan.rows, inputs, [0] * len(inputs))
+        key = self._prefill.key(inputs, starts, len(values)) if self._prefill is not None else None
         if key is not None:
             return self._prefill.launch(s.index, key, [r.pages for r in plan.rows], inputs,
                                         starts, np.zeros(len(inputs), dtype=np.int64), [],
-                                        None, [])
+                                        None, [], values)
         k, shape = self._runner.pack_prefill(plan, s.staging_np)
         meta = s.staging[:k].to(self.device, non_blocking=True)
-        return self._runner.prefill(meta, shape)
+        return self._runner.prefill(meta, shape, values=self.values_input(s, values))
+
+    def values_input(self, s: DecodeSlot, values: list):
+        """An eager prefill's prompt values (``prompt_values.locate``'s) as
+        ``runner.prefill``'s ``values``: staged in the slot's pinned buffer
+        (reused only after the slot's release, I4) and copied in stream
+        order; None without any."""
+        if not values:
+            return None
+        n = len(values)
+        staging = self._vslots[s.index].prompt_staging
+        prompt_values.stage(staging.numpy(), values, n)
+        meta = staging[:4 * n].to(self.device, non_blocking=True)
+        return lambda x: prompt_values.overwrite(x, self.region, meta, n)
 
     def _forward_failed(self, s: DecodeSlot) -> None:
         self._vslots[s.index].work.settle(failed=True)

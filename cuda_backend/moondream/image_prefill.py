@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from bubblefree.core.values import StepPlan
+from bubblefree.cuda_backend.moondream import prompt_values
 from bubblefree.cuda_backend.moondream.prepared import EncodedImage, PreparedImage
 
 
@@ -85,13 +86,14 @@ def launch(backend, plan: StepPlan, s, work: ImageWork) -> tuple[torch.Tensor, t
               for r, k in zip(plan.rows, kept)]
     starts = np.array([r.position + (n if k else 0) for r, k in zip(plan.rows, kept)])
     prefix = np.array([0 if k else n for k in kept])
+    values = prompt_values.locate(plan.rows, inputs, [0 if k else n for k in kept])
     features = encode(backend, [sources[i] for i in fresh], work) if fresh else None
     graphs = backend._prefill
-    key = graphs.key(inputs, starts) if graphs is not None else None
+    key = graphs.key(inputs, starts, len(values)) if graphs is not None else None
     if key is not None:  # static shapes: a graph replay (prefill_graphs)
         logits, hidden = graphs.launch(s.index, key, [r.pages for r in plan.rows], inputs,
                                        starts, prefix, fresh, features,
-                                       [(i, sources[i].kv) for i in cached])
+                                       [(i, sources[i].kv) for i in cached], values)
         for image in work.encoded:  # keep the prefix KV its first row wrote
             j = next(i for i in fresh if sources[i] is image)
             image.kv = backend.cache.gather(graphs.slots(key, j, int(starts[j]), n))
@@ -103,7 +105,8 @@ def launch(backend, plan: StepPlan, s, work: ImageWork) -> tuple[torch.Tensor, t
     order = meta[k:k + len(plan.rows)]
     logits, hidden = runner.prefill(meta, shape, features, order[:len(fresh)],
                                     [(order[len(fresh) + j], sources[i].kv)
-                                     for j, i in enumerate(cached)])
+                                     for j, i in enumerate(cached)],
+                                    values=backend.values_input(s, values))
     for image in work.encoded:  # keep the prefix KV its first row wrote
         j = next(j for j, i in enumerate(fresh) if sources[i] is image)
         image.kv = backend.cache.gather(runner.row_slots(meta, shape, order[j], 0, n))

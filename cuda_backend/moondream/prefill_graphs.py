@@ -29,6 +29,11 @@ them at query 0, whose values are finite). Real rows' tables are padded
 with the scratch page too; its keys lie past every query's position
 (causal mask) and outside every prefix.
 
+Prompt values (spatial references, ``prompt_values``) ride in a static
+buffer of ``GRAPH_VALUES`` entries staged beside the metadata: the graph
+encodes them all and writes them over their positions' embeddings,
+padding entries aiming nowhere; a step with more runs eagerly.
+
 Outside the graph, in stream order around the replay: the metadata copy
 (pinned host staging, one per slot, I4), the features' copy into the
 static buffer, a kept image's KV copied into its row's pages (its tensor
@@ -43,19 +48,25 @@ import torch
 
 from bubblefree.cuda_backend.attention import prefill_context
 from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket
+from bubblefree.cuda_backend.moondream import prompt_values
+from bubblefree.cuda_backend.moondream.prompt_values import GRAPH_VALUES
 from bubblefree.cuda_backend.token_prefill import token_buckets
 
 
 class PrefillGraphs:
-    def __init__(self, runner, *, prefix_len: int, rows: int, pages: int, graphs: GraphSet):
-        """``rows``: the most rows a graph takes; ``pages``: P."""
+    def __init__(self, runner, *, prefix_len: int, rows: int, pages: int, graphs: GraphSet,
+                 region=None):
+        """``rows``: the most rows a graph takes; ``pages``: P; ``region``:
+        the region module that encodes prompt values (None: no values)."""
         cap = runner.cap
-        self.runner, self.cache, self.graphs = runner, runner.cache, graphs
+        self.runner, self.cache, self.graphs, self.region = runner, runner.cache, graphs, region
         self.prefix_len, self.ps, self.pages = prefix_len, cap.page_size, pages
         self.tokens = token_buckets(cap.max_prefill_tokens)
         self.rows = batch_buckets(rows)
         self.tm, self.rm = self.tokens[-1], self.rows[-1]
         self.size = 5 * self.tm + 5 * self.rm + self.rm * pages
+        self.values_at = self.size  # prompt_values.stage's layout, GRAPH_VALUES entries
+        self.size += 4 * GRAPH_VALUES
         device = runner.device
         pin = device.type == "cuda"
         self.meta = torch.zeros(self.size, dtype=torch.long, device=device)
@@ -67,7 +78,7 @@ class PrefillGraphs:
                                     dtype=weight.dtype, device=device)
 
     @classmethod
-    def make(cls, runner, prefix_len: int, page_sizes: list[int], graphs: GraphSet):
+    def make(cls, runner, prefix_len: int, page_sizes: list[int], graphs: GraphSet, region=None):
         """For ``runner``'s capacity, or None where no image row fits a graph."""
         cap = runner.cap
         rows = min(cap.max_rows, cap.max_prefill_tokens // (prefix_len + 1))
@@ -75,18 +86,21 @@ class PrefillGraphs:
         if rows < 1 or need > page_sizes[-1]:
             return None
         return cls(runner, prefix_len=prefix_len, rows=rows, pages=bucket(need, page_sizes),
-                   graphs=graphs)
+                   graphs=graphs, region=region)
 
     def keys(self) -> list[tuple[int, int]]:
         """Every (T, R) captured (a row has at least one token)."""
         return [(t, r) for t in self.tokens for r in self.rows if r <= t]
 
-    def key(self, inputs: list, starts: np.ndarray) -> tuple[int, int] | None:
-        """The bucket of rows with ``inputs`` (id arrays) from ``starts``,
-        or None when they do not fit one (too many rows or pages)."""
+    def key(self, inputs: list, starts: np.ndarray, n_values: int = 0) -> tuple[int, int] | None:
+        """The bucket of rows with ``inputs`` (id arrays) from ``starts``
+        and ``n_values`` prompt values, or None when they do not fit one
+        (too many rows, pages or values)."""
         total = sum(len(x) for x in inputs)
         end = max(int(s) + len(x) for s, x in zip(starts, inputs))
         if len(inputs) > self.rm or total > self.tm or end > self.pages * self.ps:
+            return None
+        if n_values and (self.region is None or n_values > GRAPH_VALUES):
             return None
         return bucket(total, self.tokens), bucket(len(inputs), self.rows)
 
@@ -107,14 +121,18 @@ class PrefillGraphs:
         slot[:] = self.cache.scratch_page * self.ps
         feature[:] = -1
         table[:] = self.cache.scratch_page
+        values = meta[self.values_at:self.values_at + 4 * GRAPH_VALUES]  # no prompt value
+        values[:] = 0
+        values[:GRAPH_VALUES] = -1
 
     def pack(self, staging: np.ndarray, key: tuple[int, int], pages: list, inputs: list,
-             starts: np.ndarray, prefix: np.ndarray, fresh: list[int]) -> int:
+             starts: np.ndarray, prefix: np.ndarray, fresh: list[int], values: list = ()) -> int:
         """Bucket ``key``'s metadata into ``staging``: row i's ids
         ``inputs[i]`` at positions ``starts[i] ..`` in its ``pages[i]``, its
         first ``prefix[i]`` positions attending both ways; the rows
-        ``fresh`` take features 0, 1, .. at their inputs 1 .. 729. Returns
-        the element count to copy."""
+        ``fresh`` take features 0, 1, .. at their inputs 1 .. 729; the
+        prompt ``values`` (``prompt_values.locate``'s) after it all. Returns
+        the element count to copy (all of the buffer: the values sit at its end)."""
         t, r = key
         ps, s_len = self.ps, min(t, self.pages * self.ps)
         self.harmless(staging, t, r)
@@ -137,7 +155,8 @@ class PrefillGraphs:
                 f = fresh.index(i)
                 feature[at + 1:at + 1 + n_feat] = np.arange(f * n_feat, (f + 1) * n_feat)
             at += n
-        return 5 * self.tm + 5 * self.rm + r * self.pages
+        prompt_values.stage(staging[self.values_at:], list(values), GRAPH_VALUES)
+        return self.size
 
     def forward(self, t: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What the graph for (t, r) records: logits ``[r, V]`` and hidden
@@ -150,19 +169,22 @@ class PrefillGraphs:
         x = dec.embed(tokens)  # [t, D]
         feats = self.features.index_select(0, feature.clamp(min=0))  # [t, D]
         x = torch.where((feature >= 0).unsqueeze(1), feats, x)
+        if self.region is not None:
+            x = prompt_values.overwrite(x, self.region, self.meta[self.values_at:], GRAPH_VALUES)
         h = dec.hidden(x, positions, ctx, compiled=False).index_select(0, last)  # [r, D]
         return dec.head(h), h
 
     def launch(self, slot: int, key: tuple[int, int], pages: list, inputs: list,
                starts: np.ndarray, prefix: np.ndarray, fresh: list[int],
-               features: torch.Tensor | None, kept: list) -> tuple[torch.Tensor, torch.Tensor]:
+               features: torch.Tensor | None, kept: list, values: list = ()
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Enqueue a prefill on the current stream: metadata, features, the
         kept prefixes' KV (``kept``: pairs of row and ``[L, 2, m, KVH, D]``,
         written at the m positions before the row's first input), the
         replay. Returns the bucket's logits ``[R, V]`` and hidden ``[R, D]``
         (graph outputs: consume them before the next replay)."""
         staging = self.staging[slot]
-        k = self.pack(staging.numpy(), key, pages, inputs, starts, prefix, fresh)
+        k = self.pack(staging.numpy(), key, pages, inputs, starts, prefix, fresh, values)
         self.meta[:k].copy_(staging[:k], non_blocking=True)
         if features is not None:
             self.features[:features.shape[0]].copy_(features)

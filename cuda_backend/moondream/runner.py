@@ -58,14 +58,15 @@ class MoondreamRunner(ModelRunner):
 
     def prefill(self, meta: torch.Tensor, shape: tuple[int, ...],
                 features: torch.Tensor | None = None, feature_rows: torch.Tensor | None = None,
-                cached: list = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                cached: list = (), values=None) -> tuple[torch.Tensor, torch.Tensor]:
         """A packed prefill from ``pack_prefill``'s metadata on the device.
         ``features`` ``[F * n, D]`` replace input positions ``1 .. n`` of
         the rows ``feature_rows`` ``[F]`` (an image's BOS then its features);
         ``cached`` pairs (row ``[]``, prefix KV ``[L, 2, m, KVH, D]``) write a
         kept image prefix at the ``m`` positions before such a row's first
-        input. Returns the logits ``[R, V]`` and the hidden states ``[R, D]``
-        of each row's last input."""
+        input; ``values`` (``x -> x``) writes the prompt values' inputs over
+        the embeddings (``prompt_values.overwrite``). Returns the logits
+        ``[R, V]`` and the hidden states ``[R, D]`` of each row's last input."""
         tokens, positions, last, ctx = self.prefill_inputs(meta, shape)
         for row, kv in cached:
             self.cache.scatter(self.row_slots(meta, shape, row, -kv.shape[2], kv.shape[2]), kv)
@@ -77,6 +78,8 @@ class MoondreamRunner(ModelRunner):
             offsets = torch.arange(1, 1 + per_row, device=meta.device)
             index = (q_start.unsqueeze(1) + offsets).view(-1)  # [F * n]
             x = x.index_copy(0, index, features.to(x.dtype))
+        if values is not None:
+            x = values(x)
         # Uncompiled: a prefill's shapes change every step.
         h = self.decoder.hidden(x, positions[0], ctx, compiled=False).index_select(0, last)
         return self.decoder.head(h), h
