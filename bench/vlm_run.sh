@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on a lent GPU: moondream2's image path. The image-prefill
+# profile (PROFILE_MODES: "graphs", or "eager" for the prefill before its
+# graphs; both: "eager graphs"), then bench.vlm_speed (point, detect, caption, query
+# at 378 and 756 px, 1, 8 and 32 streams; pipelined, blocking, auto; the
+# transformers VLM peer). Everything printed is also written under $OUT,
+# with docs/benchmarks.md updated there (copy its block back).
+#
+# Knobs (environment): PROFILE_MODES (graphs), PROFILE_SECONDS (90 each),
+# VLM_SECONDS (420), PROFILE_ARGS, VLM_ARGS (--tiny and --quick --no-peer: a CPU smoke run).
+set -u
+out="${OUT:-/tmp/bubblefree-vlm}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+cp docs/benchmarks.md "$out/benchmarks.md"
+day="$(date -u +%Y-%m-%d)"
+{
+  date -u +"%Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__, '| transformers', transformers.__version__)"
+} 2>&1 | tee "$out/env.txt"
+for mode in ${PROFILE_MODES:-graphs}; do  # graphs, eager (the prefill before its graphs)
+  echo "== vlm_profile, prefill: $mode"
+  flag=""; [ "$mode" = eager ] && flag=--eager-prefill
+  timeout -k 10 "${PROFILE_SECONDS:-90}" python3 -m bubblefree.bench.vlm_profile --streams 1,16 --requests 8 $flag ${PROFILE_ARGS:-} \
+    2>&1 | grep -v -i -e warn -e USDT | tee -a "$out/vlm-profile.txt"
+done
+echo "== vlm_speed"
+timeout -k 10 "${VLM_SECONDS:-420}" python3 -m bubblefree.bench.vlm_speed --streams 1,8,32 --sizes 378,756 \
+  --per-stream 3 --out "$out/benchmarks.md" --record "$out/vlm-run-$day.json" ${VLM_ARGS:-} 2>&1 \
+  | grep -v -i warn | tee "$out/vlm-speed.txt"
+cp docs/benchmarks*.png "$out/" 2>/dev/null
+exit 0
