@@ -13,14 +13,9 @@ _SAME_TICK = ("equivalent: every step launched in a tick is finalized in the sam
 
 VERDICTS: dict[tuple[str, str], str] = {
     ("core/engine.py: Engine._launch", "return False"): _SAME_TICK,
-    ("core/engine.py: Engine._finalize", "return False"): _SAME_TICK,
     ("core/engine.py: Engine._finished", "raise AssertionError(None)"):
         "equivalent: the I7 guard is unreachable through the engine, since `handles.pop` above it "
         "raises `KeyError` on a second answer first; only its message changed",
-    ("core/scheduler.py: Scheduler._admit", "self._waited.discard(None)"):
-        "equivalent: `_end` forgets the wait again when the request ends, and nothing reads `_waited` "
-        "for an admitted request (it is consulted only while the request is refused at the head of "
-        "the queue); the id only lingers in memory for the request's life",
 }
 
 _KEY_ONLY = ("equivalent: `Ownership.key` only tells the search which states to merge; the uses it "

@@ -75,8 +75,8 @@ def outlook(sched: "Scheduler", rates: "EndRates") -> tuple[int, float, tuple[tu
     for s in chosen[1]:
         if s.seq_id in pending:
             step, row = pending[s.seq_id]
-            mask = step.mask_ids[row] if step.mask_ids else None
-            if may_end(s, mask, sched.masks):
+            # Its step was finalized in the tick that launched it: it has its masks.
+            if may_end(s, step.mask_ids[row], sched.masks):
                 may.append((s.seq_id, s.request.skill))
     return len(chosen[1]), sum(rates.rate(skill) for _, skill in may), tuple(may)
 
@@ -90,7 +90,7 @@ def may_end(s: Sequence, mask_id: int | None, masks: Mapping[int, frozenset[int]
     if stops and (mask_id is None or mask_id not in masks or not stops.isdisjoint(masks[mask_id])):
         return True
     ask: Any = getattr(s.state, "may_end", None)
-    if s.state is None or ask is None:
+    if ask is None:  # no skill and no stop id: it cannot end; a skill that does not say: it may
         return s.state is not None
     try:
         return bool(ask())

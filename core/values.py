@@ -8,6 +8,7 @@ caller cannot be edited by the engine afterwards.
 from __future__ import annotations
 
 import enum
+from functools import partial
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -84,18 +85,17 @@ class StepFailed(RuntimeError):
         self.reason = reason
 
 
-def _number(field: str, low: float, high: float, zero_ok: bool = False):
-    """An attrs converter: a real number (bool refused) in [low, high], as a
+def _checked_number(field: str, low: float, high: float, zero_ok: bool, value: Any) -> float:
+    """An attrs converter (bound to its field with ``functools.partial``): a
+    real number (bool refused) in [low, high], or 0 where ``zero_ok``, as a
     float, so an int temperature samples exactly like the same float does."""
-    def convert(value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidRequest(f"sampling.{field}: must be a number, got {value!r}")
-        value = float(value)
-        if not (low <= value <= high or (zero_ok and value == 0.0)):
-            allowed = f"0 or in [{low:g}, {high:g}]" if zero_ok else f"in [{low:g}, {high:g}]"
-            raise InvalidRequest(f"sampling.{field}: must be {allowed}, got {value!r}")
-        return value
-    return convert
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(f"sampling.{field}: must be a number, got {value!r}")
+    value = float(value)
+    if not (low <= value <= high or (zero_ok and value == 0.0)):
+        allowed = f"0 or in [{low:g}, {high:g}]" if zero_ok else f"in [{low:g}, {high:g}]"
+        raise InvalidRequest(f"sampling.{field}: must be {allowed}, got {value!r}")
+    return value
 
 
 def _seed(value):
@@ -115,8 +115,9 @@ class SamplingParams:
     something the mask does not allow (I9), or differ between backends.
     """
 
-    temperature: float = attrs.field(default=0.0, converter=_number("temperature", 1e-5, 100.0, True))
-    top_p: float = attrs.field(default=1.0, converter=_number("top_p", 1e-5, 1.0))
+    temperature: float = attrs.field(default=0.0,
+                                     converter=partial(_checked_number, "temperature", 1e-5, 100.0, True))
+    top_p: float = attrs.field(default=1.0, converter=partial(_checked_number, "top_p", 1e-5, 1.0, False))
     seed: int = attrs.field(default=0, converter=_seed)
 
     @classmethod
@@ -254,8 +255,8 @@ def bad_value(kind: ValueKind | None, value: Any) -> str | None:
     if kind is None:
         return None if value is None else f"a value {value!r} for a row that asked none"
     if kind is ValueKind.COORD:
-        return None if _in(value, 0.0, True) else f"coord value {value!r} is not a number in [0, 1]"
-    if type(value) is tuple and len(value) == 2 and _in(value[0], 0.0, False) and _in(value[1], 0.0, False):
+        return None if _coord_ok(value) else f"coord value {value!r} is not a number in [0, 1]"
+    if type(value) is tuple and len(value) == 2 and _side_ok(value[0]) and _side_ok(value[1]):
         return None
     return f"size value {value!r} is not a (width, height) pair in (0, 1]"
 
@@ -284,8 +285,16 @@ def bad_prompt_values(values: tuple, prompt_len: int, values_ok: bool) -> str | 
     return None
 
 
-def _in(x: Any, low: float, closed: bool) -> bool:
-    # bool is an int, but never a coordinate; NaN fails both comparisons.
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    return (low <= x if closed else low < x) and x <= 1.0
+def _real(x: Any) -> bool:
+    # bool is an int, but never a coordinate nor a side.
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _coord_ok(x: Any) -> bool:
+    """In [0, 1]: a point may lie on the image's edge. NaN fails the comparisons."""
+    return _real(x) and 0.0 <= x <= 1.0
+
+
+def _side_ok(x: Any) -> bool:
+    """In (0, 1]: a size's width or height; an empty box has no size."""
+    return _real(x) and 0.0 < x <= 1.0

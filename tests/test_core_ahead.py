@@ -8,8 +8,8 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from bubblefree.core import Engine, Request
-from bubblefree.core.ahead import EndRates, Timings, launch_ahead, may_end
+from bubblefree.core import Capacity, Engine, Request, Scheduler, StepKind, StepOutput
+from bubblefree.core.ahead import EndRates, Timings, launch_ahead, may_end, outlook
 from bubblefree.core.sequence import Sequence
 from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 from bubblefree.skills import Kind, SkillSet, demo_tokenizer
@@ -20,6 +20,14 @@ from bubblefree.skills.driver import MaskRecorder
 def test_no_row_that_may_end_means_ahead_whatever_the_costs():
     assert launch_ahead(rows=4, zombies=0.0, bubble=0.0, forward=100.0)
     assert launch_ahead(rows=0, zombies=0.0, bubble=0.0, forward=100.0)
+
+
+def test_no_rows_or_no_zombies_means_ahead_whatever_the_timings():
+    # The rule's first clause on its own: no forward share is at stake, so
+    # the measurements are not consulted, not even a bubble a clock that
+    # stepped back made negative, nor a division by no rows.
+    assert launch_ahead(rows=0, zombies=1.0, bubble=0.0, forward=1.0)
+    assert launch_ahead(rows=2, zombies=0.0, bubble=-1.0, forward=1.0)
 
 
 def test_rows_that_surely_end_block_unless_the_bubble_covers_a_forward():
@@ -83,6 +91,20 @@ def test_timings_measure_bubble_and_forward_on_a_fixed_clock():
         3.8 + 0.2 * (2.0 - 3.8) + 0.2 * (1.0 - (3.8 + 0.2 * (2.0 - 3.8))))  # forgotten: no sample
 
 
+def test_a_forgotten_step_takes_no_sample_when_it_arrives():
+    clock = FakeClock()
+    t = Timings(clock)
+    t.launched(0, started=0.0)
+    t.launched(1, started=0.0)
+    t.forget(0)  # failed: only step 0 is forgotten
+    clock.now = 3.0
+    t.arrived(0)
+    assert t.forward is None
+    clock.now = 5.0
+    t.arrived(1)
+    assert t.forward == 2.0  # from step 0's arrival: forgotten, it still marks when the device was free
+
+
 # ------------------------------------------------------------- may_end
 TOK = demo_tokenizer()
 MASKS = MaskRecorder()
@@ -138,6 +160,109 @@ def test_may_end_reads_stop_ids_through_the_mask_then_the_skill():
     skilled = Sequence(2, Request(prompt=(1,), max_tokens=4, stop_ids={0}))
     skilled.state = Never()
     assert may_end(skilled, 7, masks)  # a raising may_end counts as True, and only that
+
+
+def test_a_mask_the_registry_does_not_know_may_end():
+    # Timing only: an id missing from ``masks`` is no reason to raise, and
+    # nothing says its stop id is excluded.
+    plain = Sequence(0, Request(prompt=(1,), max_tokens=4, stop_ids={0}))
+    assert may_end(plain, 9, {7: frozenset({1, 2})})
+
+
+# ------------------------------------------------------------- outlook
+CAP = Capacity(num_pages=16, page_size=4, max_rows=4, max_seqs=4, max_prefill_tokens=8, max_context=16)
+ONE_ROW = attrs.evolve(CAP, max_rows=1)
+NO_STOP = 7  # the mask that leaves out the stop id 0
+
+
+@attrs.define
+class Quiet:
+    """A skill state that masks the stop id out and says it cannot end."""
+
+    def mask_id(self):
+        return NO_STOP
+
+    def advance(self, token, value):
+        return False
+
+    def may_end(self):
+        return False
+
+
+def scheduler(cap, *requests):
+    sched = Scheduler(cap, masks={NO_STOP: frozenset({1, 2, 3})})
+    for i, req in enumerate(requests):
+        sched.add(Sequence(i, req))
+    return sched
+
+
+def launch(sched):
+    """Plan, launch and finalize the next step (the engine's launch and finalize)."""
+    slot, plan = sched.plan_launch()
+    sched.launched(slot, plan)
+    step, _ = sched.plan_finalize()
+    sched.finalized(step)
+    return plan
+
+
+def commit(sched, *tokens):
+    step = sched.next_commit()
+    sched.commit(step, StepOutput(step.step_id, tokens), None)
+
+
+def plain(**kw):
+    return Request(prompt=(1, 2), max_tokens=8, stop_ids={0}, **kw)
+
+
+def test_outlook_is_empty_with_no_step_in_flight():
+    sched = scheduler(CAP, plain())
+    launch(sched)
+    commit(sched, 1)  # running, a decode waits, but nothing is uncommitted
+    assert not sched.inflight and sched.preview()[0] is StepKind.DECODE
+    assert outlook(sched, EndRates()) == (0, 0.0, ())
+
+
+def test_outlook_is_empty_with_no_free_slot():
+    sched = scheduler(CAP, plain())
+    launch(sched)
+    launch(sched)  # both slots busy: nothing launches this tick
+    assert sched.preview()[0] is StepKind.DECODE
+    assert outlook(sched, EndRates()) == (0, 0.0, ())
+
+
+def test_outlook_is_empty_when_a_prefill_is_next():
+    sched = scheduler(ONE_ROW, plain(), plain())
+    launch(sched)  # prefill of 0; 1 admitted, waiting
+    launch(sched)  # the decode of 0: now the prefill's turn
+    commit(sched, 1)
+    assert sched.inflight and sched.preview()[0] is StepKind.PREFILL
+    assert outlook(sched, EndRates()) == (0, 0.0, ())  # a prefill's rows are in no uncommitted step
+
+
+def test_preview_alternates_like_the_launch_it_foresees():
+    sched = scheduler(ONE_ROW, plain(), plain())
+    launch(sched)  # prefill of 0: 0 may decode, 1 may prefill; the last step was a prefill
+    foreseen = sched.preview()
+    _, plan = sched.plan_launch()
+    assert foreseen == (plan.kind, [sched.seqs[r.seq_id] for r in plan.rows])
+    assert plan.kind is StepKind.DECODE and [r.seq_id for r in plan.rows] == [0]
+
+
+def test_outlook_counts_only_the_rows_the_pending_mask_lets_end():
+    sched = scheduler(CAP, plain(), plain(decode_state=Quiet))
+    launch(sched)  # both prefilled; row 1 masked to {1, 2, 3} and cannot end
+    assert outlook(sched, EndRates()) == (2, 0.5, ((0, None),))
+
+
+def test_outlook_weighs_each_row_by_its_skills_rate():
+    rates = EndRates()
+    rates.record(None, False)  # plain text: 1/3
+    rates.record("point", True)  # points: 2/3
+    sched = scheduler(CAP, plain(), plain(skill="point"))
+    launch(sched)
+    rows, zombies, may = outlook(sched, rates)
+    assert (rows, may) == (2, ((0, None), (1, "point"))) and zombies == pytest.approx(1.0)
+    assert rates.rate(None) != rates.rate("point")
 
 
 # ----------------------------------------------------------- the engine
@@ -200,6 +325,15 @@ def test_auto_launches_ahead_once_text_rarely_ends():
     assert False in engine.choices[:5] and all(engine.choices[-20:])
     assert engine.end_rates.rate(None) < 0.1
     assert engine.timings.forward == pytest.approx(2.0, rel=0.1)
+
+
+def test_auto_launches_ahead_before_any_forward_is_measured():
+    # The first decode may end (a stop id, the prior's rate of a half), but no
+    # step has arrived yet: the rule sees no device time to lose, so ahead.
+    _, _, engine = run("auto", [Request(prompt=(0, 5), max_tokens=3, stop_ids={0})])
+    order = [e[:2] for e in engine.trace if e[0] in ("launch", "commit")]
+    assert order[:3] == [("launch", 0), ("launch", 1), ("commit", 0)]
+    assert engine.choices[1] is True
 
 
 def test_the_mode_is_true_false_or_auto():

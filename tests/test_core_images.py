@@ -180,6 +180,30 @@ def test_values_reach_the_skill_and_match_the_reference_in_both_modes():
 
 
 # -------------------------------------------------------------------- I13
+@pytest.mark.parametrize("kind,value", [
+    (ValueKind.COORD, 0), (ValueKind.COORD, 0.0), (ValueKind.COORD, 1), (ValueKind.COORD, 1.0),
+    (ValueKind.SIZE, (1.0, 1.0)), (ValueKind.SIZE, (1e-9, 1)), (None, None),
+])
+def test_a_value_at_its_kind_s_edge_is_taken(kind, value):
+    assert bad_value(kind, value) is None
+
+
+@pytest.mark.parametrize("kind,value,why", [
+    (ValueKind.COORD, -1e-9, "coord value -1e-09 is not a number in [0, 1]"),
+    (ValueKind.COORD, 1.0000001, "coord value 1.0000001 is not a number in [0, 1]"),
+    (ValueKind.COORD, False, "coord value False is not a number in [0, 1]"),
+    (ValueKind.COORD, "0.5", "coord value '0.5' is not a number in [0, 1]"),
+    (ValueKind.SIZE, (0.0, 0.5), "size value (0.0, 0.5) is not a (width, height) pair in (0, 1]"),
+    (ValueKind.SIZE, (0.5, 0.0), "size value (0.5, 0.0) is not a (width, height) pair in (0, 1]"),
+    (ValueKind.SIZE, (0.5, 1.5), "size value (0.5, 1.5) is not a (width, height) pair in (0, 1]"),
+    (ValueKind.SIZE, (True, 0.5), "size value (True, 0.5) is not a (width, height) pair in (0, 1]"),
+    (ValueKind.SIZE, (0.5, float("nan")), "size value (0.5, nan) is not a (width, height) pair in (0, 1]"),
+    (None, 0.5, "a value 0.5 for a row that asked none"),
+])
+def test_a_value_off_its_kind_is_named_in_full(kind, value, why):
+    assert bad_value(kind, value) == why
+
+
 def launched_and_finalized(kinds):
     """A scheduler with one step launched and finalized for a sequence whose
     skill asks ``kinds`` (one per step)."""

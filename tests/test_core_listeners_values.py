@@ -94,6 +94,22 @@ def test_a_non_number_is_refused_naming_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", True, "must be a number, got True"),
+    ("top_p", "0.5", "must be a number, got '0.5'"),
+    ("temperature", 9.99e-6, "must be 0 or in [1e-05, 100], got 9.99e-06"),  # under low, not 0
+    ("temperature", 100.0001, "must be 0 or in [1e-05, 100], got 100.0001"),
+    ("temperature", -1, "must be 0 or in [1e-05, 100], got -1.0"),  # the int, as the float it became
+    ("top_p", 0, "must be in [1e-05, 1], got 0.0"),  # 0 is the temperature's alone
+    ("top_p", 9.99e-6, "must be in [1e-05, 1], got 9.99e-06"),
+    ("top_p", 1.0001, "must be in [1e-05, 1], got 1.0001"),
+])
+def test_each_refusal_s_whole_message(field, value, message):
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(**{field: value})
+    assert str(err.value) == f"sampling.{field}: {message}"
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2**64 - 1])
 def test_seeds_in_range(seed):
     assert SamplingParams(seed=seed).seed == seed

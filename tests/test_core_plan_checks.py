@@ -97,6 +97,12 @@ BAD = {
     "prompt value of a bad size": (plan(P, row(0, prompt_values=(PromptValue(0, ValueKind.SIZE, (0.5,)),))), {},
                                    "row of seq 0: prompt_values: entry 0: size value (0.5,) is not a (width, "
                                    "height) pair in (0, 1]"),
+    # The slow path runs only for a refused plan: a field at its edge must
+    # pass there too, so the defect after it is the one named.
+    "max_rows rows and a bad token": (plan(P, *(row(i, (1, 2, 3 if i < 3 else 128)) for i in range(4))), {},
+                                      "row of seq 3: token ids must be in the vocabulary [0, 128)"),
+    "adapter slot 0 and bad sampling": (plan(P, row(0, adapter_slot=0, sampling=None)), {},
+                                        "row of seq 0: sampling must be SamplingParams"),
     "pages shared by rows": (plan(P, row(0, pages=(0, 1)), row(1, pages=(1, 2)), row(2, pages=(2, 3))), {},
                              "pages [1, 2] shared with another row"),
 }
