@@ -69,10 +69,13 @@ _F_UNIT = ("equivalent in effect: the uniform draw moves by at most 2^-53, which
            "only for one hash in 2^53")
 _F_TOP_P = ("equivalent: with top_p = 1 the nucleus keeps every token, so filtering at exactly 1.0 drops "
             "nothing (up to the rounding of the cumulative mass)")
-_F_VOCAB2 = "a real gap, left: the smallest legal model (vocab_size 2) is refused; no subset test builds it"
-_F_STOP = ("a real gap, left: the model's expected tokens ignore stop ids other than its EOS; every subset "
-           "caller of `expect`/`generate` stops at the EOS, the default")
-_F_NO_KIND = ("a real gap, left: a skill state without `value_kind` (or none) makes `expect` raise; the subset "
+_F_MODEL_MSG = ("a real gap: closed by tests/test_fake_model.py::test_the_model_refuses_bad_shapes_naming_them_and_takes_the_smallest "
+                "(the messages matched whole)")
+_F_VOCAB2 = ("a real gap: closed by tests/test_fake_model.py::test_the_model_refuses_bad_shapes_naming_them_and_takes_the_smallest "
+             "(the smallest legal model, vocab_size 2, was refused)")
+_F_STOP = ("a real gap: closed by tests/test_fake_model.py::test_the_expected_tokens_stop_at_the_stop_ids_given (the expected "
+           "tokens ignored stop ids other than the EOS; every subset caller stopped at the EOS, the default)")
+_F_NO_KIND = ("a real gap, left: a skill state without `value_kind` makes `expect` raise; the subset "
               "asks `expect` only with states that have one")
 _F_SALT = ("equivalent: another salt for the same hash of the seed and the base; the fake's values are only "
            "ever compared with the fake's own expectations")
@@ -135,6 +138,13 @@ _S_STOP_IDS = ("a real gap, left: the stream would spell the stop token; the sub
                "EOS as '' and its streams' requests never stop on it")
 
 _GROUPS = [
+    (_F_MODEL_MSG, [
+        ('fake_backend/model.py: FakeModel.__attrs_post_init__', 'raise ValueError(None)'),
+        ('fake_backend/model.py: FakeModel.__attrs_post_init__', 'raise ValueError(None)'),
+        ('fake_backend/model.py: FakeModel.expect', 'raise ValueError("PROMPT MUST HOLD AT LEAST ONE TOKEN")'),
+        ('fake_backend/model.py: FakeModel.expect', 'raise ValueError(None)'),
+        ('fake_backend/model.py: FakeModel.expect', 'raise ValueError("XXprompt must hold at least one tokenXX")'),
+    ]),
     (_S_ASYNC, [
         ('bubblefree/engine.py: _call_soon', 'loop.call_soon_threadsafe(None, *args)'),
         ('bubblefree/engine.py: _call_soon', 'loop.call_soon_threadsafe(*args)'),
@@ -203,11 +213,6 @@ _GROUPS = [
         ('fake_backend/kv.py: DeviceMemory._inputs', 'where = None'),
         ('fake_backend/kv.py: DeviceMemory._read_back', 'found = "XXnothingXX" if entry is None else f"seq {entry.seq_id} position {entry.position}"'),
         ('fake_backend/kv.py: DeviceMemory._read_back', 'f"seq {row.seq_id}: KV of position {pos} at page {addr[1]} offset {addr[1]} holds "'),
-        ('fake_backend/model.py: FakeModel.__attrs_post_init__', 'raise ValueError(None)'),
-        ('fake_backend/model.py: FakeModel.__attrs_post_init__', 'raise ValueError(None)'),
-        ('fake_backend/model.py: FakeModel.expect', 'raise ValueError("PROMPT MUST HOLD AT LEAST ONE TOKEN")'),
-        ('fake_backend/model.py: FakeModel.expect', 'raise ValueError(None)'),
-        ('fake_backend/model.py: FakeModel.expect', 'raise ValueError("XXprompt must hold at least one tokenXX")'),
         ('fake_backend/timing.py: Fault.__attrs_post_init__', 'raise ValueError(None)'),
         ('fake_backend/timing.py: Timing.of', 'raise ValueError(None)'),
     ]),
