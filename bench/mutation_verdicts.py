@@ -56,9 +56,9 @@ _F_LOG = ("a real gap, left: the name (or slot) of the fake's log entry for a fi
           "written by the same code")
 _F_EVENT = ("equivalent: nothing reads the step id of a recorded event or of a copy-queue interval (only their "
             "times: `measure` sums the copy queue's spans)")
-_F_WORK = ("a real gap, left: a duration given as a function of the step (`by_step`, or a callable) would see "
-           "the wrong step, index or none; the subset gives the launch and finalize costs as constants and "
-           "no per-step table whose effect it checks")
+_F_WORK = ("a real gap: closed by tests/test_fake_timing.py::test_durations_chosen_per_step_see_that_steps_work "
+           "(a duration given as a function of the step saw the wrong step, index or none; the subset gave "
+           "the launch and finalize costs as constants)")
 _F_ZERO = "equivalent: the dropped field's default is 0.0 too"
 _F_SHAPE = ("a real gap, left: a source with `tobytes()` but no `size` (an `array.array`) would raise "
             "AttributeError instead of being fingerprinted; the subset fingerprints PIL images and NumPy "
