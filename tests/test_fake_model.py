@@ -245,3 +245,24 @@ def test_fingerprints_of_arrays_see_their_shape():
     flat = np.arange(6, dtype=np.uint8)
     assert len({fingerprint(flat), fingerprint(flat.reshape(2, 3)), fingerprint(flat.reshape(3, 2))}) == 3
     assert fingerprint(flat.reshape(2, 3)) == fingerprint(np.arange(6, dtype=np.uint8).reshape(2, 3))
+
+
+def test_the_model_refuses_bad_shapes_naming_them_and_takes_the_smallest():
+    smallest = FakeModel(vocab_size=2, eos_id=1)
+    assert set(smallest.generate((0, 1), 8, stop_ids=())) <= {0, 1}
+    with pytest.raises(ValueError, match=r"^vocab_size must be >= 2, got 1$"):
+        FakeModel(vocab_size=1, eos_id=0)
+    with pytest.raises(ValueError, match=r"^eos_id must be in \[0, 4\), got 4$"):
+        FakeModel(vocab_size=4, eos_id=4)
+    with pytest.raises(ValueError, match=r"^prompt must hold at least one token$"):
+        FakeModel().expect((), 3)
+
+
+def test_the_expected_tokens_stop_at_the_stop_ids_given():
+    model = FakeModel()
+    free = model.generate((3, 4), 12, stop_ids=())  # nothing stops it: its max_tokens
+    assert len(free) == 12
+    stop = free[4]
+    cut = free[:free.index(stop) + 1]
+    assert model.generate((3, 4), 12, GREEDY, {stop}) == cut  # the stop id kept, nothing after it
+    assert model.expect((3, 4), 12, stop_ids={stop}).tokens == cut

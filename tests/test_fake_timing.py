@@ -155,3 +155,21 @@ def test_negative_duration_is_refused():
     b = FakeBackend(timing=Timing(forward=-1.0))
     with pytest.raises(ValueError):
         launched(b)
+
+
+def test_durations_chosen_per_step_see_that_steps_work():
+    """A duration given as a function gets the step it is chosen for (its id
+    and launch index); ``by_step``'s default may be such a function too."""
+    seen: list[tuple[str, int, int]] = []
+
+    def noting(name):
+        def cost(work):
+            seen.append((name, work.step_id, work.index))
+            return 0.1
+        return cost
+
+    b = FakeBackend(timing=Timing(forward=by_step({1: 2.0}, lambda w: 1.0 + w.index),
+                                  launch_cost=noting("launch"), finalize_cost=noting("finalize")))
+    run(b, three_steps(), pipelined=False)
+    assert [(s, round(t1 - t0, 9)) for s, t0, t1 in intervals(b, "forward")] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+    assert seen == [(name, k, k) for k in range(3) for name in ("launch", "finalize")]

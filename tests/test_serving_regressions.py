@@ -317,6 +317,50 @@ def test_an_abandoned_stream_is_cancelled_when_collected(gated, gate, read):
     wait_idle(gated)
 
 
+def test_arun_astream_and_stream_answer_as_run_does_and_call_the_callers_listener(engine):
+    """The asyncio calls' answers on requests that complete (every test above
+    cancels them): arun's output is run's, astream's and stream's pieces (the
+    skill defaults to query) join to its text, and a ``listener=`` given to an
+    asyncio call still sees every token, then the end."""
+    question, n = "the cat", 6
+    tokens = reference("query", {"question": question}, None, n)
+    answer = engine.run("query", question=question, max_tokens=n)
+    seen: dict[str, list] = {"arun": [], "astream": []}
+
+    async def main():
+        out = await engine.arun("query", question=question, max_tokens=n,
+                                listener=lambda h, t: seen["arun"].append(t))
+        pieces = [p async for p in engine.astream(question=question, max_tokens=n,
+                                                   listener=lambda h, t: seen["astream"].append(t))]
+        return out, pieces
+
+    out, pieces = asyncio.run(main())
+    assert out == answer
+    assert "".join(pieces) == "".join(engine.stream(question=question, max_tokens=n)) == answer["answer"]
+    assert seen == {"arun": [*tokens, None], "astream": [*tokens, None]}
+    wait_idle(engine)
+
+
+def test_cancelling_the_task_awaiting_arun_cancels_the_request_while_its_loop_runs(gated, gate):
+    """With the event loop still running (a server's), nothing but arun's own
+    cleanup cancels the request: a closed loop would (the tests above end
+    theirs with the task)."""
+    async def main():
+        gate.arm(at=2)
+        task = asyncio.ensure_future(gated.arun("query", question=GATED, max_tokens=150))
+        await asyncio.get_running_loop().run_in_executor(None, gate.wait_reached)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.open()
+        await asyncio.get_running_loop().run_in_executor(
+            None, wait_until, lambda: last_end(gated), "the request ended")
+        return last_end(gated)[2]
+
+    assert asyncio.run(main()) == "cancelled"
+    wait_idle(gated)
+
+
 # -- 4. sampling values -------------------------------------------------------
 
 @pytest.mark.parametrize("sampling,field", [
