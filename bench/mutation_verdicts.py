@@ -51,8 +51,9 @@ _F_TIMING_MSG = ("a real gap: closed by tests/test_fake_timing.py::test_fault_ki
 _F_REUSE = ("a real gap, left: with `and` the I4 check that a copy lands only in a buffer still holding its "
             "step never fires; only a core that reuses a slot before its copy lands reaches it, and no "
             "subset test builds one")
-_F_FAULT_COPY = ("a real gap, left: a step whose finalize faults is charged a copy it never makes; the subset's "
-                 "fault tests check the outcome, not that step's times")
+_F_FAULT_COPY = ("equivalent for every valid timing: a faulted finalize raises before its copy is "
+                 "enqueued, so that copy's duration is never used (only computed: a negative one would "
+                 "now raise ValueError first)")
 _F_LOG = ("a real gap: closed by tests/test_fake_timing.py::test_faults_are_logged_by_kind_step_and_slot (the subset "
           "read only the launch, forward, copy and wait entries by name)")
 _F_EVENT = ("equivalent: nothing reads the step id of a recorded event or of a copy-queue interval (only their "
@@ -80,9 +81,13 @@ _F_NO_KIND = ("a real gap, left: a skill state without `value_kind` makes `expec
               "asks `expect` only with states that have one")
 _F_SALT = ("equivalent: another salt for the same hash of the seed and the base; the fake's values are only "
            "ever compared with the fake's own expectations")
-_F_SEED = ("a real gap, left: values stop depending on the sampling seed (or `expect` ignores it); no subset "
-           "test draws values under two seeds")
-_F_VALUE_FN = "a real gap, left: a custom `value_fn` gets no prompt; no subset test gives one that reads it"
+_F_SEED = ("a real gap, left: `expect` draws a row's values without its sampling seed, so the "
+           "expected values of a sampled constrained request would not be the backend's; no subset test "
+           "compares the two at a temperature above 0")
+_F_SEED_CLOSED = ("a real gap: closed by tests/test_fake_model.py::test_sampled_values_follow_the_seed_and_a_value_fn_sees_the_prompt (the values stopped depending on the "
+                  "seed; no subset test drew values under two seeds)")
+_F_VALUE_FN = ("a real gap: closed by tests/test_fake_model.py::test_sampled_values_follow_the_seed_and_a_value_fn_sees_the_prompt (no subset test gave a `value_fn` that reads "
+               "the prompt)")
 _F_STATS = ("a real gap: closed by tests/test_fake_timing.py::test_stats_count_forwards_and_the_copy_queue (no subset "
             "test read `Stats.steps`, `copy_busy`, or the stats of a backend that ran nothing)")
 _S_ASYNC = ("a real gap: closed by tests/test_serving_regressions.py::"
@@ -139,6 +144,9 @@ _S_STOP_IDS = ("a real gap, left: the stream would spell the stop token; the sub
                "EOS as '' and its streams' requests never stop on it")
 
 _GROUPS = [
+    (_F_SEED_CLOSED, [
+        ('fake_backend/model.py: FakeModel.value', 'base = stable_hash(0xB1, base)'),
+    ]),
     (_F_TIMING_MSG, [
         ('fake_backend/timing.py: Fault.__attrs_post_init__', 'raise ValueError(None)'),
         ('fake_backend/timing.py: Timing.of', 'raise ValueError(None)'),
@@ -270,7 +278,6 @@ _GROUPS = [
     ]),
     (_F_SEED, [
         ('fake_backend/model.py: FakeModel.expect', 'value = None if kind is None else self.value(full, position, prev, token, kind, )'),
-        ('fake_backend/model.py: FakeModel.value', 'base = stable_hash(0xB1, base)'),
     ]),
     (_F_VALUE_FN, [
         ('fake_backend/model.py: FakeModel.value', 'return self.value_fn(None, position, token, kind)'),
