@@ -116,8 +116,9 @@ _S_SPIN = ("a real gap, left: an iterator with no new token spins instead of wai
 _S_EARLY_REFUSAL = ("a real gap, left: iterating a live handle from a listener refuses before yielding the "
                     "tokens already there rather than after them; off the decode thread `wait_for` returns at "
                     "once, so nothing else changes")
-_S_OUTPUT = ("a real gap, left: `output`'s timeout and `RequestFailed`'s result go unchecked in the subset "
-             "(tests/test_api.py and the serving machine check them)")
+_S_OUTPUT = ("a real gap: closed by tests/test_serving_regressions.py::"
+             "test_output_waits_only_its_timeout_and_names_the_cut_result (no subset test gave `output` a "
+             "timeout on a live request, or read `RequestFailed.result`)")
 _S_DAEMON = ("a real gap, left: a decode thread that is not a daemon keeps a process whose engine was never "
              "closed from exiting; only a fresh process shows it, and the subset runs none")
 _S_CLOSED_NONE = "equivalent: `_closed` is only tested for truth, where None and False agree"
