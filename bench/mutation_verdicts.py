@@ -41,14 +41,16 @@ VERDICTS.update({
 _LOOP_TESTS = "tests/test_serving_loop.py"
 _F_MSG = ("a real gap, left: only the text of the fake's error changes (its type, and when it is raised, "
           "stay); no subset test matches this message")
+_F_TIMING_MSG = ("a real gap: closed by tests/test_fake_timing.py::test_fault_kind_is_checked and "
+                 "test_a_negative_duration_is_refused_naming_it_and_its_step (the messages matched whole)")
 _F_REUSE = ("a real gap, left: with `and` the I4 check that a copy lands only in a buffer still holding its "
             "step never fires; only a core that reuses a slot before its copy lands reaches it, and no "
             "subset test builds one")
-_F_FAULT_COPY = ("a real gap, left: a step whose finalize faults is charged a copy it never makes; the subset's "
-                 "fault tests check the outcome, not that step's times")
-_F_LOG = ("a real gap, left: the name (or slot) of the fake's log entry for a finalize or a fault changes; the "
-          "subset reads only the launch, forward, copy and wait entries by name, and replays compare logs "
-          "written by the same code")
+_F_FAULT_COPY = ("equivalent for every valid timing: a faulted finalize raises before its copy is "
+                 "enqueued, so that copy's duration is never used (only computed: a negative one would "
+                 "now raise ValueError first)")
+_F_LOG = ("a real gap: closed by tests/test_fake_timing.py::test_faults_are_logged_by_kind_step_and_slot (the subset "
+          "read only the launch, forward, copy and wait entries by name)")
 _F_EVENT = ("equivalent: nothing reads the step id of a recorded event or of a copy-queue interval (only their "
             "times: `measure` sums the copy queue's spans)")
 _F_WORK = ("a real gap: closed by tests/test_fake_timing.py::test_durations_chosen_per_step_see_that_steps_work "
@@ -74,11 +76,15 @@ _F_NO_KIND = ("a real gap, left: a skill state without `value_kind` makes `expec
               "asks `expect` only with states that have one")
 _F_SALT = ("equivalent: another salt for the same hash of the seed and the base; the fake's values are only "
            "ever compared with the fake's own expectations")
-_F_SEED = ("a real gap, left: values stop depending on the sampling seed (or `expect` ignores it); no subset "
-           "test draws values under two seeds")
-_F_VALUE_FN = "a real gap, left: a custom `value_fn` gets no prompt; no subset test gives one that reads it"
-_F_STATS = ("a real gap, left: `Stats.steps`, `copy_busy`, and the stats of a backend that ran nothing are not "
-            "checked by any subset test (the speed tests outside it read them)")
+_F_SEED = ("a real gap, left: `expect` draws a row's values without its sampling seed, so the "
+           "expected values of a sampled constrained request would not be the backend's; no subset test "
+           "compares the two at a temperature above 0")
+_F_SEED_CLOSED = ("a real gap: closed by tests/test_fake_model.py::test_sampled_values_follow_the_seed_and_a_value_fn_sees_the_prompt (the values stopped depending on the "
+                  "seed; no subset test drew values under two seeds)")
+_F_VALUE_FN = ("a real gap: closed by tests/test_fake_model.py::test_sampled_values_follow_the_seed_and_a_value_fn_sees_the_prompt (no subset test gave a `value_fn` that reads "
+               "the prompt)")
+_F_STATS = ("a real gap: closed by tests/test_fake_timing.py::test_stats_count_forwards_and_the_copy_queue (no subset "
+            "test read `Stats.steps`, `copy_busy`, or the stats of a backend that ran nothing)")
 _S_ASYNC = ("a real gap: closed by tests/test_serving_regressions.py::"
             "test_arun_astream_and_stream_answer_as_run_does_and_call_the_callers_listener (every asyncio "
             "test of the subset cancelled its request, so none saw one complete)")
@@ -105,8 +111,9 @@ _S_SPIN = ("a real gap, left: an iterator with no new token spins instead of wai
 _S_EARLY_REFUSAL = ("a real gap, left: iterating a live handle from a listener refuses before yielding the "
                     "tokens already there rather than after them; off the decode thread `wait_for` returns at "
                     "once, so nothing else changes")
-_S_OUTPUT = ("a real gap, left: `output`'s timeout and `RequestFailed`'s result go unchecked in the subset "
-             "(tests/test_api.py and the serving machine check them)")
+_S_OUTPUT = ("a real gap: closed by tests/test_serving_regressions.py::"
+             "test_output_waits_only_its_timeout_and_names_the_cut_result (no subset test gave `output` a "
+             "timeout on a live request, or read `RequestFailed.result`)")
 _S_DAEMON = ("a real gap, left: a decode thread that is not a daemon keeps a process whose engine was never "
              "closed from exiting; only a fresh process shows it, and the subset runs none")
 _S_CLOSED_NONE = "equivalent: `_closed` is only tested for truth, where None and False agree"
@@ -133,6 +140,13 @@ _S_STOP_IDS = ("a real gap, left: the stream would spell the stop token; the sub
                "EOS as '' and its streams' requests never stop on it")
 
 _GROUPS = [
+    (_F_SEED_CLOSED, [
+        ('fake_backend/model.py: FakeModel.value', 'base = stable_hash(0xB1, base)'),
+    ]),
+    (_F_TIMING_MSG, [
+        ('fake_backend/timing.py: Fault.__attrs_post_init__', 'raise ValueError(None)'),
+        ('fake_backend/timing.py: Timing.of', 'raise ValueError(None)'),
+    ]),
     (_F_MODEL_MSG, [
         ('fake_backend/model.py: FakeModel.__attrs_post_init__', 'raise ValueError(None)'),
         ('fake_backend/model.py: FakeModel.__attrs_post_init__', 'raise ValueError(None)'),
@@ -208,8 +222,6 @@ _GROUPS = [
         ('fake_backend/kv.py: DeviceMemory._inputs', 'where = None'),
         ('fake_backend/kv.py: DeviceMemory._read_back', 'found = "XXnothingXX" if entry is None else f"seq {entry.seq_id} position {entry.position}"'),
         ('fake_backend/kv.py: DeviceMemory._read_back', 'f"seq {row.seq_id}: KV of position {pos} at page {addr[1]} offset {addr[1]} holds "'),
-        ('fake_backend/timing.py: Fault.__attrs_post_init__', 'raise ValueError(None)'),
-        ('fake_backend/timing.py: Timing.of', 'raise ValueError(None)'),
     ]),
     (_F_FAULT_COPY, [
         ('fake_backend/backend.py: FakeBackend.finalize', 'copy = 0.0 if (faulted) and False else self.timing.of("copy", work)'),
@@ -262,7 +274,6 @@ _GROUPS = [
     ]),
     (_F_SEED, [
         ('fake_backend/model.py: FakeModel.expect', 'value = None if kind is None else self.value(full, position, prev, token, kind, )'),
-        ('fake_backend/model.py: FakeModel.value', 'base = stable_hash(0xB1, base)'),
     ]),
     (_F_VALUE_FN, [
         ('fake_backend/model.py: FakeModel.value', 'return self.value_fn(None, position, token, kind)'),

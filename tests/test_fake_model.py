@@ -266,3 +266,12 @@ def test_the_expected_tokens_stop_at_the_stop_ids_given():
     cut = free[:free.index(stop) + 1]
     assert model.generate((3, 4), 12, GREEDY, {stop}) == cut  # the stop id kept, nothing after it
     assert model.expect((3, 4), 12, stop_ids={stop}).tokens == cut
+
+
+def test_sampled_values_follow_the_seed_and_a_value_fn_sees_the_prompt():
+    model, prompt = FakeModel(), (3, 1, 4)
+    by_seed = {seed: [model.value(prompt, p, 1, 2, ValueKind.COORD, SamplingParams(temperature=1.0, seed=seed))
+                      for p in range(3, 23)] for seed in (1, 2)}
+    assert by_seed[1] != by_seed[2]
+    custom = FakeModel(value_fn=lambda prompt, position, token, kind: len(prompt) / 10)
+    assert custom.value(prompt, 3, 1, 2, ValueKind.COORD) == pytest.approx(0.3)

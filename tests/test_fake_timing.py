@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from bubblefree.core.values import GREEDY, SamplingParams, StepFailed
 from bubblefree.fake_backend import FakeBackend, Fault, HardwareMisuse, Timing, by_step
+from bubblefree.fake_backend.stats import Stats
 from fake_plans import (
     SlotState, blocking_step, decode, drow, finalize, generation_plans, launched, prefill, prow,
     reference, run,
@@ -66,8 +67,20 @@ def test_finalize_fault_needs_only_a_release():
 
 
 def test_fault_kind_is_checked():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^Fault.kind must be one of .*, got 'forward'$"):
         Fault("forward")
+
+
+def test_faults_are_logged_by_kind_step_and_slot():
+    b = FakeBackend(faults={1: Fault("launch"), 2: Fault("finalize")})
+    blocking_step(b, 0, prefill(0, prow(0, (0, 3), (0,))))
+    with pytest.raises(StepFailed):
+        b.launch(1, decode(1, drow(0, 2, (0,))))
+    b.launch(0, decode(2, drow(0, 2, (0,))))
+    with pytest.raises(StepFailed):
+        finalize(b, 0, decode(2, drow(0, 2, (0,))))
+    assert [e[:3] for e in b.log if e[0].startswith("fault:") or e[0] == "finalize"] == [
+        ("finalize", 0, 0), ("fault:launch", 1, 1), ("finalize", 2, 0), ("fault:finalize", 2, 0)]
 
 
 # ------------------------------------------------------------------- timing
@@ -173,3 +186,23 @@ def test_durations_chosen_per_step_see_that_steps_work():
     run(b, three_steps(), pipelined=False)
     assert [(s, round(t1 - t0, 9)) for s, t0, t1 in intervals(b, "forward")] == [(0, 1.0), (1, 2.0), (2, 3.0)]
     assert seen == [(name, k, k) for k in range(3) for name in ("launch", "finalize")]
+
+
+def test_stats_count_forwards_and_the_copy_queue():
+    assert FakeBackend(timing=HAND).stats() == Stats(  # nothing ran: all zero
+        steps=0, host_time=0.0, gpu_busy=0.0, gpu_idle=0.0, idle_per_step=(), gpu_first=0.0, gpu_last=0.0,
+        copy_busy=0.0, makespan=0.0)
+    b = FakeBackend(timing=HAND)
+    run(b, three_steps(), pipelined=False)
+    s = b.stats()
+    assert (s.steps, s.copy_busy) == (3, pytest.approx(0.3))
+    b.launch(0, decode(3, drow(0, 4, (0, 1))))  # a forward without its sampling yet
+    assert b.stats().steps == 4
+
+
+def test_a_negative_duration_is_refused_naming_it_and_its_step():
+    b = FakeBackend(timing=Timing(launch_cost=by_step({1: -0.5}, 0.1)))
+    plans = three_steps()
+    blocking_step(b, 0, plans[0])
+    with pytest.raises(ValueError, match=r"^Timing.launch_cost for step 1 must be >= 0, got -0.5$"):
+        b.launch(1, plans[1])

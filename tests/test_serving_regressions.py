@@ -361,6 +361,23 @@ def test_cancelling_the_task_awaiting_arun_cancels_the_request_while_its_loop_ru
     wait_idle(gated)
 
 
+def test_output_waits_only_its_timeout_and_names_the_cut_result(gated, gate):
+    """``output(timeout)`` on a live request raises TimeoutError after the
+    timeout; on a cancelled one, RequestFailed carries the Result."""
+    gate.arm(at=2)
+    handle = gated.submit("query", question=GATED, max_tokens=150)
+    gate.wait_reached()
+    with pytest.raises(TimeoutError):
+        handle.output(0.01)
+    handle.cancel()
+    gate.open()
+    with pytest.raises(RequestFailed) as err:
+        handle.output(WAIT)
+    assert err.value.result is handle.result(0)
+    assert err.value.result.status is Status.CANCELLED
+    wait_idle(gated)
+
+
 # -- 4. sampling values -------------------------------------------------------
 
 @pytest.mark.parametrize("sampling,field", [
