@@ -52,6 +52,9 @@ class ServingLoop:
         self._inbox: collections.deque = collections.deque()
         self._ids = itertools.count()
         self._live: dict[int, Handle] = {}  # accepted and not ended; decode thread only
+        # Their callers' listeners, told of the end here when the core cannot
+        # tell them (it refused the request, or it is broken); decode thread only.
+        self._listeners: dict[int, Listener] = {}
         self._taking: collections.deque = collections.deque()  # inbox items being taken
         self._closed = False
         self._error: BaseException | None = None
@@ -187,6 +190,8 @@ class ServingLoop:
             listener.set()
             return
         self._live[handle.request_id] = handle
+        if listener is not None:
+            self._listeners[handle.request_id] = listener
         try:
             core_handle = self.core.submit(handle.request, request_id=handle.request_id)
         except Exception as err:  # noqa: BLE001 - validated at the door; if the core still refuses, say so
@@ -200,6 +205,7 @@ class ServingLoop:
         def forward(core_handle, token: int | None) -> None:
             if token is None:
                 self._live.pop(handle.request_id, None)
+                self._listeners.pop(handle.request_id, None)  # the core tells it, next
             handle._push(token, core_handle.result if token is None else None)
         return forward
 
@@ -220,6 +226,8 @@ class ServingLoop:
         for kind, handle, made in late:
             if kind == "submit":  # accepted: it ends, failed, like every live one
                 self._live[handle.request_id] = handle
+                if made is not None:
+                    self._listeners[handle.request_id] = made
             elif kind == "pipelined":
                 made.set()  # nothing waits forever
         try:
@@ -232,7 +240,13 @@ class ServingLoop:
         """I7 at the edge: a handle the core could not end gets its Result here."""
         for handle in list(self._live.values()) if handles is None else handles:
             self._live.pop(handle.request_id, None)
+            listener = self._listeners.pop(handle.request_id, None)
             if not handle.done:
                 handle._push(None, Result(request_id=handle.request_id, status=Status.FAILED,
                                           tokens=handle.tokens, finish_reason=reason,
                                           tag=handle.request.tag))
+                if listener is not None:  # its end, as the core would have told it
+                    try:
+                        listener(handle, None)
+                    except Exception:  # noqa: BLE001 - the request has ended; nothing more to fail
+                        pass

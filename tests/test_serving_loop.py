@@ -105,10 +105,24 @@ class AbortFails(Engine):
         raise RuntimeError("abort broke too")
 
 
+class Ends:
+    """A listener that records the end it is told of (an ``arun`` waits on it)."""
+
+    def __init__(self):
+        self.ended, self.told = threading.Event(), []
+
+    def __call__(self, handle, token):
+        if token is None:
+            self.told.append(handle.request_id)
+            self.ended.set()
+
+
 def test_requests_the_broken_core_cannot_end_are_ended_by_the_loop():
     loop = ServingLoop(AbortFails(DeviceLost(zero_cost=True)))
-    handle = loop.submit(Request(prompt=(0, 1), max_tokens=20, tag="live"))
+    ends = Ends()
+    handle = loop.submit(Request(prompt=(0, 1), max_tokens=20, tag="live"), listener=ends)
     result = handle.result(30)
+    assert ends.ended.wait(30) and ends.told == [handle.request_id]  # told once: nothing waits forever
     assert (result.request_id, result.status, result.tag) == (handle.request_id, Status.FAILED, "live")
     assert result.finish_reason == "engine error: RuntimeError: device lost"
     assert result.tokens == handle.tokens
@@ -129,9 +143,11 @@ def test_a_request_the_core_refuses_after_validation_fails_naming_why():
     """It alone ends, FAILED with the core's reason; the request handed over
     with it, live in the core by then, runs on."""
     loop = ServingLoop(Refusing(FakeBackend(zero_cost=True)))
+    ends = Ends()
     kept, refused = loop.submit_all([(Request(prompt=(2, 3), max_tokens=8, stop_ids={0}), None),
-                                     (Request(prompt=(0, 1), max_tokens=3, tag="refuse"), None)])
+                                     (Request(prompt=(0, 1), max_tokens=3, tag="refuse"), ends)])
     result = refused.result(30)
+    assert ends.ended.wait(30) and ends.told == [refused.request_id]
     assert (result.status, result.tag, result.tokens) == (Status.FAILED, "refuse", ())
     assert result.finish_reason == "refused: ValueError: no room today"
     assert kept.result(30).tokens == FakeModel().generate((2, 3), 8)
