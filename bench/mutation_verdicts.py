@@ -425,3 +425,51 @@ OUTSIDE: dict[str, str] = {
     "bubblefree/streams.py: AsyncPieces.__init__": _STREAM_NOW.format("`AsyncPieces`, which only `astream_now` makes"),
     "bubblefree/handle.py: Handle.__repr__": "a real gap, left: no test of the subset reads a Handle's repr",
 }
+
+# The core survivors of the final core run (2026-11-30, second stop; its subset
+# without the serving layer's two test files, see docs/verification.md).
+_C_TIMING = ("a real gap, left: timing only (which order `auto` picks, never what is committed, I8); "
+             "no subset test reads the running means after two differing samples")
+_C_I7 = ("a real gap, left: the I7 guard against a second answer for one request would raise "
+         "otherwise or not at all; no subset test answers a request twice (the search checks I7 "
+         "on every path's results)")
+_C_REENTRY = ("outside the subset of this run: the re-entrancy guard of delivery is what "
+              "tests/test_serving_regressions.py exercises (a stream garbage-collected on the decode "
+              "thread mid-tick), a file this run of core left out")
+_C_MASK_MSG = ("a real gap, left: only the text of `register_mask`'s refusal changes (its type and "
+               "when it is raised stay); no subset test matches the whole message")
+_C_SLOW = ("a real gap, left: in `check_plan`'s named checks, reached only after the fast path "
+           "refused; a plan exactly at the context's or its pages' end with a defect found later "
+           "would be refused naming the wrong field (still refused)")
+VERDICTS.update({
+    ("core/ahead.py: check_mode",
+     "if not any(mode is m if (isinstance(m, bool)) or True else mode == m for m in MODES):"):
+        "a real gap, left: \"auto\" built at run time (not an interned literal) would be refused; "
+        "every test passes the literal",
+    ("core/ahead.py: Timings.arrived", "self.forward = _mean(self.forward, max(1.0, now - start))"): _C_TIMING,
+    ("core/ahead.py: Timings.committed", "self.commit_host = _mean(None, self.clock() - arrived)"): _C_TIMING,
+    ("core/ahead.py: Timings.launched", "self.launch_host = _mean(None, now - started)"): _C_TIMING,
+    ("core/engine.py: Engine._commit", "self.timings.forget(None)"): _C_TIMING,
+    ("core/engine.py: Engine._learn", "self.end_rates.record(None, seq is None or seq.finalized)"): _C_TIMING,
+    ("core/engine.py: Engine._absorb", "raise InvariantViolation(None)"): _C_I7,
+    ("core/engine.py: Engine._absorb", "handle = self.handles.pop(event.seq_id, )"): _C_I7,
+    ("core/engine.py: Engine._absorb", "if handle is None and handle.result is not None:"): _C_I7,
+    ("core/engine.py: Engine._deliver", "self._delivering = None"): _C_REENTRY,
+    ("core/engine.py: Engine._deliver", "self._delivering = False"): _C_REENTRY,
+    ("core/protocol.py: check_mask",
+     'raise PlanRejected(f"register_mask: tokens {sorted(bad, key=None)[:5]} are outside the "'): _C_MASK_MSG,
+    ("core/protocol.py: check_mask",
+     'raise PlanRejected(f"register_mask: tokens {sorted(bad, )[:5]} are outside the "'): _C_MASK_MSG,
+    ("core/protocol.py: check_mask",
+     'raise PlanRejected(f"register_mask: tokens {sorted(bad, key=repr)[:6]} are outside the "'): _C_MASK_MSG,
+    ("core/protocol.py: check_mask",
+     'raise PlanRejected("XXregister_mask: an empty allowed-token set can never be sampledXX")'): _C_MASK_MSG,
+    ("core/protocol.py: check_plan", "if r.position < 0 or end >= cap.max_context:"): _C_SLOW,
+    ("core/protocol.py: check_plan", "if len(r.pages) * cap.page_size <= end:"): _C_SLOW,
+    ("core/scheduler.py: Scheduler.commit", "if output is not None or failed is None:"):
+        "a real gap, left: a step returning a wrong token count and values of a wrong length would "
+        "raise I13 before the step is failed; no subset test returns both",
+    ("core/scheduler.py: Scheduler.commit", "if s.inflight_refs == 0 or s.phase is Phase.FINALIZED:"):
+        "equivalent: the line only records a rare situation for the search's coverage (a probe); with "
+        "`or` it is recorded on more commits, and the search asks only that it be reached",
+})
