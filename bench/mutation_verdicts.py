@@ -426,7 +426,7 @@ OUTSIDE: dict[str, str] = {
     "bubblefree/handle.py: Handle.__repr__": "a real gap, left: no test of the subset reads a Handle's repr",
 }
 
-# The core survivors of the final core run (2026-11-30, second stop; its subset
+# The core survivors of the final core run (2026-11-30, afternoon; its subset
 # without the serving layer's two test files, see docs/verification.md).
 _C_TIMING = ("a real gap, left: timing only (which order `auto` picks, never what is committed, I8); "
              "no subset test reads the running means after two differing samples")
