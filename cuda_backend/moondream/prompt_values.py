@@ -47,7 +47,7 @@ def stage(staging: np.ndarray, found: list, n: int) -> None:
     2n as float64 bits]``; entries past ``len(found)`` are padding (index
     -1, a coordinate of 0)."""
     k = len(found)
-    staging[:3 * n + n] = 0
+    staging[:4 * n] = 0
     staging[:n] = -1
     if k:
         index, kind, v0, v1 = (np.array(col) for col in zip(*found))
