@@ -343,8 +343,13 @@ class PipelineMachine(RuleBasedStateMachine):
 
 
 def test_pipeline_machine_and_rare_situations():
+    """The machine, and a check that it reached every rare situation. That
+    check is about the programs drawn, so they are drawn from a fixed seed
+    and at least CI's number of them: with a random seed and the dev
+    profile's 100, a rare situation was missed about one run in three."""
     SEEN.clear()
     run_state_machine_as_test(
-        PipelineMachine, settings=settings(settings.default, stateful_step_count=40))
+        PipelineMachine, settings=settings(settings.default, stateful_step_count=40, derandomize=True,
+                                           max_examples=max(150, settings.default.max_examples)))
     missing = [s for s in RARE if SEEN[s] == 0]
     assert not missing, f"rare situations never reached: {missing}; seen: {dict(SEEN)}"
