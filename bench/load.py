@@ -73,6 +73,7 @@ class Load:
     settle_s: float = 10.0
     seed: int = 0
     start_at: float | None = None  # time.time() at which the clients start; None: at once
+    replicas: int = 1  # replicas behind the address (Ray Serve's): its checks read each one
 
 
 @attrs.frozen
@@ -110,6 +111,8 @@ def check(load: Load) -> None:
     host = urllib.parse.urlsplit(load.url).hostname
     if host not in LOOPBACK:
         raise SystemExit(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}), got {host!r}")
+    if load.replicas < 1:
+        raise SystemExit(f"replicas must be at least 1, got {load.replicas}")
     if load.workload not in WORKLOADS:
         raise SystemExit(f"workload must be one of {', '.join(WORKLOADS)}, got {load.workload!r}")
 
@@ -120,7 +123,7 @@ async def measure(load: Load, images: Sequence[str] = ()) -> Measured:
     limits = httpx.Limits(max_connections=load.clients + 2, max_keepalive_connections=load.clients + 2)
     async with httpx.AsyncClient(limits=limits, timeout=load.request_timeout_s, trust_env=False) as http:
         model = (await http.get(f"{load.url}/health")).json().get("model", "?")
-        stats = Stats(http, load.url)
+        stats = Stats(http, load.url, load.replicas)
         await stats.read()
         if load.start_at is not None:  # several load processes start together
             await asyncio.sleep(max(0.0, load.start_at - time.time()))
@@ -131,7 +134,8 @@ async def measure(load: Load, images: Sequence[str] = ()) -> Measured:
                                for _ in range(load.clients)))
         wall, cpu = time.monotonic() - start, time.process_time() - cpu
         sent = sum(o.sent for o in outcomes)
-        result = await settle(stats, sent, load.settle_s)
+        left_waiting = sum(o.sent and o.left and o.status is None and o.ttft_s is None for o in outcomes)
+        result = await settle(stats, sent, load.settle_s, left_waiting)
     reused = max(0, len(outcomes) - len(images)) if images else 0
     return Measured(outcomes, wall, model, result, cpu / wall if wall else 0.0, reused,
                     *window(load, outcomes, start, wall))
@@ -217,13 +221,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--timeout", type=float, default=d.request_timeout_s, help="one request's bound (s)")
     ap.add_argument("--settle", type=float, default=d.settle_s, help="bound on waiting for the server to settle (s)")
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--replicas", type=int, default=d.replicas,
+                    help="replicas behind each --url (serve --replicas N): the checks read every one")
     ap.add_argument("--out", default="", help="write the table into this file (docs/benchmarks.md)")
     args = ap.parse_args(argv)
     urls = [u.rstrip("/") for u in args.url or [d.url]]
     load = Load(url=urls[0], workload=args.workload, clients=args.clients, requests=args.requests,
                 duration_s=args.duration, stream=args.stream, leave=args.leave,
                 leave_after_s=args.leave_after, max_tokens=args.max_tokens,
-                request_timeout_s=args.timeout, settle_s=args.settle, seed=args.seed)
+                request_timeout_s=args.timeout, settle_s=args.settle, seed=args.seed,
+                replicas=args.replicas)
     for url in urls:
         check(attrs.evolve(load, url=url))
     if len(urls) == 1:

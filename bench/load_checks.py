@@ -1,8 +1,16 @@
 """After the load: did the server get everything back? ``/v1/stats`` read
 before and after, and polled until it settles or a bound passes.
 
-One server's view: behind several servers, each is checked on its own
-against the requests sent to it (``bench/load_spread.py``).
+One address's view. Behind several servers each is checked on its own
+against the requests sent to it (``bench/load_spread.py``). Behind one
+address that fronts several replicas (``serve --replicas N`` on Ray Serve),
+a ``/v1/stats`` call reaches one replica, named by the answer's
+``X-Bubblefree-Replica`` header: the reads are kept per replica, repeated
+until each of the *replicas* has answered, and the checks add the counts up
+and hold every replica to them. Behind such a relay, a client that leaves
+while it waits may be gone before any replica had its request (Ray's proxy
+drops the call, and no engine ever saw it): such requests may be missing
+from the count, and only they, and the check's name says how many left so.
 """
 
 from __future__ import annotations
@@ -11,47 +19,110 @@ import asyncio
 import time
 from typing import Any
 
+import attrs
 import httpx
+
+REPLICA_HEADER = "x-bubblefree-replica"  # bubblefree.server.replicas names it; that module needs Ray
+READS_PER_REPLICA = 24  # the reads a round may make per replica to reach them all
+
+
+@attrs.define
+class Seen:
+    """One replica's ``/v1/stats``: the first answer, the latest, and how
+    many of this checker's calls it answered."""
+    first: dict[str, Any]
+    last: dict[str, Any]
+    calls: int = 1
+
+
+def _total(stats: dict[str, Any]) -> int:
+    return sum(stats["requests_by_status"].values())
 
 
 class Stats:
-    """``/v1/stats``, read so that its own calls are left out of the count:
-    a call is counted when it is answered, after it has read the counters."""
+    """``/v1/stats`` behind ``url``, read so that its own calls are left out
+    of the count: a call is counted when it is answered, after it has read
+    the counters."""
 
-    def __init__(self, http: httpx.AsyncClient, url: str):
-        self.http, self.url, self.calls = http, url, 0
-        self.first: dict[str, Any] | None = None
+    def __init__(self, http: httpx.AsyncClient, url: str, replicas: int = 1):
+        if replicas < 1:
+            raise ValueError(f"replicas: at least 1, got {replicas}")
+        self.http, self.url, self.replicas = http, url, replicas
+        self.seen: dict[str, Seen] = {}
+        self.fresh = 0  # replicas the latest round reached
 
-    async def read(self) -> dict[str, Any]:
+    @property
+    def relayed(self) -> bool:
+        """The answers name a replica: a relay fronts the replicas."""
+        return any(self.seen) and "" not in self.seen
+
+    @property
+    def calls(self) -> int:
+        return sum(s.calls for s in self.seen.values())
+
+    async def read_one(self) -> tuple[str, dict[str, Any]]:
         response = await self.http.get(f"{self.url}/v1/stats")
         response.raise_for_status()
-        self.calls += 1
         stats = response.json()
-        self.first = self.first or stats
-        return stats
+        name = response.headers.get(REPLICA_HEADER, "")
+        if (seen := self.seen.get(name)) is None:
+            self.seen[name] = Seen(stats, stats)
+        else:
+            seen.last, seen.calls = stats, seen.calls + 1
+        return name, stats
 
-    def counted_since_first(self, stats: dict[str, Any]) -> int:
-        """Requests the server counted since the first read, less this one's own reads."""
-        total = sum(stats["requests_by_status"].values()) - sum(self.first["requests_by_status"].values())
-        return total - (self.calls - 1)
+    async def read(self) -> dict[str, Any]:
+        """A round: every replica's stats read afresh (a replica not reached
+        within the round's reads keeps its older answer, and ``checks`` says
+        so). Returns the first answer of the round."""
+        fresh: dict[str, dict[str, Any]] = {}
+        for _ in range(READS_PER_REPLICA * self.replicas):
+            name, stats = await self.read_one()
+            fresh.setdefault(name, stats)
+            if len(fresh) >= self.replicas:
+                break
+        self.fresh = len(fresh)
+        return next(iter(fresh.values()))
+
+    def counted_since_first(self) -> int:
+        """Requests counted since each replica's first read, less these reads
+        (a replica counts each of them but its latest)."""
+        return sum(_total(s.last) - _total(s.first) - (s.calls - 1) for s in self.seen.values())
 
 
-def checks(stats: Stats, last: dict[str, Any], sent: int) -> dict[str, bool]:
-    pages, rows = last["kv_pages"], last["row_slots"]
-    counted = stats.counted_since_first(last)
-    return {f"every request sent was counted once by the server ({counted} of {sent})": counted == sent,
-            f"no request still live ({last['live_requests']})": last["live_requests"] == 0,
-            f"no request still queued ({last['queue_depth']})": last["queue_depth"] == 0,
-            f"every KV page free again ({pages['free']} of {pages['total']})": pages["free"] == pages["total"],
-            f"every row slot free again ({rows['free']} of {rows['total']})": rows["free"] == rows["total"]}
+def checks(stats: Stats, sent: int, left_waiting: int = 0) -> dict[str, bool]:
+    """``sent``: requests whose body went out; ``left_waiting``: those of
+    them whose client left before any answer came."""
+    counted, seen = stats.counted_since_first(), list(stats.seen.values())
+    lasts = [s.last for s in seen]
+    live = sum(s["live_requests"] for s in lasts)
+    queued = sum(s["queue_depth"] for s in lasts)
+    pages = [sum(s["kv_pages"][k] for s in lasts) for k in ("free", "total")]
+    rows = [sum(s["row_slots"][k] for s in lasts) for k in ("free", "total")]
+    if stats.relayed:
+        count = (f"every request sent was counted once by a replica, but for clients that left waiting "
+                 f"before one had it ({counted} of {sent}; {left_waiting} left waiting)",
+                 sent - left_waiting <= counted <= sent)
+    else:
+        count = (f"every request sent was counted once by the server ({counted} of {sent})", counted == sent)
+    result = {count[0]: count[1],
+              f"no request still live ({live})": live == 0,
+              f"no request still queued ({queued})": queued == 0,
+              f"every KV page free again ({pages[0]} of {pages[1]})": pages[0] == pages[1],
+              f"every row slot free again ({rows[0]} of {rows[1]})": rows[0] == rows[1]}
+    if stats.replicas > 1:
+        result[f"every replica read ({len(seen)} of {stats.replicas}, {stats.fresh} in the last round)"] = (
+            len(seen) == stats.replicas == stats.fresh)
+    return result
 
 
-async def settle(stats: Stats, sent: int, within_s: float) -> dict[str, bool]:
+async def settle(stats: Stats, sent: int, within_s: float, left_waiting: int = 0) -> dict[str, bool]:
     """Poll until every check holds or ``within_s`` has passed: a client's
     disconnect reaches the server a moment after the client has moved on."""
     deadline = time.monotonic() + within_s
     while True:
-        result = checks(stats, await stats.read(), sent)
+        await stats.read()
+        result = checks(stats, sent, left_waiting)
         if all(result.values()) or time.monotonic() > deadline:
             return result
         await asyncio.sleep(0.05)

@@ -18,7 +18,21 @@ from typing import Any
 
 from bubblefree.bench.doc_block import write_block
 
-BEGIN, END = "<!-- load-replicas:begin -->", "<!-- load-replicas:end -->"
+BLOCK = "load-replicas"  # the document's markers: <!-- load-replicas:begin --> ... :end
+
+
+def served(record: dict) -> int:
+    """Engines behind a grid record: its addresses times the replicas behind each."""
+    return len(record["urls"]) * record.get("replicas", 1)
+
+
+def _how(two: dict, n: int) -> str:
+    if two.get("replicas", 1) > 1:
+        return (f"Then {n} replicas on Ray Serve behind one address (`serve --replicas {n}`: Ray's router "
+                f"spreads the requests, one load process sends them all): `{two['command']}`.")
+    return (f"Then {n} servers, the first one again and more beside it, the load generator spreading the "
+            f"clients (client i asks server i mod {n}, each server's clients in a load process of their "
+            f"own): `{two['command']}`.")
 
 
 def _pair(values: list[float | None]) -> str:
@@ -41,7 +55,7 @@ def pairs(one: dict, two: dict) -> list[tuple[dict, dict | None]]:
 
 
 def table(one: dict, two: dict, target: float) -> str:
-    n = len(two["urls"])
+    n = served(two)
     lines = [f"| workload | clients | req/s, 1 server | req/s, {n} servers | {n} ÷ 1 | ≥ {target}× | "
              f"latency p50 / p99 ms, 1 | latency p50 / p99 ms, {n} | TTFT p50 / p99 ms, 1 | "
              f"TTFT p50 / p99 ms, {n} | errors, 1 / {n} | lost requests or pages, 1 / {n} | load CPU, 1 / {n} |",
@@ -61,10 +75,10 @@ def table(one: dict, two: dict, target: float) -> str:
 
 
 def verdict(one: dict, two: dict, target: float) -> str:
-    n = len(two["urls"])
+    n = served(two)
     met = [(a, b) for a, b in pairs(one, two) if b and a["req_s"] and b["req_s"] / a["req_s"] >= target]
     cells = [(a, b) for a, b in pairs(one, two) if b]
-    few = sorted({a["clients"] for a, _ in cells if a["clients"] < n})
+    few = sorted({a["clients"] for a, _ in cells if a["clients"] < n}) if len(two["urls"]) > 1 else []
     text = (f"Target: {n} servers ≥ {target}× one in req/s. Met in {len(met)} of {len(cells)} cells"
             + (": " + ", ".join(f"{a['workload']} x{a['clients']}" for a, _ in met) if met else "") + ".")
     if few:
@@ -74,7 +88,7 @@ def verdict(one: dict, two: dict, target: float) -> str:
 
 
 def render(one: dict, two: dict, target: float, note: str = "") -> str:
-    s, n = one["settings"], len(two["urls"])
+    s, n = one["settings"], served(two)
     image = (f"every request in a cell about a different random {s['image_side']}-px image, a JPEG data URI "
              "as moondream's client sends it (the server keeps no image cache: it decodes, crops and "
              "encodes every one)" if s["images"] else "no images")
@@ -83,18 +97,18 @@ def render(one: dict, two: dict, target: float, note: str = "") -> str:
         image += (f"; but {reused} requests in all sent an image again within their cell (a load "
                   f"process's {s['images']} ran out)")
     return "\n".join([
-        f"## Load: one server against {n}, {two['date']}", "",
+        f"## Load: one server against {n}" + (" on Ray Serve" if two.get("replicas", 1) > 1 else "")
+        + f", {two['date']}", "",
         f"Machine: {two['env'] or one['env'] or 'not recorded'}. Model: {one['model']}. "
-        f"One server: `{one['command']}`. Then {n} servers, the first one again and more beside it, the "
-        f"load generator spreading the clients (client i asks server i mod {n}, each server's clients in a "
-        f"load process of their own): `{two['command']}`." + (f" {note}" if note else ""), "",
+        f"One server: `{one['command']}`. {_how(two, n)}" + (f" {note}" if note else ""), "",
         f"Each cell sends requests for {s['duration_s']:g} s (before each workload, {s['warmup_s']:g} s "
         f"untimed at the most clients), {image}. query: answers capped at {s['max_tokens']} tokens, "
         f"{s['stream']:.0%} streamed (TTFT from those); point: one object. {s['leave']:.0%} of requests "
         "leave early. req/s: requests answered in full within the cell's seconds, over them; latency: every "
         "request answered in full. *Lost*: after each cell, "
-        "`/v1/stats` of every server must show each request sent to it counted once, none live or queued, "
-        "every KV page and row slot free. *Load CPU*: each load process's CPU seconds per second (near 1, "
+        "`/v1/stats` of every server (behind Ray Serve, of every replica) must show each request sent to it "
+        "counted once (behind Ray, less clients that left waiting before a replica had their request), none "
+        "live or queued, every KV page and row slot free. *Load CPU*: each load process's CPU seconds per second (near 1, "
         "the client would be what is measured).", "",
         table(one, two, target), "",
         verdict(one, two, target)])
@@ -109,12 +123,13 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--note", default="", help="added to the description (how the servers ran, and why)")
     ap.add_argument("--out", default="", help="write the section into this markdown file")
     ap.add_argument("--record", default="", help="write both records here as one JSON file")
+    ap.add_argument("--block", default=BLOCK, help="the markers' name in --out (<!-- NAME:begin -->)")
     args = ap.parse_args(argv)
     one, two = (json.loads(Path(p).read_text()) for p in (args.one, args.more))
     text = render(one, two, args.target, args.note)
     print(text)
     if args.out:
-        write_block(Path(args.out), BEGIN, END, text)
+        write_block(Path(args.out), f"<!-- {args.block}:begin -->", f"<!-- {args.block}:end -->", text)
     if args.record:
         record: dict[str, Any] = dict(target=args.target, note=args.note, one=one, more=two)
         Path(args.record).write_text(json.dumps(record, indent=1) + "\n")

@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--timeout", type=float, default=60.0, help="one request's bound (s)")
     ap.add_argument("--settle", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="replicas behind each --url (serve --replicas N): the checks read every one")
     ap.add_argument("--label", default="", help="what was served, for the record (\"one replica\")")
     ap.add_argument("--env", default="", help="the machine, for the record")
     ap.add_argument("--record", default="", help="write the run as JSON here")
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     clients = [int(c) for c in args.clients.split(",")]
     base = Load(url=args.url[0], requests=args.requests, duration_s=args.duration, stream=args.stream,
                 leave=args.leave, max_tokens=args.max_tokens, request_timeout_s=args.timeout,
-                settle_s=args.settle, seed=args.seed)
+                settle_s=args.settle, seed=args.seed, replicas=args.replicas)
     print(f"{args.label or 'load grid'}: {len(args.url)} server(s) {args.url}, one load process each; "
           f"client i asks server i mod {len(args.url)}", flush=True)
     record = dict(label=args.label, env=args.env, date=str(datetime.date.today()), urls=args.url,
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   settings=dict(duration_s=args.duration, warmup_s=args.warmup, images=args.images,
                                 image_side=args.image_side, max_tokens=args.max_tokens, stream=args.stream,
                                 leave=args.leave),
-                  model="?", cells=[], warmup=[])
+                  replicas=args.replicas, model="?", cells=[], warmup=[])
 
     def save(rows: list[dict], warm: list[dict]) -> None:
         record.update(model=rows[0]["model"], cells=rows, warmup=warm)

@@ -63,11 +63,32 @@ def test_the_comparison_judges_each_cell_against_the_target(tmp_path):
     assert "Met in 1 of 3 cells: point x8." in text and "With 1 client(s) the other server(s) get none" in text
     assert "Two processes, not Ray Serve." in text
     written = doc.read_text()
-    assert "earlier runs stay" in written and written.count(load_compare.BEGIN) == 1 and text in written
+    assert "earlier runs stay" in written and text in written
+    assert written.count(f"<!-- {load_compare.BLOCK}:begin -->") == 1
     # An image sent twice in a cell is said, so "different" is never claimed for it.
     assert "sent an image again" not in text
     two["cells"][2]["images_reused"] = 5
     assert "; but 5 requests in all sent an image again within their cell" in load_compare.render(one, two, 1.8)
+
+
+def test_replicas_behind_one_address_are_counted_and_said_in_their_own_block(tmp_path):
+    """A Ray Serve record: one address, two replicas behind it. The ratio's
+    column names two, the text says Ray Serve, the single client is not
+    excused (the router may send it anywhere), and the section lands in
+    the block named, beside the two-process one."""
+    one = dict(_record(["r"], [_cell("query", 1, 10.0), _cell("query", 32, 10.0)]), replicas=1)
+    two = dict(_record(["r"], [_cell("query", 1, 10.0), _cell("query", 32, 19.0)]), replicas=2)
+    for name, record in (("one.json", one), ("two.json", two)):
+        (tmp_path / name).write_text(json.dumps(record))
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("<!-- load-replicas:begin -->\nthe two processes\n<!-- load-replicas:end -->\n")
+    text = load_compare.main([str(tmp_path / "one.json"), str(tmp_path / "two.json"), "--out", str(doc),
+                              "--block", "load-ray"])
+    assert "| req/s, 2 servers | 2 ÷ 1 |" in text and "| 1.90 | yes |" in text
+    assert "## Load: one server against 2 on Ray Serve" in text and "`serve --replicas 2`" in text
+    assert "Met in 1 of 2 cells: query x32." in text and "get none" not in text
+    written = doc.read_text()
+    assert "the two processes" in written and "<!-- load-ray:begin -->" in written and text in written
 
 
 

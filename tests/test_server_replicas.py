@@ -152,3 +152,20 @@ def test_a_body_over_the_limit_is_refused_by_the_relay(url):
         r = http.post(f"{url}/v1/query", content=b"x" * (ServerSettings().max_body_bytes + 1),
                       headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+
+
+def test_the_load_through_the_relay_is_checked_on_every_replica(url):
+    """``bench.load --replicas 2`` against the relay: its ``/v1/stats``
+    reads reach both replicas, the counts add up to what was sent (clients
+    leaving early included), and asking for a third replica that is not
+    there fails the check that names it instead of passing on two."""
+    from bubblefree.bench import load
+    common = ["--url", url, "--clients", "6", "--requests", "36", "--duration", "30", "--stream", "0.5",
+              "--leave", "0.25", "--max-tokens", "6", "--settle", "15"]
+    result = load.main([*common, "--replicas", "2"])
+    assert all(result["checks"].values()), result["checks"]
+    assert any(name.startswith("every replica read (2 of 2") for name in result["checks"]), result["checks"]
+    assert result["requests"] == 36 and not result["errors"], result
+    missing = load.main([*common, "--requests", "4", "--leave", "0", "--replicas", "3", "--settle", "0.5"])
+    failed = [name for name, ok in missing["checks"].items() if not ok]
+    assert failed == [next(n for n in missing["checks"] if n.startswith("every replica read (2 of 3"))], failed

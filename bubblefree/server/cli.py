@@ -93,7 +93,8 @@ def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Cal
     ray.init(include_dashboard=False)
     gpus = ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu"
     serve.start(http_options={"host": settings.host, "port": settings.port})
-    serve.run(application(make, settings, args.replicas, gpus=gpus), name="bubblefree", route_prefix="/")
+    serve.run(application(make, settings, args.replicas, gpus=gpus, log_level=args.log_level),
+              name="bubblefree", route_prefix="/")
     print(f"{args.replicas} replicas on http://{settings.host}:{settings.port}", flush=True)
     try:
         threading.Event().wait()  # until interrupted

@@ -159,18 +159,24 @@ def unavailable(why: str) -> JSONResponse:
 
 
 def application(make_engine: Callable[[], Engine], settings: ServerSettings, replicas: int, *,
-                gpus: bool, health_check_period_s: float = 2.0) -> Any:
+                gpus: bool, health_check_period_s: float = 2.0, log_level: str = "info") -> Any:
     """The Ray Serve application: the relay in front of ``replicas`` engine
     replicas, each around ``make_engine()``, one GPU each if ``gpus``.
-    ``serve.run`` it."""
+    ``serve.run`` it. ``log_level`` is the server's: Ray Serve's
+    per-request access log (two lines a request, relay and replica) only at
+    ``info`` or ``debug``, as uvicorn's."""
     from ray import serve
+
+    logging = {"log_level": log_level.upper(), "enable_access_log": log_level in ("debug", "info")}
 
     engines = serve.deployment(EngineReplica, name=DEPLOYMENT, num_replicas=replicas,
                                ray_actor_options={"num_gpus": 1} if gpus else {"num_cpus": 1},
                                max_ongoing_requests=settings.max_live,
                                health_check_period_s=health_check_period_s,
-                               health_check_timeout_s=max(10.0, 5 * health_check_period_s))
+                               health_check_timeout_s=max(10.0, 5 * health_check_period_s),
+                               logging_config=logging)
     # The relay only moves bytes: no CPU reserved, so it never waits for one.
     relay = serve.deployment(Relay, name=RELAY, num_replicas=1, ray_actor_options={"num_cpus": 0},
-                             max_ongoing_requests=max(1000, 4 * replicas * settings.max_live))
+                             max_ongoing_requests=max(1000, 4 * replicas * settings.max_live),
+                             logging_config=logging)
     return relay.bind(engines.bind(make_engine, settings), settings)
