@@ -89,3 +89,25 @@ def test_token_rows_carry_each_prompt_and_pad_into_the_scratch_row(plan_rows):
     keys = sum(len(r.tokens) * r.position + len(r.tokens) * (len(r.tokens) + 1) // 2
                for r in plan_rows)
     assert tp.fits(plan) == (keys <= tp.key_budget)
+
+
+@given(st.integers(1, 8192), st.one_of(st.none(), st.integers(1, 8192)), st.integers(1, 8192))
+def test_token_buckets_hold_every_count_and_add_midpoints_only_from_fine_from(max_tokens, fine_from, n):
+    from bubblefree.cuda_backend.token_prefill import token_buckets
+    sizes = token_buckets(max_tokens, fine_from=fine_from)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens
+    assert set(token_buckets(max_tokens)) <= set(sizes)
+    extra = set(sizes) - set(token_buckets(max_tokens))
+    assert all(fine_from is not None and e >= fine_from and (e // 3) & (e // 3 - 1) == 0 and e % 3 == 0
+               for e in extra), extra  # each a 1.5 × 2^k at or above fine_from
+    if n <= max_tokens:
+        b = bucket(n, sizes)
+        assert n <= b
+        if fine_from is not None and n >= max(fine_from, 16):
+            assert b < 1.5 * n  # from fine_from up, no row pads by half or more
+
+
+def test_an_image_row_of_moondream2_pads_to_768_not_1024():
+    from bubblefree.cuda_backend.token_prefill import token_buckets
+    sizes = token_buckets(4096, fine_from=730)
+    assert bucket(740, sizes) == 768 and bucket(2 * 740, sizes) == 1536 and bucket(4 * 740, sizes) == 3072

@@ -6,7 +6,8 @@ Eager, the packed prefill is ~25 kernels per layer, 600 for moondream2's
 its metadata copy and one replay.
 
 Static shapes. Tokens are packed as ``ModelRunner.pack_prefill`` packs
-them and padded to T (``token_buckets``); rows are padded to R
+them and padded to T (``token_buckets``, 1.5× steps from one image row
+up); rows are padded to R
 (``batch_buckets`` of the most rows an image prefill can have); every row
 reads P pages, P the page bucket of the shortest image row (BOS, 729
 features and one token: 64 pages of 16 for moondream2), so P is fixed and
@@ -61,7 +62,8 @@ class PrefillGraphs:
         cap = runner.cap
         self.runner, self.cache, self.graphs, self.region = runner, runner.cache, graphs, region
         self.prefix_len, self.ps, self.pages = prefix_len, cap.page_size, pages
-        self.tokens = token_buckets(cap.max_prefill_tokens)
+        # Finer from one image row up: rows of ~740 tokens fill 768, 1,536, 3,072.
+        self.tokens = token_buckets(cap.max_prefill_tokens, fine_from=prefix_len)
         self.rows = batch_buckets(rows)
         self.tm, self.rm = self.tokens[-1], self.rows[-1]
         self.size = 5 * self.tm + 5 * self.rm + self.rm * pages

@@ -1,0 +1,130 @@
+"""Where one image request's wall time goes at one stream, by host thread
+and backend call: the caller's preparation, each step kind's ``launch``,
+the ``wait`` for a step's output (the host idle while the device works),
+``finalize``, ``release``, and what is left (the serving loop's own Python,
+thread hand-offs, the API).
+
+    python -m bubblefree.bench.vlm_timeline [--workloads point,query] [--requests 24]
+        [--side 378] [--modes auto,True,False] [--tiny]
+
+Requests one after another (one stream), each on a fresh image; every
+backend call and the caller's image preparation timed on the host
+(``time.perf_counter``) by wrapping them, no profiler. Per request, each
+kind of call's time inside the request's window (from the API call to its
+return), mean over the requests; ``rest`` is the window less all of them.
+Each line also gives the device's busy time per request, from CUDA events
+around the whole run divided by the requests (an upper bound: it includes
+zombie steps and idle gaps between kernels of a graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from bubblefree.bench.vlm_speed import WORKLOADS, images
+
+CALLS = ("launch", "wait", "finalize", "release")
+
+
+class Recorder:
+    """Wraps the backend's calls and the image preparation; keeps (what,
+    start, end) spans."""
+
+    def __init__(self, backend: Any):
+        self.spans: list[tuple[str, float, float]] = []
+        self.kinds: dict[int, str] = {}  # slot -> the kind launched into it
+        for name in (*CALLS, "image_ref"):
+            setattr(backend, name, self._wrap(name, getattr(backend, name)))
+
+    def _wrap(self, name: str, call: Callable) -> Callable:
+        def timed(*args: Any) -> Any:
+            if name == "launch":
+                self.kinds[args[0]] = args[1].kind.value
+            what = name if name in ("image_ref", "release") else f"{name} {self.kinds.get(args[0], '?')}"
+            start = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                self.spans.append((what, start, time.perf_counter()))
+        return timed
+
+
+def within(spans: list[tuple[str, float, float]], start: float, end: float) -> dict[str, float]:
+    """Seconds of each kind of span inside [start, end]."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for what, a, b in spans:
+        if b > start and a < end:
+            out[what] += min(b, end) - max(a, start)
+    return out
+
+
+def measure(engine: Any, recorder: Recorder, workload: str, side: int, count: int) -> dict[str, Any]:
+    ask = WORKLOADS[workload]
+    for picture in images(4, side, 99):
+        ask(engine, picture)  # warm
+    pictures = images(count, side, 7)
+    recorder.spans.clear()
+    windows = []
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+    for picture in pictures:
+        start = time.perf_counter()
+        ask(engine, picture)
+        windows.append((start, time.perf_counter()))
+    device_ms = None
+    if cuda:
+        finish.record()
+        torch.cuda.synchronize()
+        device_ms = begin.elapsed_time(finish) / count  # wall on the device's clock, idle included
+    parts = [within(recorder.spans, a, b) for a, b in windows]
+    walls = [1e3 * (b - a) for a, b in windows]
+    names = sorted({k for p in parts for k in p})
+    mean = {k: 1e3 * statistics.mean(p.get(k, 0.0) for p in parts) for k in names}
+    mean["rest"] = statistics.mean(walls) - sum(mean.values())
+    return dict(workload=workload, wall_p50=statistics.median(walls), wall_mean=statistics.mean(walls),
+                parts=mean, device_window_ms=device_ms,
+                calls={k: statistics.mean(sum(1 for w, a, b in recorder.spans if w == k and a >= s and b <= e)
+                                          for s, e in windows) for k in names})
+
+
+def show(mode: str, r: dict[str, Any]) -> str:
+    parts = ", ".join(f"{k} {v:.2f}" + (f" (x{r['calls'][k]:.1f})" if k in r["calls"] else "")
+                      for k, v in sorted(r["parts"].items(), key=lambda kv: -kv[1]))
+    return (f"{r['workload']:7s} pipelined={mode:5s} wall p50 {r['wall_p50']:.2f} ms, mean "
+            f"{r['wall_mean']:.2f} ms; per request, ms (calls): {parts}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="point,query")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--side", type=int, default=378)
+    ap.add_argument("--modes", default="auto,True,False", help="the engine's pipelined setting, each in turn")
+    ap.add_argument("--tiny", action="store_true", help="the tiny shape (a CPU smoke run)")
+    args = ap.parse_args(argv)
+    from bubblefree import Engine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device)
+    recorder = Recorder(engine.backend)
+    print(f"prefill: {engine.backend.prefill_path}", flush=True)
+    try:
+        for mode in args.modes.split(","):
+            engine.pipelined = {"True": True, "False": False}.get(mode, mode)
+            for workload in args.workloads.split(","):
+                print(show(mode, measure(engine, recorder, workload, args.side, args.requests)), flush=True)
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
