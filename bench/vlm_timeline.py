@@ -103,6 +103,24 @@ def show(mode: str, r: dict[str, Any]) -> str:
             f"{r['wall_mean']:.2f} ms; per request, ms (calls): {parts}")
 
 
+def prepare_ms(engine: Any, side: int, reps: int = 20) -> str:
+    """The caller's crops alone, into pinned host memory (as served) and
+    into pageable memory: what pinning a fresh image costs."""
+    from bubblefree.cuda_backend.moondream.prepared import prepare
+
+    pictures, vision = images(reps, side, 11), engine.backend.config.vision
+    out = []
+    for pin in (True, False):
+        if pin and not torch.cuda.is_available():
+            continue
+        prepare(pictures[0], vision, pin)
+        start = time.perf_counter()
+        for picture in pictures:
+            prepare(picture, vision, pin)
+        out.append(f"{'pinned' if pin else 'pageable'} {1e3 * (time.perf_counter() - start) / reps:.2f} ms")
+    return f"crops of a {side}-px image on the caller's thread, alone: " + ", ".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="point,query")
@@ -117,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device)
     recorder = Recorder(engine.backend)
     print(f"prefill: {engine.backend.prefill_path}", flush=True)
+    print(prepare_ms(engine, args.side), flush=True)
     try:
         for mode in args.modes.split(","):
             engine.pipelined = {"True": True, "False": False}.get(mode, mode)

@@ -82,7 +82,9 @@ def engine_maker(args: argparse.Namespace) -> Callable[[], Any]:
 
 
 def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Callable[[], Any]) -> int:
-    """Start Ray here (or join the cluster RAY_ADDRESS names), serve until interrupted."""
+    """Start Ray here (or join the cluster RAY_ADDRESS names), serve until
+    SIGINT or SIGTERM."""
+    import signal
     import threading
 
     import ray
@@ -92,17 +94,28 @@ def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Cal
 
     ray.init(include_dashboard=False)
     gpus = ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu"
-    serve.start(http_options={"host": settings.host, "port": settings.port})
-    serve.run(application(make, settings, args.replicas, gpus=gpus, log_level=args.log_level),
-              name="bubblefree", route_prefix="/")
-    print(f"{args.replicas} replicas on http://{settings.host}:{settings.port}", flush=True)
+    # Ray's proxy logs every request and disconnect at info, as uvicorn does.
+    serve.start(http_options={"host": settings.host, "port": settings.port},
+                logging_config={"log_level": args.log_level.upper(),
+                                "enable_access_log": args.log_level in ("debug", "info")})
+    stop, previous = threading.Event(), {}
     try:
-        threading.Event().wait()  # until interrupted
-    except KeyboardInterrupt:
+        serve.run(application(make, settings, args.replicas, gpus=gpus, log_level=args.log_level),
+                  name="bubblefree", route_prefix="/")
+        # Serving: a signal sets a flag instead of raising KeyboardInterrupt,
+        # which, raised again by a second signal while the first unwound a
+        # lock's wait, broke the shutdown ("release unlocked lock").
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        print(f"{args.replicas} replicas on http://{settings.host}:{settings.port}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:  # during the start
         pass
     finally:
         serve.shutdown()
         ray.shutdown()
+        for sig, handler in previous.items():  # only now: a signal mid-shutdown must not cut it short
+            signal.signal(sig, handler)
     return 0
 
 
