@@ -51,7 +51,7 @@ from bubblefree.bench.load_checks import Stats, checks, settle
 from bubblefree.bench.load_request import OBJECT, QUESTION, Outcome, Plan, body, one
 
 __all__ = ["OBJECT", "QUESTION", "Load", "Outcome", "Plan", "Stats", "body", "checks", "main", "measure",
-           "one", "run", "settle", "summary", "window"]
+           "one", "run", "sent_and_left", "settle", "summary", "window"]
 
 BEGIN, END = "<!-- load:begin -->", "<!-- load:end -->"
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -74,6 +74,7 @@ class Load:
     seed: int = 0
     start_at: float | None = None  # time.time() at which the clients start; None: at once
     replicas: int = 1  # replicas behind the address (Ray Serve's): its checks read each one
+    checked: bool = True  # False: another process checks the address (it is shared; load_spread)
 
 
 @attrs.frozen
@@ -122,9 +123,11 @@ async def measure(load: Load, images: Sequence[str] = ()) -> Measured:
     check(load)
     limits = httpx.Limits(max_connections=load.clients + 2, max_keepalive_connections=load.clients + 2)
     async with httpx.AsyncClient(limits=limits, timeout=load.request_timeout_s, trust_env=False) as http:
-        model = (await http.get(f"{load.url}/health")).json().get("model", "?")
+        model = "?"
         stats = Stats(http, load.url, load.replicas)
-        await stats.read()
+        if load.checked:  # else no call beside the load's: the checker counts what the processes send
+            model = (await http.get(f"{load.url}/health")).json().get("model", "?")
+            await stats.read()
         if load.start_at is not None:  # several load processes start together
             await asyncio.sleep(max(0.0, load.start_at - time.time()))
         outcomes: list[Outcome] = []
@@ -133,12 +136,17 @@ async def measure(load: Load, images: Sequence[str] = ()) -> Measured:
         await asyncio.gather(*(client(http, load, todo, start + load.duration_s, outcomes, pictures)
                                for _ in range(load.clients)))
         wall, cpu = time.monotonic() - start, time.process_time() - cpu
-        sent = sum(o.sent for o in outcomes)
-        left_waiting = sum(o.sent and o.left and o.status is None and o.ttft_s is None for o in outcomes)
-        result = await settle(stats, sent, load.settle_s, left_waiting)
+        result = await settle(stats, *sent_and_left(outcomes), load.settle_s) if load.checked else {}
     reused = max(0, len(outcomes) - len(images)) if images else 0
     return Measured(outcomes, wall, model, result, cpu / wall if wall else 0.0, reused,
                     *window(load, outcomes, start, wall))
+
+
+def sent_and_left(outcomes: Sequence[Outcome]) -> tuple[int, int]:
+    """Requests whose body went out, and those of them whose client left
+    before any answer came (``checks``' two counts)."""
+    return (sum(o.sent for o in outcomes),
+            sum(o.sent and o.left and o.status is None and o.ttft_s is None for o in outcomes))
 
 
 def window(load: Load, outcomes: list[Outcome], start: float, wall: float) -> tuple[int, float]:

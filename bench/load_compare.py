@@ -22,14 +22,17 @@ BLOCK = "load-replicas"  # the document's markers: <!-- load-replicas:begin --> 
 
 
 def served(record: dict) -> int:
-    """Engines behind a grid record: its addresses times the replicas behind each."""
-    return len(record["urls"]) * record.get("replicas", 1)
+    """Engines behind a grid record: its addresses (an address given twice,
+    for two load processes, once) times the replicas behind each."""
+    return len(set(record["urls"])) * record.get("replicas", 1)
 
 
 def _how(two: dict, n: int) -> str:
     if two.get("replicas", 1) > 1:
+        senders = len(two["urls"])
         return (f"Then {n} replicas on Ray Serve behind one address (`serve --replicas {n}`: Ray's router "
-                f"spreads the requests, one load process sends them all): `{two['command']}`.")
+                f"spreads the requests; {senders} load process{'es' if senders > 1 else ''} send them, as "
+                f"against the one replica): `{two['command']}`.")
     return (f"Then {n} servers, the first one again and more beside it, the load generator spreading the "
             f"clients (client i asks server i mod {n}, each server's clients in a load process of their "
             f"own): `{two['command']}`.")
@@ -78,7 +81,7 @@ def verdict(one: dict, two: dict, target: float) -> str:
     n = served(two)
     met = [(a, b) for a, b in pairs(one, two) if b and a["req_s"] and b["req_s"] / a["req_s"] >= target]
     cells = [(a, b) for a, b in pairs(one, two) if b]
-    few = sorted({a["clients"] for a, _ in cells if a["clients"] < n}) if len(two["urls"]) > 1 else []
+    few = sorted({a["clients"] for a, _ in cells if a["clients"] < n}) if len(set(two["urls"])) > 1 else []
     text = (f"Target: {n} servers ≥ {target}× one in req/s. Met in {len(met)} of {len(cells)} cells"
             + (": " + ", ".join(f"{a['workload']} x{a['clients']}" for a, _ in met) if met else "") + ".")
     if few:

@@ -5,8 +5,8 @@
 #
 # RAY=1: on Ray Serve, as a user runs it: `bubblefree serve --replicas 1`,
 # then `--replicas 2`, each behind its one address (Ray's router spreads the
-# requests); the load generator reads every replica's /v1/stats
-# (`--replicas`). Ray comes from .raypack/raysite.tar.xz (bench/ray_pack.sh),
+# requests); two load processes send to that address, and the load
+# generator reads every replica's /v1/stats (`--replicas`). Ray comes from .raypack/raysite.tar.xz (bench/ray_pack.sh),
 # unpacked into /tmp/site when `import ray` fails: the GPU machines have no
 # network. Section "Load: one server against 2 on Ray Serve".
 #
@@ -115,7 +115,9 @@ ray_main() {  # the grid against `serve --replicas 1`, then `--replicas 2`, on R
       return 1
     fi
     echo "Ray Serve with $n replica(s) up after $((SECONDS - t0)) s"
-    grid "$n replica(s) on Ray Serve (serve --replicas $n)" "$out/grid_ray$n.json" "$n" "$url"
+    # Two load processes on the one address: one process's Python loop
+    # saturates near 128 clients with images (load CPU ~1).
+    grid "$n replica(s) on Ray Serve (serve --replicas $n)" "$out/grid_ray$n.json" "$n" "$url" "$url"
     stop_ray
   done
   tail -n 5 "$out"/server_ray*.txt
@@ -127,7 +129,7 @@ ray_main() {  # the grid against `serve --replicas 1`, then `--replicas 2`, on R
 main() {
   trap stop_servers EXIT
   date -u +"%Y-%m-%d %H:%M:%S UTC"
-  echo "$note"
+  [ -z "${RAY:-}" ] && echo "$note"
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1 | head -4
   if ! "$py" -c "import fastapi, uvicorn" 2>/dev/null; then
     echo "installing the server's wheels into /tmp/site"

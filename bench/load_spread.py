@@ -15,6 +15,12 @@ Python loop that one server's load already keeps busy. The processes are
 started once (spawn: the caller may hold threads, a fork would copy their
 locks), each makes its images then, and every cell is handed to all of
 them with one start time, so their timed windows are the same.
+
+An address given more than once is shared: several load processes send to
+it (one Ray Serve address in front of several replicas, whose load one
+process cannot make), and this process checks it once for all of them,
+reading ``/v1/stats`` before the cell and settling it after with the
+requests they sent together.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from typing import Any, Sequence
 
 import attrs
 
-from bubblefree.bench.load import Load, Measured, measure, summary
+import httpx
+
+from bubblefree.bench.load import Load, Measured, Stats, measure, sent_and_left, settle, summary
 from bubblefree.bench.load_images import pool
 
 LEAD_S = 0.5  # from handing a cell out to its common start: each process reads /health and /v1/stats first
@@ -80,16 +88,27 @@ class Spread:
         summary of all, each server's checks under its URL."""
         clients = shares(load.clients, len(self.urls))
         requests = split(load.requests, clients)
+        shared = {u: Stats(None, u, load.replicas) for u in self.urls if self.urls.count(u) > 1}
+        models = [asyncio.run(_read(stats)) for stats in shared.values()]
         start_at = time.time() + LEAD_S
         busy = [i for i, c in enumerate(clients) if c]
         for i in busy:
             self._conns[i].send(attrs.evolve(load, url=self.urls[i], clients=clients[i], requests=requests[i],
-                                             seed=load.seed + i, start_at=start_at))
+                                             seed=load.seed + i, start_at=start_at,
+                                             checked=self.urls[i] not in shared))
         bound = LEAD_S + load.duration_s + load.request_timeout_s + load.settle_s + 30
         parts: list[tuple[int, Measured]] = [(i, _answer(self._conns[i], bound, "measure")) for i in busy]
+        for url, stats in shared.items():  # checked once, for every process that sent to it
+            mine = [i for i, _ in parts if self.urls[i] == url]
+            if not mine:
+                continue
+            sent = sent_and_left([o for i, m in parts if i in mine for o in m.outcomes])
+            checked = asyncio.run(_settle(stats, sent, load.settle_s))
+            parts = [(i, attrs.evolve(m, checks=checked) if i == mine[0] else m) for i, m in parts]
         outcomes = [o for _, m in parts for o in m.outcomes]
         rate = (sum(m.in_window for _, m in parts), max(m.window_s for _, m in parts))
-        result = summary(load, outcomes, max(m.wall_s for _, m in parts), parts[0][1].model, rate)
+        model = next((m.model for _, m in parts if m.model != "?"), models[0] if models else "?")
+        result = summary(load, outcomes, max(m.wall_s for _, m in parts), model, rate)
         result["checks"] = {f"{self.urls[i]}: {name}": ok for i, m in parts for name, ok in m.checks.items()}
         result["servers"] = [dict(url=url, clients=clients[i],
                                   requests=next((len(m.outcomes) for j, m in parts if j == i), 0))
@@ -115,6 +134,21 @@ class Spread:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+async def _read(stats: Stats) -> str:
+    """The model a shared address serves, and its counters before the cell."""
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        stats.http = http
+        model = (await http.get(f"{stats.url}/health")).json().get("model", "?")
+        await stats.read()
+        return model
+
+
+async def _settle(stats: Stats, sent: tuple[int, int], within_s: float) -> dict[str, bool]:
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        stats.http = http
+        return await settle(stats, sent[0], within_s, sent[1])
 
 
 def _answer(conn: Connection, within_s: float, what: str) -> Any:

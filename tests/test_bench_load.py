@@ -95,6 +95,21 @@ def test_clients_spread_across_servers_each_checked_on_its_own():
     assert result["completed"] + result["left_stream"] + result["left_wait"] == 45
 
 
+def test_an_address_given_twice_is_loaded_by_two_processes_and_checked_once_for_both():
+    """Two load processes against one address (as in front of Ray Serve's
+    replicas): the address's counters are checked once, against what both
+    sent, and a check that each process made alone (counting the other's
+    requests as extra) would have failed."""
+    with fake_engine(delay_s=0.002) as engine, serving(engine) as url:
+        result = load.main(["--url", url, "--url", url, "--clients", "4", "--requests", "40", "--duration", "20",
+                            "--stream", "0.5", "--leave", "0.2", "--max-tokens", "6"])
+    assert [(s["url"], s["clients"], s["requests"]) for s in result["servers"]] == [(url, 2, 20), (url, 2, 20)]
+    assert len(result["checks"]) == 5 and len(result["load_cpu"]) == 2, result["checks"]
+    assert result["model"] != "?"  # read once by the checker, not by the processes
+    assert result["checks"][f"{url}: every request sent was counted once by the server (40 of 40)"]
+    assert all(result["checks"].values()), result["checks"]
+
+
 def test_a_server_left_with_a_live_request_fails_only_its_own_checks():
     from bubblefree.bench.load_spread import Spread
 

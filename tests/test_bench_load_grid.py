@@ -76,8 +76,8 @@ def test_replicas_behind_one_address_are_counted_and_said_in_their_own_block(tmp
     column names two, the text says Ray Serve, the single client is not
     excused (the router may send it anywhere), and the section lands in
     the block named, beside the two-process one."""
-    one = dict(_record(["r"], [_cell("query", 1, 10.0), _cell("query", 32, 10.0)]), replicas=1)
-    two = dict(_record(["r"], [_cell("query", 1, 10.0), _cell("query", 32, 19.0)]), replicas=2)
+    one = dict(_record(["r", "r"], [_cell("query", 1, 10.0), _cell("query", 32, 10.0)]), replicas=1)
+    two = dict(_record(["r", "r"], [_cell("query", 1, 10.0), _cell("query", 32, 19.0)]), replicas=2)
     for name, record in (("one.json", one), ("two.json", two)):
         (tmp_path / name).write_text(json.dumps(record))
     doc = tmp_path / "benchmarks.md"
@@ -86,6 +86,7 @@ def test_replicas_behind_one_address_are_counted_and_said_in_their_own_block(tmp
                               "--block", "load-ray"])
     assert "| req/s, 2 servers | 2 ÷ 1 |" in text and "| 1.90 | yes |" in text
     assert "## Load: one server against 2 on Ray Serve" in text and "`serve --replicas 2`" in text
+    assert "2 load processes send them" in text  # one address given twice: two senders, not four replicas
     assert "Met in 1 of 2 cells: query x32." in text and "get none" not in text
     written = doc.read_text()
     assert "the two processes" in written and "<!-- load-ray:begin -->" in written and text in written
