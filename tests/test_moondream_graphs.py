@@ -8,6 +8,7 @@ scratch page (I6); the encoder's chunks of crops equal one call."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,10 +99,12 @@ def test_the_buckets_cover_the_image_rows_and_one_page_count(pair):
     graphed, eager = pair
     p = graphed._prefill
     assert eager._prefill is None and eager._encoder is None
-    assert p.tokens == [16, 32, 64, 128, 256, 512, 1024, 2048, 3200]
+    # Powers of two, and 1.5x steps from one image row (731 tokens) up.
+    assert p.tokens == [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 3200]
     assert p.rows == [1, 2, 4]  # 3200 // 731: four image rows at most
     assert p.pages * graphed.capacity.page_size >= graphed.prefix_len + 1
-    assert (1024, 4) in p.keys() and (16, 1) in p.keys()
+    assert (1024, 4) in p.keys() and (16, 1) in p.keys() and (768, 1) in p.keys()
+    assert p.key([list(range(740))], np.zeros(1, dtype=np.int64)) == (768, 1)  # one 378-px point row
     assert graphed._encoder.buckets == list(range(1, 17))
 
 
