@@ -11,7 +11,11 @@ Requests one after another (one stream), each on a fresh image; every
 backend call and the caller's image preparation timed on the host
 (``time.perf_counter``) by wrapping them, no profiler. Per request, each
 kind of call's time inside the request's window (from the API call to its
-return), mean over the requests; ``rest`` is the window less all of them.
+return), mean over the requests. ``submit`` is the caller's submit less
+the crops (``image_ref``) inside it; ``tick`` the decode thread's ticks less
+the backend calls inside them (the core's and skills' Python); ``rest`` is
+the window less all of them (hand-offs between the threads, the loop's
+idle wake-up, the answer's conversion).
 Each line also gives the device's busy time per request, from CUDA events
 around the whole run divided by the requests (an upper bound: it includes
 zombie steps and idle gaps between kernels of a graph).
@@ -36,17 +40,25 @@ class Recorder:
     """Wraps the backend's calls and the image preparation; keeps (what,
     start, end) spans."""
 
-    def __init__(self, backend: Any):
+    def __init__(self, engine: Any):
         self.spans: list[tuple[str, float, float]] = []
         self.kinds: dict[int, str] = {}  # slot -> the kind launched into it
+        backend = engine.backend
         for name in (*CALLS, "image_ref"):
             setattr(backend, name, self._wrap(name, getattr(backend, name)))
+        # Around the calls above: the caller's submit (image_ref inside it)
+        # and the decode thread's tick (every backend step call inside it).
+        engine.submit_many = self._wrap("submit", engine.submit_many)
+        core = engine.loop.core  # slotted: its class is swapped for one whose tick is timed
+        timed_tick = self._wrap("tick", type(core).tick)
+        core.__class__ = type("TimedCore", (type(core),), {"__slots__": (), "tick": timed_tick})
 
     def _wrap(self, name: str, call: Callable) -> Callable:
         def timed(*args: Any) -> Any:
             if name == "launch":
                 self.kinds[args[0]] = args[1].kind.value
-            what = name if name in ("image_ref", "release") else f"{name} {self.kinds.get(args[0], '?')}"
+            what = (name if name in ("image_ref", "release", "submit", "tick")
+                    else f"{name} {self.kinds.get(args[0], '?')}")
             start = time.perf_counter()
             try:
                 return call(*args)
@@ -87,6 +99,9 @@ def measure(engine: Any, recorder: Recorder, workload: str, side: int, count: in
         device_ms = begin.elapsed_time(finish) / count  # wall on the device's clock, idle included
     parts = [within(recorder.spans, a, b) for a, b in windows]
     walls = [1e3 * (b - a) for a, b in windows]
+    for p in parts:  # the outer spans less what they hold: their own Python
+        p["submit"] = p.get("submit", 0.0) - p.get("image_ref", 0.0)
+        p["tick"] = p.get("tick", 0.0) - sum(v for k, v in p.items() if k.split()[0] in CALLS)
     names = sorted({k for p in parts for k in p})
     mean = {k: 1e3 * statistics.mean(p.get(k, 0.0) for p in parts) for k in names}
     mean["rest"] = statistics.mean(walls) - sum(mean.values())
@@ -133,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device)
-    recorder = Recorder(engine.backend)
+    recorder = Recorder(engine)
     print(f"prefill: {engine.backend.prefill_path}", flush=True)
     print(prepare_ms(engine, args.side), flush=True)
     try:

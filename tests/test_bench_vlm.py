@@ -62,3 +62,29 @@ def test_a_run_with_auto_reports_it_against_the_better_mode():
     assert "| point | 378 px | 1 | 10.0 | 12.0 | 0.83 | 11.0 | 0.92 | 20.0 / 30.0 | 18.0 / 25.0 | — |  |" in text
     assert "auto (the per-tick choice) >= 0.98 x the better of pipelined and blocking: 1 of 2 cells " \
            "(below: point 378 px x1 0.92)" in text
+
+
+def test_vlm_timeline_splits_each_window_by_call_and_nests_without_double_counting():
+    from bubblefree.bench import vlm_timeline
+    spans = [("tick", 0.0, 10.0), ("launch decode", 1.0, 3.0), ("wait decode", 4.0, 12.0),
+             ("submit", -5.0, -1.0)]
+    parts = vlm_timeline.within(spans, 2.0, 8.0)  # clipped to the window, outside ones dropped
+    assert parts == {"tick": 6.0, "launch decode": 1.0, "wait decode": 4.0}
+
+
+def test_vlm_timeline_runs_on_the_tiny_model_and_accounts_each_request(capsys):
+    from bubblefree import Engine
+    from bubblefree.bench import vlm_timeline
+    engine = Engine.moondream_random("tiny", device="cpu", pipelined=False)
+    try:
+        recorder = vlm_timeline.Recorder(engine)
+        r = vlm_timeline.measure(engine, recorder, "point", 378, 3)
+    finally:
+        engine.close()
+    calls, parts = r["calls"], r["parts"]
+    # Blocking, a point request: one image prefill and one decode step, each launched, waited, finalized.
+    assert calls["launch image_prefill"] == 1 and calls["launch decode"] == 1 and calls["image_ref"] == 1
+    assert calls["submit"] == 1 and calls["tick"] >= 2
+    # Outer spans are their own Python only: nothing of the calls inside them is counted twice.
+    assert all(v >= 0 for k, v in parts.items() if k != "rest"), parts
+    assert "pipelined=False" in vlm_timeline.show("False", r)
