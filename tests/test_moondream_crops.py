@@ -57,6 +57,22 @@ def test_crops_cut_their_windows_out_of_an_image_already_at_the_resized_size():
         assert np.array_equal(crops[k + 1].numpy(), pixels[y0:y1, x0:x1])
 
 
+@pytest.mark.parametrize("size", [(378, 378), (300, 500), (500, 300), (900, 700)])
+def test_crops_equal_lanczos_resizes_written_out(size):
+    """The global view is the image resized to 378 px; the local crops are
+    windows of the image resized to the plan's size, whatever shortcut
+    (no resize at the right size, one resize for both views) is taken."""
+    pixels = np.random.default_rng(size[0]).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    crops, plan = overlap_crops(image, VISION)
+    assert np.array_equal(crops[0].numpy(), np.asarray(image.resize((378, 378), Image.Resampling.LANCZOS)))
+    height, width = plan.resized
+    local = np.asarray(image.resize((width, height), Image.Resampling.LANCZOS))
+    for k, (y0, y1, x0, x1) in enumerate(plan.windows):
+        assert np.array_equal(crops[k + 1].numpy(), local[y0:y1, x0:x1])
+    assert np.array_equal(np.asarray(image), pixels)  # the caller's image untouched
+
+
 def test_overlap_crops_refuses_a_non_rgb_image():
     with pytest.raises(ValueError, match="RGB"):
         overlap_crops(Image.new("L", (10, 10)), VISION)

@@ -81,12 +81,22 @@ def overlap_crops(image: Image.Image, config: VisionConfig) -> tuple[torch.Tenso
     plan = plan_crops(image.height, image.width, config)
     size = config.crop_size
     crops = np.empty((plan.n_crops, size, size, 3), dtype=np.uint8)   # [n, S, S, 3]
-    crops[0] = np.asarray(image.resize((size, size), Image.Resampling.LANCZOS))
+    crops[0] = _resized(image, (size, size))
     height, width = plan.resized
-    local = np.asarray(image.resize((width, height), Image.Resampling.LANCZOS))  # [H, W, 3]
+    # One local crop of the global view's size (a side of at most 378 px,
+    # or a 1 x 1 tiling) is the global view again: resized once, not twice.
+    local = crops[0] if (height, width) == (size, size) else _resized(image, (height, width))  # [H, W, 3]
     for k, (y0, y1, x0, x1) in enumerate(plan.windows):
         crops[k + 1] = local[y0:y1, x0:x1]
     return torch.from_numpy(crops), plan
+
+
+def _resized(image: Image.Image, shape: tuple[int, int]) -> np.ndarray:
+    """``image`` resized to ``shape`` (height, width) as an array; one of
+    that size already is read as it is (PIL's resize would copy it)."""
+    if (image.height, image.width) == shape:
+        return np.asarray(image)
+    return np.asarray(image.resize((shape[1], shape[0]), Image.Resampling.LANCZOS))
 
 
 def reconstruct(local: torch.Tensor, tiling: tuple[int, int], margin: int) -> torch.Tensor:
