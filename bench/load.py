@@ -136,7 +136,8 @@ async def measure(load: Load, images: Sequence[str] = ()) -> Measured:
         await asyncio.gather(*(client(http, load, todo, start + load.duration_s, outcomes, pictures)
                                for _ in range(load.clients)))
         wall, cpu = time.monotonic() - start, time.process_time() - cpu
-        result = await settle(stats, *sent_and_left(outcomes), load.settle_s) if load.checked else {}
+        sent, left_waiting = sent_and_left(outcomes)
+        result = await settle(stats, sent, load.settle_s, left_waiting=left_waiting) if load.checked else {}
     reused = max(0, len(outcomes) - len(images)) if images else 0
     return Measured(outcomes, wall, model, result, cpu / wall if wall else 0.0, reused,
                     *window(load, outcomes, start, wall))

@@ -90,7 +90,7 @@ class Stats:
         return sum(_total(s.last) - _total(s.first) - (s.calls - 1) for s in self.seen.values())
 
 
-def checks(stats: Stats, sent: int, left_waiting: int = 0) -> dict[str, bool]:
+def checks(stats: Stats, sent: int, *, left_waiting: int = 0) -> dict[str, bool]:
     """``sent``: requests whose body went out; ``left_waiting``: those of
     them whose client left before any answer came."""
     counted, seen = stats.counted_since_first(), list(stats.seen.values())
@@ -116,13 +116,14 @@ def checks(stats: Stats, sent: int, left_waiting: int = 0) -> dict[str, bool]:
     return result
 
 
-async def settle(stats: Stats, sent: int, within_s: float, left_waiting: int = 0) -> dict[str, bool]:
-    """Poll until every check holds or ``within_s`` has passed: a client's
-    disconnect reaches the server a moment after the client has moved on."""
+async def settle(stats: Stats, sent: int, within_s: float, *, left_waiting: int = 0) -> dict[str, bool]:
+    """Poll ``checks`` until every one holds or ``within_s`` has passed: a
+    client's disconnect reaches the server a moment after the client has
+    moved on."""
     deadline = time.monotonic() + within_s
     while True:
         await stats.read()
-        result = checks(stats, sent, left_waiting)
+        result = checks(stats, sent, left_waiting=left_waiting)
         if all(result.values()) or time.monotonic() > deadline:
             return result
         await asyncio.sleep(0.05)

@@ -148,7 +148,7 @@ async def _read(stats: Stats) -> str:
 async def _settle(stats: Stats, sent: tuple[int, int], within_s: float) -> dict[str, bool]:
     async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
         stats.http = http
-        return await settle(stats, sent[0], within_s, sent[1])
+        return await settle(stats, sent[0], within_s, left_waiting=sent[1])
 
 
 def _answer(conn: Connection, within_s: float, what: str) -> Any:
