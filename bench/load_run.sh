@@ -6,9 +6,10 @@
 # RAY=1: on Ray Serve, as a user runs it: `bubblefree serve --replicas 1`,
 # then `--replicas 2`, each behind its one address (Ray's router spreads the
 # requests); two load processes send to that address, and the load
-# generator reads every replica's /v1/stats (`--replicas`). Ray comes from .raypack/raysite.tar.xz (bench/ray_pack.sh),
-# unpacked into /tmp/site when `import ray` fails: the GPU machines have no
-# network. Section "Load: one server against 2 on Ray Serve".
+# generator reads every replica's /v1/stats (`--replicas`). Ray comes from
+# .raypack/raysite.tar.xz (bench/ray_pack.sh), unpacked into /tmp/site when
+# `import ray` fails: the GPU machines have no network. Section "Load: one
+# server against 2 on Ray Serve".
 #
 # Otherwise: two `bubblefree serve` processes, one per GPU, the load
 # generator spreading the clients between them (client-side balancing, no
