@@ -44,7 +44,9 @@ class Stats:
     of the count: a call is counted when it is answered, after it has read
     the counters."""
 
-    def __init__(self, http: httpx.AsyncClient, url: str, replicas: int = 1):
+    def __init__(self, http: httpx.AsyncClient | None, url: str, replicas: int = 1):
+        """``http``: the client to read with; None until one is set (a
+        checker that reads from several event loops sets one for each)."""
         if replicas < 1:
             raise ValueError(f"replicas: at least 1, got {replicas}")
         self.http, self.url, self.replicas = http, url, replicas

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
+import subprocess
 import threading
 import time
 from typing import Iterator
 
+import httpx
 import uvicorn
 
 from bubblefree import Engine
@@ -70,3 +73,35 @@ def serving(engine: Engine, **settings: object) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def healthy(url: str, server: subprocess.Popen, within_s: float) -> str:
+    """The model ``/health`` names once the server answers it with 200 (Ray
+    Serve's proxy answers 404 in plain text until its app is up); fails if
+    ``server`` exits first or time runs out."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"the server exited: {server.communicate()[0]}")
+        try:
+            response = httpx.get(f"{url}/health", timeout=2, trust_env=False)
+            if response.status_code == 200:
+                return response.json()["model"]
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"no /health within {within_s} s")
+
+
+def interrupt(server: subprocess.Popen, times: int = 1, within_s: float = 30) -> str:
+    """SIGINT ``server`` ``times`` times (0.3 s apart), then its output once
+    it exits; killed if it has not within ``within_s``."""
+    for i in range(times):
+        if i:
+            time.sleep(0.3)
+        server.send_signal(signal.SIGINT)
+    try:
+        return server.communicate(timeout=within_s)[0]
+    except subprocess.TimeoutExpired:
+        server.kill()
+        return server.communicate()[0]

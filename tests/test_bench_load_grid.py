@@ -44,16 +44,20 @@ def _record(urls, cells):
                               leave=0.05), cells=cells)
 
 
+def _compare(tmp_path, one: dict, two: dict, *args: str) -> str:
+    """``load_compare`` on the two records, written as files first."""
+    for name, record in (("one.json", one), ("two.json", two)):
+        (tmp_path / name).write_text(json.dumps(record))
+    return load_compare.main([str(tmp_path / "one.json"), str(tmp_path / "two.json"), *args])
+
+
 def test_the_comparison_judges_each_cell_against_the_target(tmp_path):
     one = _record(["a"], [_cell("query", 1, 10.0), _cell("point", 8, 10.0), _cell("point", 32, 10.0)])
     two = _record(["a", "b"], [_cell("query", 1, 10.2), _cell("point", 8, 19.0),
                                _cell("point", 32, 17.0, lost=True, errors={"HTTP 504": 2})])
-    for name, record in (("one.json", one), ("two.json", two)):
-        (tmp_path / name).write_text(json.dumps(record))
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Speed benchmarks\n\nearlier runs stay\n")
-    text = load_compare.main([str(tmp_path / "one.json"), str(tmp_path / "two.json"), "--out", str(doc),
-                              "--note", "Two processes, not Ray Serve."])
+    text = _compare(tmp_path, one, two, "--out", str(doc), "--note", "Two processes, not Ray Serve.")
     rows = {line.split(" | ")[0] + " " + line.split(" | ")[1]: line for line in text.splitlines()
             if line.startswith("| query") or line.startswith("| point")}
     assert "| 1.02 | no |" in rows["| query 1"]
@@ -78,19 +82,15 @@ def test_replicas_behind_one_address_are_counted_and_said_in_their_own_block(tmp
     the block named, beside the two-process one."""
     one = dict(_record(["r", "r"], [_cell("query", 1, 10.0), _cell("query", 32, 10.0)]), replicas=1)
     two = dict(_record(["r", "r"], [_cell("query", 1, 10.0), _cell("query", 32, 19.0)]), replicas=2)
-    for name, record in (("one.json", one), ("two.json", two)):
-        (tmp_path / name).write_text(json.dumps(record))
     doc = tmp_path / "benchmarks.md"
     doc.write_text("<!-- load-replicas:begin -->\nthe two processes\n<!-- load-replicas:end -->\n")
-    text = load_compare.main([str(tmp_path / "one.json"), str(tmp_path / "two.json"), "--out", str(doc),
-                              "--block", "load-ray"])
+    text = _compare(tmp_path, one, two, "--out", str(doc), "--block", "load-ray")
     assert "| req/s, 2 servers | 2 ÷ 1 |" in text and "| 1.90 | yes |" in text
     assert "## Load: one server against 2 on Ray Serve" in text and "`serve --replicas 2`" in text
     assert "2 load processes send them" in text  # one address given twice: two senders, not four replicas
     assert "Met in 1 of 2 cells: query x32." in text and "get none" not in text
     written = doc.read_text()
     assert "the two processes" in written and "<!-- load-ray:begin -->" in written and text in written
-
 
 
 def test_each_cell_is_handed_on_as_it_is_measured():

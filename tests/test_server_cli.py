@@ -4,17 +4,14 @@ serves it."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from bubblefree.bench import load
 from bubblefree.server.cli import main, parser
-from server_support import free_port
+from server_support import free_port, healthy, interrupt
 
 
 def test_serve_defaults_to_loopback_on_moondreams_port():
@@ -47,29 +44,12 @@ def test_serve_a_random_moondream_and_load_it_with_images():
                                "--max-live", "16"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        assert _healthy(url, server, within_s=120) == "moondream2-random-tiny"
+        assert healthy(url, server, within_s=120) == "moondream2-random-tiny"
         for workload in ("point", "query"):
             result = load.main(["--url", url, "--workload", workload, "--images", "3", "--clients", "2",
                                 "--requests", "6", "--duration", "60", "--leave", "0", "--max-tokens", "4"])
             assert all(result["checks"].values()) and not result["errors"], result
             assert result["completed"] == 6 and result["images_reused"] == 3
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            output = server.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            server.kill()
-            output = server.communicate()[0]
+        output = interrupt(server)
     assert server.returncode == 0, output
-
-
-def _healthy(url: str, server: subprocess.Popen, within_s: float) -> str:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"the server exited: {server.communicate()[0]}")
-        try:
-            return httpx.get(f"{url}/health", timeout=2, trust_env=False).json()["model"]
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise AssertionError(f"no /health within {within_s} s")

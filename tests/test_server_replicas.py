@@ -171,3 +171,34 @@ def test_the_load_through_the_relay_is_checked_on_every_replica(url):
     missing = load.main([*common, "--requests", "4", "--leave", "0", "--replicas", "3", "--settle", "0.5"])
     failed = [name for name, ok in missing["checks"].items() if not ok]
     assert failed == [next(n for n in missing["checks"] if n.startswith("every replica read (2 of 3"))], failed
+
+
+def test_clients_that_send_half_a_body_through_the_relay_leave_nothing_held(url):
+    """Clients that promise a body and hang up halfway, mid-headers or
+    before a byte of it: the relay and the replicas keep serving, and no
+    replica is left with a live request or a page taken."""
+    import socket
+    import urllib.parse
+    parts = urllib.parse.urlsplit(url)
+    for sent in (b'{"question": "wh', b"", b"POST /v1/query HTTP/1.1\r\nContent-"):
+        with socket.create_connection((parts.hostname, parts.port), timeout=5) as raw:
+            if sent.startswith(b"POST"):
+                raw.sendall(sent)
+            else:
+                raw.sendall(b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 5000\r\n\r\n" + sent)
+            time.sleep(0.2)
+    assert len(replicas_answering(url, 12)) == 2  # both still serve whole requests
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + 10
+    with httpx.Client(trust_env=False, timeout=10) as http:
+        while time.monotonic() < deadline:
+            r = http.get(f"{url}/v1/stats")
+            seen[r.headers[REPLICA_HEADER]] = r.json()
+            if len(seen) == 2 and all(s["live_requests"] == 0 and s["kv_pages"]["free"] == s["kv_pages"]["total"]
+                                      for s in seen.values()):
+                break
+            time.sleep(0.05)
+    assert len(seen) == 2, seen
+    for stats in seen.values():
+        assert stats["live_requests"] == 0 and stats["kv_pages"]["free"] == stats["kv_pages"]["total"], stats

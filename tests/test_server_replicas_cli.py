@@ -8,35 +8,15 @@ test_server_replicas.py, whose Ray runs inside the test process."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 pytest.importorskip("ray", reason="the ray extra: pip install bubblefree[ray]")
 
 from bubblefree.bench import load  # noqa: E402
-from server_support import free_port  # noqa: E402
-
-
-def _healthy(url: str, server: subprocess.Popen, within_s: float) -> str:
-    """/health's model once the app answers it: before ``serve.run`` is
-    done, Ray's proxy answers 404 in plain text."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"the server exited: {server.communicate()[0]}")
-        try:
-            response = httpx.get(f"{url}/health", timeout=2, trust_env=False)
-            if response.status_code == 200:
-                return response.json()["model"]
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"no /health within {within_s} s")
+from server_support import free_port, healthy, interrupt  # noqa: E402
 
 
 def test_serve_replicas_answers_on_both_and_stops_cleanly_on_repeated_signals():
@@ -47,20 +27,13 @@ def test_serve_replicas_answers_on_both_and_stops_cleanly_on_repeated_signals():
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        assert _healthy(url, server, within_s=240) == "moondream2-random-tiny"
+        assert healthy(url, server, within_s=240) == "moondream2-random-tiny"
         result = load.main(["--url", url, "--workload", "point", "--images", "4", "--clients", "4",
                             "--requests", "16", "--duration", "120", "--leave", "0.25", "--replicas", "2"])
         assert all(result["checks"].values()) and not result["errors"], result
         assert any(n.startswith("every replica read (2 of 2") for n in result["checks"]), result["checks"]
     finally:
-        server.send_signal(signal.SIGINT)
-        time.sleep(0.3)
-        server.send_signal(signal.SIGINT)
-        try:
-            output = server.communicate(timeout=60)[0]
-        except subprocess.TimeoutExpired:
-            server.kill()
-            output = server.communicate()[0]
+        output = interrupt(server, times=2, within_s=60)
     assert server.returncode == 0, output
     assert "Traceback" not in output, output
     assert "CALL http" not in output and "disconnected, cancelling" not in output, output
