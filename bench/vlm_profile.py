@@ -21,6 +21,7 @@ import statistics
 import threading
 import time
 
+import attrs
 import torch
 
 from bubblefree.bench.vlm_speed import WORKLOADS, images
@@ -110,12 +111,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workload", default="point", choices=sorted(WORKLOADS))
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--eager-prefill", action="store_true")
+    ap.add_argument("--prefill-store", action="store_true",
+                    help="a prefill's rotary, KV write and activation in one kernel (rope_store)")
     args = ap.parse_args(argv)
     from bubblefree import Engine
+    from bubblefree.cuda_backend.kernel_config import KernelConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernels = KernelConfig.measured(device)
     engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device,
-                                     prefill_graphs=not args.eager_prefill)
+                                     prefill_graphs=not args.eager_prefill,
+                                     kernels=attrs.evolve(kernels,
+                                                          prefill_store=args.prefill_store))
+    print(f"kernels: {engine.backend.kernels}", flush=True)
     print(f"prefill: {engine.backend.prefill_path}", flush=True)
     print(f"host: load_image + image_ref ({args.side} px): {host_prepare_ms(engine, args.side):.2f} ms", flush=True)
     backend = engine.backend

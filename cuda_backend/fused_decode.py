@@ -18,7 +18,8 @@ transformers' forward (which prefill still uses) reads the same values.
 Norms and the rotary tables are the model's own modules. In a decode step
 on CUDA the rotary embedding itself, the KV write and (Phi) the MLP's
 activation run inside the attention kernels (``rope_attention``), in
-float32, where the backend's ``KernelConfig`` says so; prefill and other
+float32, where the backend's ``KernelConfig`` says so; a prefill on CUDA
+runs them as one kernel before it attends (``rope_store``), and other
 devices apply them with torch. A fused GEMM sums in a different order too,
 so results agree with transformers to rounding, not bit for bit.
 
@@ -40,6 +41,8 @@ from bubblefree.cuda_backend.attention import (CONTEXT_KWARG, PagedContext, deco
                                                prefill_attention, store_kv)
 from bubblefree.cuda_backend.kernel_config import KernelConfig, TileTable
 from bubblefree.cuda_backend.rope_attention import ACTIVATIONS, rope_attend, rotate
+from bubblefree.cuda_backend.rope_store import available as rope_store_available
+from bubblefree.cuda_backend.rope_store import rope_store
 
 PARALLEL = ("phi",)
 SEQUENTIAL = ("llama", "qwen2")
@@ -164,6 +167,8 @@ class Dims:
     # The layers' GEMMs: cuBLAS, or our decode-sized kernel for the weight
     # shapes and row counts where the table has a tile (skinny_gemm).
     tiles: TileTable = TileTable()
+    # A prefill's rotary, KV write and activation as one kernel (rope_store).
+    one_store: bool = False
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -175,8 +180,10 @@ def _attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims: Dims, window, mlp=None):
     """Flat q/k/v ``[B, *]`` -> attention output ``[B, H * D]``: rotary, the
     KV write, paged attention. ``kv`` is the layer's whole cache tensor (one
     op does all three: ``rope_attention``) or its ``(keys, values)`` views
-    (three steps). With ``mlp`` (one op only) the output is ``[B, H * D +
-    I]``: the attention, then ``dims.act`` of ``mlp`` ``[B, I]``."""
+    (a prefill's keys are written before any row attends: ``rope_store``,
+    or torch's steps, then attention). With ``mlp`` (the one op or
+    ``rope_store`` only) the output is ``[B, H * D + I]``: the attention,
+    then ``dims.act`` of ``mlp`` ``[B, I]``."""
     b = q.shape[0]
     q = q.view(b, dims.heads, dims.head_dim)
     k = k.view(b, dims.kv_heads, dims.head_dim)
@@ -190,12 +197,34 @@ def _attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims: Dims, window, mlp=None):
                           dims.act, dispatch=ctx.dispatch)
         return out if mlp is not None else out.reshape(b, -1)
     keys, values = kv
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over heads
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    store_kv(keys, values, ctx.slot_mapping, k, v)
+    row = None
+    if store_in_one_kernel(q, dims):  # rotary, the KV write (and the activation): one launch
+        if mlp is not None:
+            row = q.new_empty((b, dims.heads * dims.head_dim + mlp.shape[1]))
+        q = rope_store(q, k, v, cos, sin, keys, values, ctx.slot_mapping, mlp,
+                       None if row is None else row[:, dims.heads * dims.head_dim:],
+                       dims.act if row is not None else 0)
+    else:
+        if mlp is not None:
+            raise ValueError("_attend: an mlp rider needs the one op or rope_store")
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over heads
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        store_kv(keys, values, ctx.slot_mapping, k, v)
     if not ctx.is_decode:  # a packed prefill: each row's queries over its pages
-        return prefill_attention(q, keys, values, window, dims.scaling, ctx).reshape(b, -1)
-    return decode_attention(q, keys, values, ctx, dims.scaling, window).reshape(b, -1)
+        out = prefill_attention(q, keys, values, window, dims.scaling, ctx).reshape(b, -1)
+    else:
+        out = decode_attention(q, keys, values, ctx, dims.scaling, window).reshape(b, -1)
+    if row is None:
+        return out
+    row[:, :out.shape[1]].copy_(out)
+    return row
+
+
+def store_in_one_kernel(q: torch.Tensor, dims: Dims) -> bool:
+    """Whether a layer that writes its keys before attending (a prefill)
+    runs ``rope_store``: where the kernels say so, on CUDA with Triton,
+    outside torch.compile (which traces the torch steps and fuses them)."""
+    return dims.one_store and rope_store_available(q) and not torch.compiler.is_compiling()
 
 
 def parallel_layer(x, delta, cos, sin, kv, ctx, w, dims: Dims, act, window):
@@ -208,7 +237,7 @@ def parallel_layer(x, delta, cos, sin, kv, ctx, w, dims: Dims, act, window):
     x = x + delta
     h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, dims.eps)
     q, k, v, f = _linear(h, w_in, b_in, dims.tiles).split(dims.split, dim=-1)
-    if dims.act and isinstance(kv, torch.Tensor):
+    if dims.act and (isinstance(kv, torch.Tensor) or store_in_one_kernel(q, dims)):
         return x, _linear(_attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, f),
                           w_out, b_out, dims.tiles)
     a = _attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window)
@@ -294,7 +323,8 @@ class FusedDecoder:
         act = act if parallel and kernels.mlp_act else 0
         self.dims = Dims(heads=heads, kv_heads=kv_heads, head_dim=attn.head_dim, eps=eps,
                          scaling=attn.scaling, split=qkv + ((inter,) if parallel else ()),
-                         inter=inter, act=act, tiles=kernels.tiles)
+                         inter=inter, act=act, tiles=kernels.tiles,
+                         one_store=kernels.prefill_store)
 
     def compiled(self, on: bool) -> "FusedDecoder":
         self.step_layer = torch.compile(_own_copy(self.layer_fn)) if on else self.layer_fn

@@ -223,10 +223,14 @@ class KernelConfig:
     ``new_token``: rotary embeddings and the KV write inside the attention
     kernel, instead of two compiled kernels before it. ``mlp_act``: Phi's
     MLP activation inside it too, instead of a kernel of its own. Both
-    measured faster on the H200 (docs/performance.md)."""
+    measured faster on the H200 (docs/performance.md). ``prefill_store``: a
+    prefill's rotary, KV write and Phi's activation as one kernel before it
+    attends (``rope_store``), instead of torch's dozen a layer; off until it
+    is measured on the GPU (checked so far through Triton's interpreter)."""
     dispatch: Dispatch = Dispatch()
     new_token: bool = True
     mlp_act: bool = True
+    prefill_store: bool = False
     tiles: TileTable = TileTable()
 
     @classmethod
@@ -243,4 +247,6 @@ class KernelConfig:
             where = "; rotary and KV write separate"
         elif not self.mlp_act:
             where = "; Phi's MLP activation separate"
+        if self.prefill_store:
+            where += "; prefill's rotary and KV write in one kernel"
         return f"attention: {self.dispatch}{where}; GEMM: {self.tiles}"
