@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workload", default="point", choices=sorted(WORKLOADS))
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--eager-prefill", action="store_true")
-    ap.add_argument("--prefill-store", action="store_true",
-                    help="a prefill's rotary, KV write and activation in one kernel (rope_store)")
+    ap.add_argument("--torch-prefill-store", action="store_true",
+                    help="a prefill's rotary, KV write and activation in torch, not rope_store")
     args = ap.parse_args(argv)
     from bubblefree import Engine
     from bubblefree.cuda_backend.kernel_config import KernelConfig
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device,
                                      prefill_graphs=not args.eager_prefill,
                                      kernels=attrs.evolve(kernels,
-                                                          prefill_store=args.prefill_store))
+                                                          prefill_store=not args.torch_prefill_store))
     print(f"kernels: {engine.backend.kernels}", flush=True)
     print(f"prefill: {engine.backend.prefill_path}", flush=True)
     print(f"host: load_image + image_ref ({args.side} px): {host_prepare_ms(engine, args.side):.2f} ms", flush=True)
