@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         with torch.profiler.profile(activities=activities) as prof:
             run(engine, args.workload, args.side, n, max(4, n))
         key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60), flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=32, max_name_column_width=90), flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
                                         max_name_column_width=60), flush=True)
     engine.close()

@@ -5,7 +5,7 @@ the ``wait`` for a step's output (the host idle while the device works),
 thread hand-offs, the API).
 
     python -m bubblefree.bench.vlm_timeline [--workloads point,query] [--requests 24]
-        [--side 378] [--modes auto,True,False] [--tiny]
+        [--side 378] [--modes auto,True,False] [--tiny] [--trace K]
 
 Requests one after another (one stream), each on a fresh image; every
 backend call and the caller's image preparation timed on the host
@@ -15,7 +15,10 @@ return), mean over the requests. ``submit`` is the caller's submit less
 the crops (``image_ref``) inside it; ``tick`` the decode thread's ticks less
 the backend calls inside them (the core's and skills' Python); ``rest`` is
 the window less all of them (hand-offs between the threads, the loop's
-idle wake-up, the answer's conversion).
+idle wake-up, the answer's conversion). The hand-offs are given apart: from
+the caller's submit returning to the decode thread taking the request
+(``gather`` and ``take``, the core's submit, are inside it), and from the
+end's delivery to the caller's call returning.
 Each line also gives the device's busy time per request, from CUDA events
 around the whole run divided by the requests (an upper bound: it includes
 zombie steps and idle gaps between kernels of a graph).
@@ -52,12 +55,27 @@ class Recorder:
         core = engine.loop.core  # slotted: its class is swapped for one whose tick is timed
         timed_tick = self._wrap("tick", type(core).tick)
         core.__class__ = type("TimedCore", (type(core),), {"__slots__": (), "tick": timed_tick})
+        # The hand-offs between the threads: the decode thread's gather and
+        # take of a submit (outside any tick), and the end's delivery to the
+        # caller's handle (inside a tick).
+        loop = engine.loop
+        loop._gather = self._wrap("gather", loop._gather)
+        loop._take = self._wrap("take", loop._take)
+        forward = loop._forward
+        loop._forward = lambda handle: self._delivered(forward(handle))
+
+    def _delivered(self, deliver: Callable) -> Callable:
+        def timed(core_handle: Any, token: int | None) -> None:
+            deliver(core_handle, token)
+            if token is None:
+                self.spans.append(("delivered", time.perf_counter(), time.perf_counter()))
+        return timed
 
     def _wrap(self, name: str, call: Callable) -> Callable:
         def timed(*args: Any) -> Any:
             if name == "launch":
                 self.kinds[args[0]] = args[1].kind.value
-            what = (name if name in ("image_ref", "release", "submit", "tick")
+            what = (name if name in ("image_ref", "release", "submit", "tick", "gather", "take")
                     else f"{name} {self.kinds.get(args[0], '?')}")
             start = time.perf_counter()
             try:
@@ -76,7 +94,34 @@ def within(spans: list[tuple[str, float, float]], start: float, end: float) -> d
     return out
 
 
-def measure(engine: Any, recorder: Recorder, workload: str, side: int, count: int) -> dict[str, Any]:
+HAND_OFFS = ("to decode thread", "to caller")
+
+
+def hand_offs(spans: list[tuple[str, float, float]], start: float, end: float) -> dict[str, float]:
+    """Seconds from the caller's submit returning to the decode thread taking
+    it, and from the end's delivery to the caller's call returning (both
+    include whatever else the threads ran meanwhile: they are the spans the
+    other parts leave as rest)."""
+    inside = [s for s in spans if s[1] >= start and s[2] <= end]
+    submitted = min((b for w, a, b in inside if w == "submit"), default=start)
+    taken = min((a for w, a, b in inside if w == "take" and a >= submitted), default=submitted)
+    delivered = max((b for w, a, b in inside if w == "delivered"), default=end)
+    return {"to decode thread": taken - submitted, "to caller": end - delivered}
+
+
+def trace(spans: list[tuple[str, float, float]], windows: list[tuple[float, float]]) -> list[str]:
+    """The spans of ``windows`` in order of start, in ms from the first
+    window's start; the caller's thread runs ``image_ref`` and ``submit``,
+    the decode thread everything else."""
+    t0, t1 = windows[0][0], windows[-1][1]
+    lines = [f"{1e3 * (a - t0):9.2f} {1e3 * (b - t0):9.2f}  {w}"
+             for w, a, b in sorted(spans, key=lambda s: s[1]) if b >= t0 and a <= t1]
+    lines += [f"{1e3 * (a - t0):9.2f} {1e3 * (b - t0):9.2f}  == request" for a, b in windows]
+    return sorted(lines, key=lambda line: float(line.split()[0]))
+
+
+def measure(engine: Any, recorder: Recorder, workload: str, side: int, count: int,
+            traced: int = 0) -> dict[str, Any]:
     ask = WORKLOADS[workload]
     for picture in images(4, side, 99):
         ask(engine, picture)  # warm
@@ -98,8 +143,10 @@ def measure(engine: Any, recorder: Recorder, workload: str, side: int, count: in
         torch.cuda.synchronize()
         device_ms = begin.elapsed_time(finish) / count  # wall on the device's clock, idle included
     parts = [within(recorder.spans, a, b) for a, b in windows]
+    handoffs = [hand_offs(recorder.spans, a, b) for a, b in windows]
     walls = [1e3 * (b - a) for a, b in windows]
     for p in parts:  # the outer spans less what they hold: their own Python
+        p.pop("delivered", None)  # a mark, not a span
         p["submit"] = p.get("submit", 0.0) - p.get("image_ref", 0.0)
         p["tick"] = p.get("tick", 0.0) - sum(v for k, v in p.items() if k.split()[0] in CALLS)
     names = sorted({k for p in parts for k in p})
@@ -107,6 +154,8 @@ def measure(engine: Any, recorder: Recorder, workload: str, side: int, count: in
     mean["rest"] = statistics.mean(walls) - sum(mean.values())
     return dict(workload=workload, wall_p50=statistics.median(walls), wall_mean=statistics.mean(walls),
                 parts=mean, device_window_ms=device_ms,
+                trace=trace(recorder.spans, windows[-traced:]) if traced else [],
+                handoffs={k: 1e3 * statistics.mean(h[k] for h in handoffs) for k in HAND_OFFS},
                 calls={k: statistics.mean(sum(1 for w, a, b in recorder.spans if w == k and a >= s and b <= e)
                                           for s, e in windows) for k in names})
 
@@ -114,8 +163,9 @@ def measure(engine: Any, recorder: Recorder, workload: str, side: int, count: in
 def show(mode: str, r: dict[str, Any]) -> str:
     parts = ", ".join(f"{k} {v:.2f}" + (f" (x{r['calls'][k]:.1f})" if k in r["calls"] else "")
                       for k, v in sorted(r["parts"].items(), key=lambda kv: -kv[1]))
+    hand = ", ".join(f"{k} {v:.2f}" for k, v in r["handoffs"].items())
     return (f"{r['workload']:7s} pipelined={mode:5s} wall p50 {r['wall_p50']:.2f} ms, mean "
-            f"{r['wall_mean']:.2f} ms; per request, ms (calls): {parts}")
+            f"{r['wall_mean']:.2f} ms; per request, ms (calls): {parts}; hand-offs, ms: {hand}")
 
 
 def prepare_ms(engine: Any, side: int, reps: int = 20) -> str:
@@ -143,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--side", type=int, default=378)
     ap.add_argument("--modes", default="auto,True,False", help="the engine's pipelined setting, each in turn")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape (a CPU smoke run)")
+    ap.add_argument("--trace", type=int, default=0, metavar="K",
+                    help="also print every timed span of the last K requests of each line")
     args = ap.parse_args(argv)
     from bubblefree import Engine
 
@@ -155,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         for mode in args.modes.split(","):
             engine.pipelined = {"True": True, "False": False}.get(mode, mode)
             for workload in args.workloads.split(","):
-                print(show(mode, measure(engine, recorder, workload, args.side, args.requests)), flush=True)
+                result = measure(engine, recorder, workload, args.side, args.requests, args.trace)
+                print(show(mode, result), flush=True)
+                print("\n".join(result["trace"]), flush=True)
     finally:
         engine.close()
 

@@ -72,13 +72,23 @@ def test_vlm_timeline_splits_each_window_by_call_and_nests_without_double_counti
     assert parts == {"tick": 6.0, "launch decode": 1.0, "wait decode": 4.0}
 
 
+def test_vlm_timeline_hand_offs_run_from_submit_to_take_and_from_delivery_to_return():
+    from bubblefree.bench import vlm_timeline
+    spans = [("submit", 1.0, 2.0), ("gather", 2.5, 2.6), ("take", 3.5, 3.6), ("tick", 3.6, 9.0),
+             ("delivered", 8.0, 8.0), ("take", 12.0, 12.1)]  # the last: the next request's
+    assert vlm_timeline.hand_offs(spans, 0.5, 8.75) == {"to decode thread": 1.5, "to caller": 0.75}
+    lines = vlm_timeline.trace(spans, [(0.5, 8.75)])
+    assert [line.split()[-1] for line in lines] == ["request", "submit", "gather", "take", "tick", "delivered"]
+    assert lines[1].split()[:2] == ["500.00", "1500.00"]  # ms from the first window's start
+
+
 def test_vlm_timeline_runs_on_the_tiny_model_and_accounts_each_request(capsys):
     from bubblefree import Engine
     from bubblefree.bench import vlm_timeline
     engine = Engine.moondream_random("tiny", device="cpu", pipelined=False)
     try:
         recorder = vlm_timeline.Recorder(engine)
-        r = vlm_timeline.measure(engine, recorder, "point", 378, 3)
+        r = vlm_timeline.measure(engine, recorder, "point", 378, 3, traced=1)
     finally:
         engine.close()
     calls, parts = r["calls"], r["parts"]
@@ -88,3 +98,7 @@ def test_vlm_timeline_runs_on_the_tiny_model_and_accounts_each_request(capsys):
     # Outer spans are their own Python only: nothing of the calls inside them is counted twice.
     assert all(v >= 0 for k, v in parts.items() if k != "rest"), parts
     assert "pipelined=False" in vlm_timeline.show("False", r)
+    # Each request is taken after its submit and answered after its delivery.
+    assert r["handoffs"]["to decode thread"] > 0 and r["handoffs"]["to caller"] > 0
+    assert sum(line.endswith("== request") for line in r["trace"]) == 1
+    assert sum(line.endswith("launch image_prefill") for line in r["trace"]) == 1
