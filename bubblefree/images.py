@@ -37,6 +37,7 @@ DEFAULT_MAX_PIXELS = 50_000_000
 _WHITE = (255, 255, 255)
 # Modes Pillow converts to RGB with their ordinary meaning.
 _DIRECT = {"RGB", "L", "1", "P", "CMYK", "YCbCr", "RGBX"}
+_ORIENTATION = 0x0112  # the EXIF tag exif_transpose applies
 _ALPHA = {"RGBA", "LA", "PA", "RGBa", "La"}
 _SIXTEEN = {"I;16", "I;16L", "I;16B", "I;16N"}
 _WIDE = {"I", "F"}
@@ -116,6 +117,8 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", image.size, _WHITE + (255,))
         return Image.alpha_composite(background, rgba).convert("RGB")
+    if mode == "RGB":  # read only from here on: no copy
+        return image
     if mode in _DIRECT:
         return image.convert("RGB")
     if mode in _SIXTEEN:
@@ -144,7 +147,9 @@ def load_image(image, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
         raise _refuse(f"{width}x{height} is {width * height} pixels, over the limit of {max_pixels}")
     try:
         opened.load()                       # decode now: a truncated file fails here
-        oriented = ImageOps.exif_transpose(opened)
+        # exif_transpose copies even an upright image; most have no turn to apply.
+        turned = opened.getexif().get(_ORIENTATION, 1) not in (0, 1)
+        oriented = ImageOps.exif_transpose(opened) if turned else opened
     except (OSError, SyntaxError, ValueError) as ex:
         raise _refuse(f"cannot decode the image ({ex})", ex) from ex
     return _to_rgb(oriented)

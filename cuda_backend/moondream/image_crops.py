@@ -16,6 +16,7 @@ square inside it: no padding, for any input size, 1 x 1 included.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 import numpy as np
@@ -81,11 +82,19 @@ def overlap_crops(image: Image.Image, config: VisionConfig) -> tuple[torch.Tenso
     plan = plan_crops(image.height, image.width, config)
     size = config.crop_size
     crops = np.empty((plan.n_crops, size, size, 3), dtype=np.uint8)   # [n, S, S, 3]
-    crops[0] = _resized(image, (size, size))
     height, width = plan.resized
-    # One local crop of the global view's size (a side of at most 378 px,
-    # or a 1 x 1 tiling) is the global view again: resized once, not twice.
-    local = crops[0] if (height, width) == (size, size) else _resized(image, (height, width))  # [H, W, 3]
+    if (height, width) == (size, size):
+        # One local crop of the global view's size (a side of at most 378 px,
+        # or a 1 x 1 tiling) is the global view again: resized once, not twice.
+        crops[0] = local = _resized(image, (size, size))
+    else:
+        # Two resizes of one source, side by side: PIL's resampling runs
+        # without the GIL, and on a large image these two are most of a
+        # request's preparation, on the caller's thread.
+        with ThreadPoolExecutor(1, thread_name_prefix="bubblefree-crops") as pool:
+            global_view = pool.submit(_resized, image, (size, size))
+            local = _resized(image, (height, width))                   # [H, W, 3]
+            crops[0] = global_view.result()
     for k, (y0, y1, x0, x1) in enumerate(plan.windows):
         crops[k + 1] = local[y0:y1, x0:x1]
     return torch.from_numpy(crops), plan
