@@ -5,7 +5,7 @@ the ``wait`` for a step's output (the host idle while the device works),
 thread hand-offs, the API).
 
     python -m bubblefree.bench.vlm_timeline [--workloads point,query] [--requests 24]
-        [--side 378] [--modes auto,True,False] [--tiny] [--trace K]
+        [--side 378] [--modes auto,True,False] [--tiny] [--trace K] [--crops-on-device]
 
 Requests one after another (one stream), each on a fresh image; every
 backend call and the caller's image preparation timed on the host
@@ -169,20 +169,24 @@ def show(mode: str, r: dict[str, Any]) -> str:
 
 
 def prepare_ms(engine: Any, side: int, reps: int = 20) -> str:
-    """The caller's crops alone, into pinned host memory (as served) and
-    into pageable memory: what pinning a fresh image costs."""
+    """The caller's crops alone: as served (on CUDA, resized and cut on the
+    device, back into pinned memory), then by Pillow into pinned and into
+    pageable memory."""
     from bubblefree.cuda_backend.moondream.prepared import prepare
 
-    pictures, vision = images(reps, side, 11), engine.backend.config.vision
+    pictures, backend = images(reps, side, 11), engine.backend
+    vision, stream = backend.config.vision, backend._crop_stream
+    ways = [("on the device", True, stream)] if stream is not None else []
+    if torch.cuda.is_available():
+        ways.append(("Pillow, pinned", True, None))
+    ways.append(("Pillow, pageable", False, None))
     out = []
-    for pin in (True, False):
-        if pin and not torch.cuda.is_available():
-            continue
-        prepare(pictures[0], vision, pin)
+    for name, pin, on in ways:
+        prepare(pictures[0], vision, pin, on)
         start = time.perf_counter()
         for picture in pictures:
-            prepare(picture, vision, pin)
-        out.append(f"{'pinned' if pin else 'pageable'} {1e3 * (time.perf_counter() - start) / reps:.2f} ms")
+            prepare(picture, vision, pin, on)
+        out.append(f"{name} {1e3 * (time.perf_counter() - start) / reps:.2f} ms")
     return f"crops of a {side}-px image on the caller's thread, alone: " + ", ".join(out)
 
 
@@ -193,13 +197,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--side", type=int, default=378)
     ap.add_argument("--modes", default="auto,True,False", help="the engine's pipelined setting, each in turn")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape (a CPU smoke run)")
+    ap.add_argument("--crops-on-device", action="store_true",
+                    help="callers' images resized and cut on the GPU (MoondreamBackend's crops_on_device)")
     ap.add_argument("--trace", type=int, default=0, metavar="K",
                     help="also print every timed span of the last K requests of each line")
     args = ap.parse_args(argv)
     from bubblefree import Engine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device)
+    options = {"crops_on_device": True} if args.crops_on_device else {}
+    engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device, **options)
     recorder = Recorder(engine)
     print(f"prefill: {engine.backend.prefill_path}", flush=True)
     print(prepare_ms(engine, args.side), flush=True)

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from bubblefree.cuda_backend.moondream.config import MOONDREAM2
-from bubblefree.cuda_backend.moondream.image_crops import overlap_crops, plan_crops, reconstruct
+from bubblefree.cuda_backend.moondream.image_crops import overlap_crops, overlap_crops_on, plan_crops, reconstruct
 
 VISION = MOONDREAM2.vision
 
@@ -57,6 +57,17 @@ def test_crops_cut_their_windows_out_of_an_image_already_at_the_resized_size():
         assert np.array_equal(crops[k + 1].numpy(), pixels[y0:y1, x0:x1])
 
 
+def lanczos(image: Image.Image, width: int, height: int) -> np.ndarray:
+    """The crops' resize written out: Pillow's Lanczos on one axis, then the
+    other, width first (Pillow's own two-axis resize orders its passes by
+    size, differently across versions; one axis at a time is unambiguous)."""
+    if image.width != width:
+        image = image.resize((width, image.height), Image.Resampling.LANCZOS)
+    if image.height != height:
+        image = image.resize((width, height), Image.Resampling.LANCZOS)
+    return np.asarray(image)
+
+
 @pytest.mark.parametrize("size", [(378, 378), (300, 500), (500, 300), (900, 700)])
 def test_crops_equal_lanczos_resizes_written_out(size):
     """The global view is the image resized to 378 px; the local crops are
@@ -65,12 +76,30 @@ def test_crops_equal_lanczos_resizes_written_out(size):
     pixels = np.random.default_rng(size[0]).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     image = Image.fromarray(pixels)
     crops, plan = overlap_crops(image, VISION)
-    assert np.array_equal(crops[0].numpy(), np.asarray(image.resize((378, 378), Image.Resampling.LANCZOS)))
+    assert np.array_equal(crops[0].numpy(), lanczos(image, 378, 378))
     height, width = plan.resized
-    local = np.asarray(image.resize((width, height), Image.Resampling.LANCZOS))
+    local = lanczos(image, width, height)
     for k, (y0, y1, x0, x1) in enumerate(plan.windows):
         assert np.array_equal(crops[k + 1].numpy(), local[y0:y1, x0:x1])
     assert np.array_equal(np.asarray(image), pixels)  # the caller's image untouched
+
+
+@pytest.mark.parametrize("size", [(378, 378), (300, 200), (90, 1000), (700, 400)])
+def test_crops_cut_on_a_device_equal_the_hosts(size):
+    """``overlap_crops_on`` (the resizes as matrix products, the windows as
+    one unfold) gives the host's crops pixel for pixel: one crop, a tall
+    and a wide single view, and a 2 x 4 grid of windows."""
+    width, height = size
+    pixels = np.random.default_rng(width).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    want, plan = overlap_crops(Image.fromarray(pixels), VISION)
+    got, got_plan = overlap_crops_on(torch.from_numpy(pixels), VISION)
+    assert got_plan == plan and torch.equal(got, want)
+
+
+def test_crops_on_a_device_refuse_what_is_not_uint8_rgb():
+    for bad in (torch.zeros(4, 4, 3), torch.zeros(4, 4, dtype=torch.uint8), torch.zeros(4, 4, 4, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match="uint8 \\[H, W, 3\\]"):
+            overlap_crops_on(bad, VISION)
 
 
 def test_overlap_crops_refuses_a_non_rgb_image():
@@ -105,3 +134,28 @@ def test_reconstruction_takes_each_cell_from_the_crop_that_owns_it():
 def test_reconstruction_refuses_the_wrong_number_of_crops():
     with pytest.raises(ValueError, match="expected 6"):
         reconstruct(torch.zeros(5, 27, 27, 1), (2, 3), 4)
+
+
+def test_prepare_falls_back_to_the_host_when_the_device_is_full(monkeypatch):
+    """With a crop stream, a device out of memory is no reason to refuse an
+    image: the host's Pillow path makes the same crops. Any other error is
+    not swallowed."""
+    from bubblefree.cuda_backend.moondream import prepared
+
+    image = Image.fromarray(np.random.default_rng(4).integers(0, 256, (200, 300, 3), dtype=np.uint8))
+    want, plan = overlap_crops(image, VISION)
+
+    def full(*_):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(prepared, "_prepare_on", full)
+    got = prepared.prepare(image, VISION, pin=False, stream=object())
+    assert torch.equal(got.crops, want) and got.tiling == plan.tiling
+
+    def broken(*_):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(prepared, "_prepare_on", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        prepared.prepare(image, VISION, pin=False, stream=object())
+    # An image already at the crop size needs no resize: the host cuts it, no device asked.
+    square = Image.fromarray(np.zeros((378, 378, 3), dtype=np.uint8))
+    assert prepared.prepare(square, VISION, pin=False, stream=object()).crops.shape == (2, 378, 378, 3)

@@ -17,6 +17,7 @@ from bubblefree.core.values import PromptValue, SamplePlan, SamplingParams, Step
 from bubblefree.cuda_backend.drive import scattered_pages
 from bubblefree.cuda_backend.moondream.backend import MoondreamBackend
 from bubblefree.cuda_backend.moondream.config import tiny_config
+from bubblefree.cuda_backend.moondream.prepared import prepare
 from bubblefree.cuda_backend.moondream.weights import random_model
 from tests.moondream_world import C, DETECT, MIXED, OPTIONS, POINT, S, picture, reference, request, run
 
@@ -47,6 +48,27 @@ def test_value_buffers_are_pinned_and_every_bucket_has_a_value_graph(model):
         assert v.hidden.device.type == "cuda"
     assert be._value_graphs.enabled and len(be._value_graphs) == 2 * 2 * len(be._rows)
     assert be.image_ref(picture(200, 300, 0)).source.crops.is_pinned()
+
+
+def test_crops_made_on_the_device_equal_the_hosts_and_wait_for_no_step(model):
+    """A caller's image is resized and cut on the backend's crop stream: the
+    same pixels as the host's Pillow path, back in pinned memory, and the
+    caller waits for its own work, not for what the compute stream runs."""
+    be = make(model, crops_on_device=True)
+    assert be._crop_stream is not None and make(model)._crop_stream is None  # off by default
+    vision = be.config.vision
+    for h, w in ((200, 300), (756, 756), (379, 1001), (378, 378)):
+        image = picture(h, w, h + w)
+        host = prepare(image, vision, pin=True)
+        made = be.image_ref(image).source
+        assert made.crops.is_pinned() and made.tiling == host.tiling
+        assert torch.equal(made.crops, host.crops)
+    busy = torch.cuda.Event()
+    torch.cuda._sleep(1_000_000_000)  # about a second of a busy compute stream
+    busy.record()
+    be.image_ref(picture(756, 756, 5))
+    assert not busy.query()  # the crops came back while the step was still running
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("compiled", [False, True])

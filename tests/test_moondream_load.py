@@ -95,6 +95,8 @@ def test_a_random_moondream_takes_its_tokenizers_ids(fake_build):
     (lambda: Engine.moondream_random("tiny", colour="red"), "colour"),
     (lambda: Engine.moondream_random("tiny", device="tpu"), "device"),
     (lambda: Engine.moondream_random("tiny", pipelined="yes"), "pipelined"),
+    (lambda: Engine.moondream_random("tiny", crops_on_device="yes"), "crops_on_device"),
+    (lambda: Engine.moondream_random("tiny", crops_on_device=1), "crops_on_device"),
 ])
 def test_bad_options_are_refused_before_anything_is_built(fake_build, call, field):
     with pytest.raises(InvalidRequest) as err:

@@ -87,9 +87,12 @@ class MoondreamBackend(CudaBackend):
     takes_images = True
     decodes_values = True
 
-    def __init__(self, model: Moondream, **options):
+    def __init__(self, model: Moondream, crops_on_device: bool = False, **options):
         """``model``: a ``Moondream`` (weights.load_checkpoint / random_model);
-        ``options``: CudaBackend's (``max_prefill_tokens`` defaults to
+        ``crops_on_device``: on CUDA, callers' images are resized and cut on
+        the device (``prepared.prepare``; the same pixels as Pillow's path,
+        checked on the CPU; off until measured on a GPU); ``options``:
+        CudaBackend's (``max_prefill_tokens`` defaults to
         ``DEFAULT_MAX_PREFILL_TOKENS``). Its prefills always run the packed
         path here (``token_prefill`` is refused)."""
         if options.get("token_prefill"):
@@ -107,6 +110,8 @@ class MoondreamBackend(CudaBackend):
                 raise InvalidRequest(f"model: vision and region must be on {self.device} in "
                                      f"{self.dtype} like the text, got {param.device} {param.dtype}")
         self._pin = self.device.type == "cuda"
+        # Callers' threads resize and cut their images here, beside the steps.
+        self._crop_stream = torch.cuda.Stream(self.device) if self._pin and crops_on_device else None
         rows = self._cap.max_rows
         self._head = RegionHead(self.region, rows, self.device)
         self._vslots = [ValueSlot.make(rows, self.config.text.dim, self.dtype, self.device,
@@ -169,7 +174,7 @@ class MoondreamBackend(CudaBackend):
         if image.mode != "RGB":
             raise InvalidRequest(f"image: must be RGB (bubblefree.images.load_image), got mode "
                                  f"{image.mode!r}")
-        return prepare(image, self.config.vision, self._pin)
+        return prepare(image, self.config.vision, self._pin, self._crop_stream)
 
     # -- launch ----------------------------------------------------------------------
 

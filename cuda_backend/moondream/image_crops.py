@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from bubblefree.cuda_backend.moondream.config import VisionConfig
+from bubblefree.cuda_backend.moondream.resample import resize
 
 
 def select_tiling(height: int, width: int, window: int, max_crops: int) -> tuple[int, int]:
@@ -101,11 +102,36 @@ def overlap_crops(image: Image.Image, config: VisionConfig) -> tuple[torch.Tenso
 
 
 def _resized(image: Image.Image, shape: tuple[int, int]) -> np.ndarray:
-    """``image`` resized to ``shape`` (height, width) as an array; one of
-    that size already is read as it is (PIL's resize would copy it)."""
-    if (image.height, image.width) == shape:
-        return np.asarray(image)
-    return np.asarray(image.resize((shape[1], shape[0]), Image.Resampling.LANCZOS))
+    """``image`` resized to ``shape`` (height, width) as an array: Lanczos,
+    one axis at a time, the width first, each pass rounded to 8 bits (what
+    ``resample.resize`` computes on a device, pixel for pixel; Pillow's
+    own two-axis resize picks the order by size, which depends on its
+    version). One of that size already is read as it is."""
+    height, width = shape
+    if image.width != width:
+        image = image.resize((width, image.height), Image.Resampling.LANCZOS)
+    if image.height != height:
+        image = image.resize((width, height), Image.Resampling.LANCZOS)
+    return np.asarray(image)
+
+
+def overlap_crops_on(pixels: torch.Tensor, config: VisionConfig) -> tuple[torch.Tensor, CropPlan]:
+    """``overlap_crops`` of uint8 ``[H, W, 3]`` pixels on their own device
+    (the resizes as matrix products: ``resample``), equal to it pixel for
+    pixel."""
+    if pixels.dtype != torch.uint8 or pixels.dim() != 3 or pixels.shape[2] != 3:
+        raise ValueError(f"overlap_crops_on needs uint8 [H, W, 3] pixels, got {pixels.dtype} "
+                         f"{tuple(pixels.shape)}")
+    plan = plan_crops(pixels.shape[0], pixels.shape[1], config)
+    size, (rows, cols) = config.crop_size, plan.tiling
+    crops = torch.empty((plan.n_crops, size, size, 3), dtype=torch.uint8, device=pixels.device)
+    crops[0] = resize(pixels, size, size)
+    local = crops[0] if plan.resized == (size, size) else resize(pixels, *plan.resized)
+    step = (config.grid - 2 * config.overlap_margin) * config.patch_size   # the windows' stride
+    # Every window at once: [rows, cols, 3, S, S] views of the resized image.
+    windows = local.unfold(0, size, step).unfold(1, size, step)
+    crops[1:] = windows.permute(0, 1, 3, 4, 2).reshape(rows * cols, size, size, 3)
+    return crops, plan
 
 
 def reconstruct(local: torch.Tensor, tiling: tuple[int, int], margin: int) -> torch.Tensor:
