@@ -71,6 +71,7 @@ class Load:
     max_tokens: int = 32
     request_timeout_s: float = 60.0
     settle_s: float = 10.0
+    ready_s: float = 120.0  # bound on waiting for every replica to answer before the load
     seed: int = 0
     start_at: float | None = None  # time.time() at which the clients start; None: at once
     replicas: int = 1  # replicas behind the address (Ray Serve's): its checks read each one
@@ -127,7 +128,7 @@ async def measure(load: Load, images: Sequence[str] = ()) -> Measured:
         stats = Stats(http, load.url, load.replicas)
         if load.checked:  # else no call beside the load's: the checker counts what the processes send
             model = (await http.get(f"{load.url}/health")).json().get("model", "?")
-            await stats.read()
+            await stats.read_all(load.ready_s)
         if load.start_at is not None:  # several load processes start together
             await asyncio.sleep(max(0.0, load.start_at - time.time()))
         outcomes: list[Outcome] = []
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--timeout", type=float, default=d.request_timeout_s, help="one request's bound (s)")
     ap.add_argument("--settle", type=float, default=d.settle_s, help="bound on waiting for the server to settle (s)")
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--ready", type=float, default=d.ready_s,
+                    help="bound on waiting for every replica to answer before the load (s)")
     ap.add_argument("--replicas", type=int, default=d.replicas,
                     help="replicas behind each --url (serve --replicas N): the checks read every one")
     ap.add_argument("--out", default="", help="write the table into this file (docs/benchmarks.md)")
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load = Load(url=urls[0], workload=args.workload, clients=args.clients, requests=args.requests,
                 duration_s=args.duration, stream=args.stream, leave=args.leave,
                 leave_after_s=args.leave_after, max_tokens=args.max_tokens,
-                request_timeout_s=args.timeout, settle_s=args.settle, seed=args.seed,
+                request_timeout_s=args.timeout, settle_s=args.settle, ready_s=args.ready, seed=args.seed,
                 replicas=args.replicas)
     for url in urls:
         check(attrs.evolve(load, url=url))

@@ -52,6 +52,7 @@ class Stats:
         self.http, self.url, self.replicas = http, url, replicas
         self.seen: dict[str, Seen] = {}
         self.fresh = 0  # replicas the latest round reached
+        self.before: int | None = None  # replicas reached before the load (``read_all``)
 
     @property
     def relayed(self) -> bool:
@@ -86,6 +87,19 @@ class Stats:
         self.fresh = len(fresh)
         return next(iter(fresh.values()))
 
+    async def read_all(self, within_s: float) -> None:
+        """The reads before the load: rounds until every replica has
+        answered or ``within_s`` has passed. A replica still starting when
+        the address first answers gets no calls from the relay until it is
+        up; counted from a later first read, the requests it served before
+        it would be missing, so ``checks`` says how many were reached."""
+        deadline = time.monotonic() + within_s
+        await self.read()
+        while len(self.seen) < self.replicas and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            await self.read()
+        self.before = len(self.seen)
+
     def counted_since_first(self) -> int:
         """Requests counted since each replica's first read, less these reads
         (a replica counts each of them but its latest)."""
@@ -113,6 +127,9 @@ def checks(stats: Stats, sent: int, *, left_waiting: int = 0) -> dict[str, bool]
               f"every KV page free again ({pages[0]} of {pages[1]})": pages[0] == pages[1],
               f"every row slot free again ({rows[0]} of {rows[1]})": rows[0] == rows[1]}
     if stats.replicas > 1:
+        if stats.before is not None:
+            result[f"every replica read before the load ({stats.before} of {stats.replicas})"] = (
+                stats.before == stats.replicas)
         result[f"every replica read ({len(seen)} of {stats.replicas}, {stats.fresh} in the last round)"] = (
             len(seen) == stats.replicas == stats.fresh)
     return result

@@ -89,7 +89,7 @@ class Spread:
         clients = shares(load.clients, len(self.urls))
         requests = split(load.requests, clients)
         shared = {u: Stats(None, u, load.replicas) for u in self.urls if self.urls.count(u) > 1}
-        models = [asyncio.run(_read(stats)) for stats in shared.values()]
+        models = [asyncio.run(_read(stats, load.ready_s)) for stats in shared.values()]
         start_at = time.time() + LEAD_S
         busy = [i for i, c in enumerate(clients) if c]
         for i in busy:
@@ -136,12 +136,13 @@ class Spread:
         self.close()
 
 
-async def _read(stats: Stats) -> str:
-    """The model a shared address serves, and its counters before the cell."""
+async def _read(stats: Stats, ready_s: float) -> str:
+    """The model a shared address serves, and its counters before the cell
+    (of every replica behind it, within ``ready_s``)."""
     async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
         stats.http = http
         model = (await http.get(f"{stats.url}/health")).json().get("model", "?")
-        await stats.read()
+        await stats.read_all(ready_s)
         return model
 
 

@@ -195,3 +195,40 @@ def test_behind_a_relay_only_clients_that_left_waiting_may_be_missing_from_the_c
     one.seen = {"": Seen(_snapshot(0), _snapshot(counted), calls=1)}
     exact = load.checks(one, sent=10, left_waiting=1)
     assert exact[f"every request sent was counted once by the server ({counted} of 10)"] is (counted == 10)
+
+
+class _Relay:
+    """A relay in front of replicas ``a`` and ``b`` where ``b`` answers only
+    from its ``b_from``-th call on (still starting before), as Ray's proxy
+    routes nothing to a replica that is not up."""
+
+    def __init__(self, b_from: int | None):
+        self.calls, self.b_from = 0, b_from
+
+    async def get(self, url: str):
+        import httpx
+        self.calls += 1
+        up_b = self.b_from is not None and self.calls >= self.b_from
+        name = "b" if up_b and self.calls % 2 == 0 else "a"
+        return httpx.Response(200, json=_snapshot(0), headers={"x-bubblefree-replica": name},
+                              request=httpx.Request("GET", url))
+
+
+def test_the_reads_before_the_load_wait_for_a_replica_still_starting():
+    """Counted from a later first read, a late replica's early requests would
+    be missing: the checker waits for every replica before the load, and
+    says how many it reached when one never came."""
+    import asyncio
+    stats = load.Stats(_Relay(b_from=150), "http://127.0.0.1:1", replicas=2)  # b up after 3 rounds
+    asyncio.run(stats.read_all(within_s=30))
+    assert stats.before == 2 and set(stats.seen) == {"a", "b"}
+    assert load.checks(stats, sent=0)["every replica read before the load (2 of 2)"] is True
+    never = load.Stats(_Relay(b_from=None), "http://127.0.0.1:1", replicas=2)
+    asyncio.run(never.read_all(within_s=0.3))
+    assert never.before == 1
+    result = load.checks(never, sent=0)
+    assert result["every replica read before the load (1 of 2)"] is False
+    one = load.Stats(_Relay(b_from=None), "http://127.0.0.1:1")  # one replica asked for: one read
+    asyncio.run(one.read_all(within_s=30))
+    assert one.before == 1 and one.calls == 1
+    assert not any("before the load" in n for n in load.checks(one, sent=0))

@@ -168,9 +168,12 @@ def test_the_load_through_the_relay_is_checked_on_every_replica(url):
     # The allowance is the clients that left waiting, counted as the table counts them.
     assert any(name.endswith(f"; {result['left_wait']} left waiting)") for name in result["checks"]), result
     assert result["requests"] == 36 and not result["errors"], result
-    missing = load.main([*common, "--requests", "4", "--leave", "0", "--replicas", "3", "--settle", "0.5"])
+    assert result["checks"]["every replica read before the load (2 of 2)"]
+    missing = load.main([*common, "--requests", "4", "--leave", "0", "--replicas", "3", "--settle", "0.5",
+                         "--ready", "1"])
     failed = [name for name, ok in missing["checks"].items() if not ok]
-    assert failed == [next(n for n in missing["checks"] if n.startswith("every replica read (2 of 3"))], failed
+    assert failed == ["every replica read before the load (2 of 3)",
+                      next(n for n in missing["checks"] if n.startswith("every replica read (2 of 3"))], failed
 
 
 def test_clients_that_send_half_a_body_through_the_relay_leave_nothing_held(url):
