@@ -19,9 +19,9 @@ idle wake-up, the answer's conversion). The hand-offs are given apart: from
 the caller's submit returning to the decode thread taking the request
 (``gather`` and ``take``, the core's submit, are inside it), and from the
 end's delivery to the caller's call returning.
-Each line also gives the device's busy time per request, from CUDA events
-around the whole run divided by the requests (an upper bound: it includes
-zombie steps and idle gaps between kernels of a graph).
+On CUDA each line also gives the device window per request: the device
+clock's time from before the first request to after the last (CUDA
+events), divided by the requests, idle time included.
 """
 
 from __future__ import annotations
@@ -164,8 +164,9 @@ def show(mode: str, r: dict[str, Any]) -> str:
     parts = ", ".join(f"{k} {v:.2f}" + (f" (x{r['calls'][k]:.1f})" if k in r["calls"] else "")
                       for k, v in sorted(r["parts"].items(), key=lambda kv: -kv[1]))
     hand = ", ".join(f"{k} {v:.2f}" for k, v in r["handoffs"].items())
+    device = "" if r["device_window_ms"] is None else f"; device window {r['device_window_ms']:.2f} ms"
     return (f"{r['workload']:7s} pipelined={mode:5s} wall p50 {r['wall_p50']:.2f} ms, mean "
-            f"{r['wall_mean']:.2f} ms; per request, ms (calls): {parts}; hand-offs, ms: {hand}")
+            f"{r['wall_mean']:.2f} ms; per request, ms (calls): {parts}; hand-offs, ms: {hand}{device}")
 
 
 def prepare_ms(engine: Any, side: int, reps: int = 20) -> str:

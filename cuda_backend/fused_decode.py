@@ -203,7 +203,7 @@ def _attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims: Dims, window, mlp=None):
             row = q.new_empty((b, dims.heads * dims.head_dim + mlp.shape[1]))
         q = rope_store(q, k, v, cos, sin, keys, values, ctx.slot_mapping, mlp,
                        None if row is None else row[:, dims.heads * dims.head_dim:],
-                       dims.act if row is not None else 0)
+                       dims.act if mlp is not None else 0)
     else:
         if mlp is not None:
             raise ValueError("_attend: an mlp rider needs the one op or rope_store")

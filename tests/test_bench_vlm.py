@@ -80,6 +80,10 @@ def test_vlm_timeline_hand_offs_run_from_submit_to_take_and_from_delivery_to_ret
     lines = vlm_timeline.trace(spans, [(0.5, 8.75)])
     assert [line.split()[-1] for line in lines] == ["request", "submit", "gather", "take", "tick", "delivered"]
     assert lines[1].split()[:2] == ["500.00", "1500.00"]  # ms from the first window's start
+    line = vlm_timeline.show("auto", dict(workload="point", wall_p50=9.0, wall_mean=9.5, parts={"tick": 1.0},
+                                          calls={"tick": 2.0}, handoffs={"to caller": 0.25},
+                                          device_window_ms=7.5))
+    assert line.endswith("tick 1.00 (x2.0); hand-offs, ms: to caller 0.25; device window 7.50 ms"), line
 
 
 def test_vlm_timeline_runs_on_the_tiny_model_and_accounts_each_request(capsys):
