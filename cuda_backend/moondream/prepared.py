@@ -46,8 +46,8 @@ def prepare(image: Image.Image, config: VisionConfig, pin: bool,
             stream: torch.cuda.Stream | None = None) -> PreparedImage:
     """An RGB PIL image -> its crops in host memory (pinned with ``pin``).
     With a CUDA ``stream``, an image to resize is resized and cut there
-    (``overlap_crops_on``, the same pixels): PIL's resizes of a 756-px
-    image take about 20 ms of this thread, the device a fraction of one."""
+    (``overlap_crops_on``, the same pixels): Pillow's resizes of a 756-px
+    image take about 20 ms of this thread."""
     if not isinstance(image, Image.Image):
         raise TypeError(f"expected a PIL image, got {type(image).__name__}")
     if stream is not None and (image.height, image.width) != (config.crop_size,) * 2:

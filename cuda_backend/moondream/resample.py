@@ -3,7 +3,8 @@
 Cutting a large image into moondream's crops is mostly two Lanczos
 resizes, which Pillow runs on the CPU: about 20 ms for a 756-px image, on
 the caller's thread, before the request is even handed over. The same
-arithmetic as matrix products takes a fraction of a millisecond on a GPU.
+arithmetic as matrix products is a few GFLOP for such an image, a small
+load for a GPU (not yet timed on one).
 
 Pillow's 8-bit path (``Resample.c``) works in fixed point: each output
 pixel of a pass is ``clip8((2**21 + sum(pixel * k)) >> 22)`` over integer
@@ -14,8 +15,10 @@ the same way (``taps``; numpy's ``sin`` agrees with the C library's on
 these arguments, which the tests check against Pillow), and each pass is
 one float64 matrix product: every product and sum is an integer below
 2**53, so float64 holds it exactly in any order, and the shift is a floor
-division by a power of two. The result equals ``Image.resize(...,
-LANCZOS)`` exactly.
+division by a power of two. The result equals Pillow's, pass by pass:
+``resize`` runs the width first, then the height, as ``image_crops``
+asks Pillow to; Pillow's own two-axis ``resize`` orders its passes by
+size in recent versions, so a two-axis call may differ from it.
 """
 
 from __future__ import annotations
