@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# One call on a lent GPU: moondream2's image path. The image-prefill
+# One call on a lent GPU: moondream2's image path. Its GPU tests, the image-prefill
 # profile (PROFILE_MODES: "graphs", or "eager" for the prefill before its
 # graphs; both: "eager graphs"), then bench.vlm_speed (point, detect, caption, query
 # at 378 and 756 px, 1, 8 and 32 streams; pipelined, blocking, auto; the
 # transformers VLM peer). Everything printed is also written under $OUT,
 # with docs/benchmarks.md updated there (copy its block back).
 #
-# Knobs (environment): PROFILE_MODES (graphs), PROFILE_SECONDS (90 each),
-# VLM_SECONDS (420), PROFILE_ARGS, VLM_ARGS (--tiny and --quick --no-peer: a CPU smoke run).
+# Knobs (environment): VLM_TESTS (the image path's test files run first;
+# empty: none), TEST_SECONDS (240), PROFILE_MODES (graphs), PROFILE_SECONDS
+# (90 each), VLM_SECONDS (420), PROFILE_ARGS, VLM_ARGS (--tiny and --quick
+# --no-peer: a CPU smoke run; --crops-on-device: images cut on the GPU).
 set -u
 out="${OUT:-/tmp/bubblefree-vlm}"
 mkdir -p "$out"
@@ -19,6 +21,12 @@ day="$(date -u +%Y-%m-%d)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__, '| transformers', transformers.__version__)"
 } 2>&1 | tee "$out/env.txt"
+if [ -n "${VLM_TESTS-tests/test_moondream_gpu.py tests/test_resample.py tests/test_moondream_crops.py}" ]; then
+  echo "== GPU tests of the image path"
+  timeout -k 10 "${TEST_SECONDS:-240}" python3 -m pytest -p no:cacheprovider -q -rs \
+    ${VLM_TESTS-tests/test_moondream_gpu.py tests/test_resample.py tests/test_moondream_crops.py} 2>&1 \
+    | grep -v -i warn | tee "$out/gpu-tests.txt"
+fi
 for mode in ${PROFILE_MODES:-graphs}; do  # graphs, eager (the prefill before its graphs)
   echo "== vlm_profile, prefill: $mode"
   flag=""; [ "$mode" = eager ] && flag=--eager-prefill
