@@ -18,7 +18,9 @@ the window less all of them (hand-offs between the threads, the loop's
 idle wake-up, the answer's conversion). The hand-offs are given apart: from
 the caller's submit returning to the decode thread taking the request
 (``gather`` and ``take``, the core's submit, are inside it), and from the
-end's delivery to the caller's call returning.
+end's delivery to the caller's call returning. Garbage collections (any
+thread) are summed apart; ``--trace`` also shows the decode thread's idle
+waits on the loop's condition and each notify of it.
 On CUDA each line also gives the device window per request: the device
 clock's time from before the first request to after the last (CUDA
 events), divided by the requests, idle time included.
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import statistics
+import threading
 import time
 from typing import Any, Callable
 
@@ -37,6 +41,33 @@ import torch
 from bubblefree.bench.vlm_speed import WORKLOADS, images
 
 CALLS = ("launch", "wait", "finalize", "release")
+APART = ("delivered", "idle", "notify", "gc")  # marks and spans shown in a trace, not in the parts
+
+
+class TimedCondition:
+    """The serving loop's condition, with the decode thread's waits kept as
+    ``idle`` spans and each notify as a mark."""
+
+    def __init__(self, inner: threading.Condition, spans: list):
+        self._inner, self._spans = inner, spans
+
+    def __enter__(self) -> Any:
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._inner.__exit__(*exc)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        start = time.perf_counter()
+        try:
+            return self._inner.wait(timeout)
+        finally:
+            self._spans.append(("idle", start, time.perf_counter()))
+
+    def notify(self, n: int = 1) -> None:
+        now = time.perf_counter()
+        self._spans.append(("notify", now, now))
+        self._inner.notify(n)
 
 
 class Recorder:
@@ -63,6 +94,24 @@ class Recorder:
         loop._take = self._wrap("take", loop._take)
         forward = loop._forward
         loop._forward = lambda handle: self._delivered(forward(handle))
+        # Marks beside the spans (``APART``): the decode thread's idle waits
+        # and the callers' notifies, on the loop's condition; and each
+        # garbage collection, on whichever thread ran it.
+        loop._wake = TimedCondition(loop._wake, self.spans)
+        self._loop = loop
+        self._gc_start: dict[int, float] = {}
+        gc.callbacks.append(self._collected)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._collected)
+
+    def _collected(self, phase: str, info: dict[str, int]) -> None:
+        thread, now = threading.get_ident(), time.perf_counter()
+        if phase == "start":
+            self._gc_start[thread] = now
+        elif thread in self._gc_start:
+            who = "decode" if self._loop.on_loop_thread else "caller"
+            self.spans.append((f"gc{info['generation']} {who}", self._gc_start.pop(thread), now))
 
     def _delivered(self, deliver: Callable) -> Callable:
         def timed(core_handle: Any, token: int | None) -> None:
@@ -145,15 +194,17 @@ def measure(engine: Any, recorder: Recorder, workload: str, side: int, count: in
     parts = [within(recorder.spans, a, b) for a, b in windows]
     handoffs = [hand_offs(recorder.spans, a, b) for a, b in windows]
     walls = [1e3 * (b - a) for a, b in windows]
+    collected = []
     for p in parts:  # the outer spans less what they hold: their own Python
-        p.pop("delivered", None)  # a mark, not a span
+        apart = {k: p.pop(k) for k in list(p) if k.split()[0] in APART or k.startswith("gc")}
+        collected.append(sum(v for k, v in apart.items() if k.startswith("gc")))
         p["submit"] = p.get("submit", 0.0) - p.get("image_ref", 0.0)
         p["tick"] = p.get("tick", 0.0) - sum(v for k, v in p.items() if k.split()[0] in CALLS)
     names = sorted({k for p in parts for k in p})
     mean = {k: 1e3 * statistics.mean(p.get(k, 0.0) for p in parts) for k in names}
     mean["rest"] = statistics.mean(walls) - sum(mean.values())
     return dict(workload=workload, wall_p50=statistics.median(walls), wall_mean=statistics.mean(walls),
-                parts=mean, device_window_ms=device_ms,
+                parts=mean, device_window_ms=device_ms, gc_ms=1e3 * statistics.mean(collected),
                 trace=trace(recorder.spans, windows[-traced:]) if traced else [],
                 handoffs={k: 1e3 * statistics.mean(h[k] for h in handoffs) for k in HAND_OFFS},
                 calls={k: statistics.mean(sum(1 for w, a, b in recorder.spans if w == k and a >= s and b <= e)
@@ -166,7 +217,8 @@ def show(mode: str, r: dict[str, Any]) -> str:
     hand = ", ".join(f"{k} {v:.2f}" for k, v in r["handoffs"].items())
     device = "" if r["device_window_ms"] is None else f"; device window {r['device_window_ms']:.2f} ms"
     return (f"{r['workload']:7s} pipelined={mode:5s} wall p50 {r['wall_p50']:.2f} ms, mean "
-            f"{r['wall_mean']:.2f} ms; per request, ms (calls): {parts}; hand-offs, ms: {hand}{device}")
+            f"{r['wall_mean']:.2f} ms; per request, ms (calls): {parts}; hand-offs, ms: {hand}; "
+            f"garbage collection {r['gc_ms']:.2f} ms{device}")
 
 
 def prepare_ms(engine: Any, side: int, reps: int = 20) -> str:
@@ -219,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(show(mode, result), flush=True)
                 print("\n".join(result["trace"]), flush=True)
     finally:
+        recorder.close()
         engine.close()
 
 

@@ -2,6 +2,7 @@
 moondream: the commands run end to end through the public API and write
 their section; the figures are not checked (no timing in tests)."""
 
+import gc
 import json
 
 import pytest
@@ -82,8 +83,9 @@ def test_vlm_timeline_hand_offs_run_from_submit_to_take_and_from_delivery_to_ret
     assert lines[1].split()[:2] == ["500.00", "1500.00"]  # ms from the first window's start
     line = vlm_timeline.show("auto", dict(workload="point", wall_p50=9.0, wall_mean=9.5, parts={"tick": 1.0},
                                           calls={"tick": 2.0}, handoffs={"to caller": 0.25},
-                                          device_window_ms=7.5))
-    assert line.endswith("tick 1.00 (x2.0); hand-offs, ms: to caller 0.25; device window 7.50 ms"), line
+                                          device_window_ms=7.5, gc_ms=0.5))
+    assert line.endswith("tick 1.00 (x2.0); hand-offs, ms: to caller 0.25; garbage collection 0.50 ms; "
+                         "device window 7.50 ms"), line
 
 
 def test_vlm_timeline_runs_on_the_tiny_model_and_accounts_each_request(capsys):
@@ -93,8 +95,15 @@ def test_vlm_timeline_runs_on_the_tiny_model_and_accounts_each_request(capsys):
     try:
         recorder = vlm_timeline.Recorder(engine)
         r = vlm_timeline.measure(engine, recorder, "point", 378, 3, traced=1)
+        recorder.spans.clear()
+        gc.collect()  # on this (the caller's) thread: a span of its own, apart from the parts
+        collections = [w for w, _, _ in recorder.spans]
+        recorder.close()
+        gc.collect()
+        after = [w for w, _, _ in recorder.spans if w.startswith("gc")]
     finally:
         engine.close()
+    assert collections == ["gc2 caller"] and after == ["gc2 caller"]  # closed: none recorded since
     calls, parts = r["calls"], r["parts"]
     # Blocking, a point request: one image prefill and one decode step, each launched, waited, finalized.
     assert calls["launch image_prefill"] == 1 and calls["launch decode"] == 1 and calls["image_ref"] == 1
@@ -106,3 +115,7 @@ def test_vlm_timeline_runs_on_the_tiny_model_and_accounts_each_request(capsys):
     assert r["handoffs"]["to decode thread"] > 0 and r["handoffs"]["to caller"] > 0
     assert sum(line.endswith("== request") for line in r["trace"]) == 1
     assert sum(line.endswith("launch image_prefill") for line in r["trace"]) == 1
+    # The decode thread waited idle before the request and was notified by its submit.
+    assert any(line.endswith("idle") for line in r["trace"]) and any(line.endswith("notify") for line in r["trace"])
+    assert not any(k.split()[0] in vlm_timeline.APART or k.startswith("gc") for k in r["parts"]), r["parts"]
+    assert r["gc_ms"] >= 0
