@@ -75,14 +75,16 @@ def plan_crops(height: int, width: int, config: VisionConfig) -> CropPlan:
     return CropPlan(tiling=(rows, cols), resized=resized, windows=windows)
 
 
-def overlap_crops(image: Image.Image, config: VisionConfig) -> tuple[torch.Tensor, CropPlan]:
+def overlap_crops(image: Image.Image, config: VisionConfig, pin: bool = False) -> tuple[torch.Tensor, CropPlan]:
     """An RGB image -> (crops ``[n, S, S, 3]`` uint8, the plan); crop 0 is
-    the global view, then the local crops row by row."""
+    the global view, then the local crops row by row. ``pin``: written
+    straight into pinned memory (no second copy to pin them)."""
     if image.mode != "RGB":
         raise ValueError(f"overlap_crops needs an RGB image, got mode {image.mode!r}")
     plan = plan_crops(image.height, image.width, config)
     size = config.crop_size
-    crops = np.empty((plan.n_crops, size, size, 3), dtype=np.uint8)   # [n, S, S, 3]
+    out = torch.empty((plan.n_crops, size, size, 3), dtype=torch.uint8, pin_memory=pin)
+    crops = out.numpy()                                                # [n, S, S, 3], the same memory
     height, width = plan.resized
     if (height, width) == (size, size):
         # One local crop of the global view's size (a side of at most 378 px,
@@ -98,7 +100,7 @@ def overlap_crops(image: Image.Image, config: VisionConfig) -> tuple[torch.Tenso
             crops[0] = global_view.result()
     for k, (y0, y1, x0, x1) in enumerate(plan.windows):
         crops[k + 1] = local[y0:y1, x0:x1]
-    return torch.from_numpy(crops), plan
+    return out, plan
 
 
 def _resized(image: Image.Image, shape: tuple[int, int]) -> np.ndarray:

@@ -55,8 +55,8 @@ def prepare(image: Image.Image, config: VisionConfig, pin: bool,
             return _prepare_on(image, config, stream)
         except torch.cuda.OutOfMemoryError:  # the device is full: the host can still do it
             pass
-    crops, plan = overlap_crops(image, config)  # [n, S, S, 3] uint8
-    return PreparedImage(crops=crops.pin_memory() if pin else crops, tiling=plan.tiling)
+    crops, plan = overlap_crops(image, config, pin)  # [n, S, S, 3] uint8
+    return PreparedImage(crops=crops, tiling=plan.tiling)
 
 
 def _prepare_on(image: Image.Image, config: VisionConfig, stream: torch.cuda.Stream) -> PreparedImage:
