@@ -63,7 +63,7 @@ def _prepare_on(image: Image.Image, config: VisionConfig, stream: torch.cuda.Str
     """The crops made on ``stream``'s device and copied back to pinned host
     memory; this thread waits for its own work only (the event), never for
     the decode thread's steps, and keeps nothing on the device."""
-    pixels = torch.from_numpy(np.asarray(image))                          # [H, W, 3] uint8
+    pixels = torch.from_numpy(np.array(image))  # [H, W, 3] uint8, writable (asarray's is read-only)
     with torch.cuda.stream(stream):
         crops, plan = overlap_crops_on(pixels.to(stream.device), config)
         host = torch.empty(crops.shape, dtype=torch.uint8, pin_memory=True)
