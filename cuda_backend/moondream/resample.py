@@ -96,8 +96,8 @@ def _pass(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 def resize(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """uint8 ``[H, W, C]`` (any device) -> ``[height, width, C]``, equal to
-    Pillow's ``resize((width, height), LANCZOS)``; an axis already of its
-    size is not resampled, as in Pillow."""
+    Pillow's Lanczos resize of the width and then of the height (each a
+    ``resize`` of one axis); an axis already of its size is left as it is."""
     if pixels.dtype != torch.uint8 or pixels.dim() != 3:
         raise ValueError(f"expected uint8 [H, W, C] pixels, got {pixels.dtype} {tuple(pixels.shape)}")
     h, w, c = pixels.shape
