@@ -64,9 +64,15 @@ class CropPlan:
         return len(self.windows) + 1
 
 
+def window_step(config: VisionConfig) -> int:
+    """Pixels from one local crop's window to the next: a crop less the
+    margins it shares with its neighbours."""
+    return (config.grid - 2 * config.overlap_margin) * config.patch_size
+
+
 def plan_crops(height: int, width: int, config: VisionConfig) -> CropPlan:
     margin_px = config.overlap_margin * config.patch_size            # 56
-    step = (config.grid - 2 * config.overlap_margin) * config.patch_size   # 266
+    step = window_step(config)                                       # 266
     rows, cols = select_tiling(height - 2 * margin_px, width - 2 * margin_px, step,
                                config.max_crops)
     resized = (rows * step + 2 * margin_px, cols * step + 2 * margin_px)
@@ -129,7 +135,7 @@ def overlap_crops_on(pixels: torch.Tensor, config: VisionConfig) -> tuple[torch.
     crops = torch.empty((plan.n_crops, size, size, 3), dtype=torch.uint8, device=pixels.device)
     crops[0] = resize(pixels, size, size)
     local = crops[0] if plan.resized == (size, size) else resize(pixels, *plan.resized)
-    step = (config.grid - 2 * config.overlap_margin) * config.patch_size   # the windows' stride
+    step = window_step(config)
     # Every window at once: [rows, cols, 3, S, S] views of the resized image.
     windows = local.unfold(0, size, step).unfold(1, size, step)
     crops[1:] = windows.permute(0, 1, 3, 4, 2).reshape(rows * cols, size, size, 3)
