@@ -1,11 +1,13 @@
-"""Where a decode step's GPU time goes (moondream2's text-decoder shape).
+"""Where a decode step's GPU time goes (moondream2's text-decoder shape, or
+another of ``bench.speed``'s shapes with ``--model``).
 
 Times the captured decode graph per batch bucket with CUDA events for each
 way of running the step (transformers' forward or the fused step, eager or
 compiled), and prints the top kernels of one step of the last, so
 optimisation starts from a measurement rather than a guess.
 
-    python -m bubblefree.bench.profile_step [--rows 1,8,32,64] [--context 128]
+    python -m bubblefree.bench.profile_step [--model phi|llama1b|qwen05b]
+                                 [--rows 1,8,32,64] [--context 128] [--kernels-at 32]
                                  [--paths transformers,fused,fused+compile]
                                  [--attention default,split,separate,act-separate,1x16w1s1]
                                  [--gemm cublas,tiles.json]
@@ -31,12 +33,11 @@ import time
 
 import attrs
 import torch
-from transformers import PhiForCausalLM
 
 from bubblefree.bench.speed_setup import DECODE_PATHS as PATHS
+from bubblefree.bench.speed_setup import SHAPES, build_model
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.kernel_config import KernelConfig, Launch, TileTable
-from bubblefree.cuda_backend.tiny import phi15_config
 
 
 def time_graph(be: CudaBackend, b: int, p: int, context: int, iters: int = 50) -> float:
@@ -77,6 +78,7 @@ def top_kernels(be: CudaBackend, b: int, p: int, n: int = 18) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=list(SHAPES), default="phi")
     ap.add_argument("--rows", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--kernels-at", type=int, default=32)
@@ -87,9 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gemm", default="", help="GEMM choices for the last path: cublas, or "
                     "JSON files of tiles")
     args = ap.parse_args(argv)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = PhiForCausalLM(phi15_config()).to(torch.bfloat16).eval()
+    model, label = build_model(False, shape=args.model)
+    print(label, flush=True)
     rows = [int(x) for x in args.rows.split(",")]
     paths = args.paths.split(",")
     default = KernelConfig.measured("cuda")

@@ -9,7 +9,7 @@
 # Knobs (environment): VLM_TESTS (the image path's test files run first;
 # empty: none), TEST_SECONDS (240), PROFILE_MODES (graphs), PROFILE_SECONDS
 # (90 each), VLM_SECONDS (420), PROFILE_ARGS, VLM_ARGS (--tiny and --quick
-# --no-peer: a CPU smoke run; --crops-on-device: images cut on the GPU).
+# --no-peer: a CPU smoke run; --crops-on-host: images cut by Pillow on the callers' threads).
 set -u
 out="${OUT:-/tmp/bubblefree-vlm}"
 mkdir -p "$out"

@@ -143,10 +143,10 @@ def encode_figures(engine, side: int, images_per_call: int = 4, reps: int = 10) 
                 crop_ms=ms / crops.shape[0])
 
 
-def make_engine(device: str, quick: bool, crops_on_device: bool = False):
+def make_engine(device: str, quick: bool, crops_on_device: bool = True):
     from bubblefree import Engine
-    options = {"crops_on_device": True} if crops_on_device else {}
-    return Engine.moondream_random("tiny" if quick else "full", device=device, **options)
+    return Engine.moondream_random("tiny" if quick else "full", device=device,
+                                   crops_on_device=crops_on_device)
 
 
 def table(rows: list[dict], peer: dict[tuple[str, int], dict]) -> str:
@@ -283,8 +283,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--quick", action="store_true", help="the tiny random config (a CPU smoke run)")
     ap.add_argument("--per-stream", type=int, default=6, help="requests per run: per-stream x streams + 16")
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--crops-on-device", action="store_true",
-                    help="callers' images resized and cut on the GPU (MoondreamBackend's crops_on_device)")
+    ap.add_argument("--crops-on-host", action="store_true",
+                    help="callers' images resized and cut by Pillow on their threads, not on the GPU "
+                    "(MoondreamBackend's crops_on_device=False)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="write the table into this markdown file (and the plot beside it)")
     ap.add_argument("--record", default=None, help="write the run's figures as JSON here")
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> str:
     if unknown:
         ap.error(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
 
-    engine = make_engine(args.device, args.quick, args.crops_on_device)
+    engine = make_engine(args.device, args.quick, not args.crops_on_host)
     rows = []
     for side in sizes:
         for workload in workloads:

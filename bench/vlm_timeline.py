@@ -5,7 +5,7 @@ the ``wait`` for a step's output (the host idle while the device works),
 thread hand-offs, the API).
 
     python -m bubblefree.bench.vlm_timeline [--workloads point,query] [--requests 24]
-        [--side 378] [--modes auto,True,False] [--tiny] [--trace K] [--crops-on-device]
+        [--side 378] [--modes auto,True,False] [--tiny] [--trace K] [--crops-on-host]
 
 Requests one after another (one stream), each on a fresh image; every
 backend call and the caller's image preparation timed on the host
@@ -250,16 +250,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--side", type=int, default=378)
     ap.add_argument("--modes", default="auto,True,False", help="the engine's pipelined setting, each in turn")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape (a CPU smoke run)")
-    ap.add_argument("--crops-on-device", action="store_true",
-                    help="callers' images resized and cut on the GPU (MoondreamBackend's crops_on_device)")
+    ap.add_argument("--crops-on-host", action="store_true",
+                    help="callers' images resized and cut by Pillow on their threads, not on the GPU "
+                    "(MoondreamBackend's crops_on_device=False)")
     ap.add_argument("--trace", type=int, default=0, metavar="K",
                     help="also print every timed span of the last K requests of each line")
     args = ap.parse_args(argv)
     from bubblefree import Engine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    options = {"crops_on_device": True} if args.crops_on_device else {}
-    engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device, **options)
+    engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device,
+                                     crops_on_device=not args.crops_on_host)
     recorder = Recorder(engine)
     print(f"prefill: {engine.backend.prefill_path}", flush=True)
     print(prepare_ms(engine, args.side), flush=True)

@@ -98,7 +98,7 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise InvalidRequest(f"seed: must be an int >= 0, got {seed!r}")
     device, dtype = check_device(device), check_dtype(dtype)
-    crops_on_device = backend_options.pop("crops_on_device", False)  # moondream's own option
+    crops_on_device = backend_options.pop("crops_on_device", True)  # moondream's own option
     if not isinstance(crops_on_device, bool):
         raise InvalidRequest(f"crops_on_device: must be True or False, got {crops_on_device!r}")
     check_backend_options(backend_options)
@@ -114,8 +114,7 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
         if raw.get_vocab_size(with_added_tokens=True) > source.text.vocab_size:
             raise InvalidRequest(f"tokenizer: {raw.get_vocab_size()} tokens, more than the config's "
                                  f"vocab_size {source.text.vocab_size}")
-    if crops_on_device:
-        backend_options["crops_on_device"] = True
+    backend_options["crops_on_device"] = crops_on_device
     backend, info = build(source, device=device, dtype=dtype, seed=seed, **backend_options)
     raw = raw if raw is not None else info.tokenizer
     if raw is None:

@@ -34,7 +34,8 @@ class FakeMoondream:
         self.calls = []
 
     def __call__(self, source, *, device, dtype, seed, **options):
-        self.calls.append((source, device, dtype, seed, options))
+        self.calls.append((source, device, dtype, seed, dict(options)))
+        options.pop("crops_on_device")  # moondream's own option; the fake cuts no crops
         raw = word_tokenizer()
         config = source if not isinstance(source, str) else attrs.evolve(
             tiny_config(), tokenizer=TokenizerConfig(bos_id=0, eos_id=0, templates=text_templates(raw)))
@@ -55,7 +56,8 @@ def test_from_pretrained_on_a_moondream_directory_builds_moondreams_engine(tmp_p
     path = checkpoint(tmp_path / "md", {"model_type": "moondream1"})
     engine = Engine.from_pretrained(path, max_rows=4, device="cpu")
     try:
-        assert fake_build.calls[0][0] == str(path) and fake_build.calls[0][4] == {"max_rows": 4}
+        options = {"max_rows": 4, "crops_on_device": True}  # the crops' default: on the device
+        assert fake_build.calls[0][0] == str(path) and fake_build.calls[0][4] == options
         tok = engine.skills.tokenizer
         assert isinstance(engine.skills.codec, RegionHeadCodec) and engine.takes_images
         # moondream's prompts: template ids around the words, " " before the object.

@@ -87,11 +87,13 @@ class MoondreamBackend(CudaBackend):
     takes_images = True
     decodes_values = True
 
-    def __init__(self, model: Moondream, crops_on_device: bool = False, **options):
+    def __init__(self, model: Moondream, crops_on_device: bool = True, **options):
         """``model``: a ``Moondream`` (weights.load_checkpoint / random_model);
         ``crops_on_device``: on CUDA, callers' images are resized and cut on
         the device (``prepared.prepare``; the same pixels as Pillow's path,
-        checked on the CPU; off until measured on a GPU); ``options``:
+        checked on the CPU and on the H200, where a 756-px image's crops
+        took 3.8 ms against Pillow's 19.6; False: Pillow on the caller's
+        thread); ``options``:
         CudaBackend's (``max_prefill_tokens`` defaults to
         ``DEFAULT_MAX_PREFILL_TOKENS``). Its prefills always run the packed
         path here (``token_prefill`` is refused)."""
