@@ -10,7 +10,7 @@ optimisation starts from a measurement rather than a guess.
                                  [--rows 1,8,32,64] [--context 128] [--kernels-at 32]
                                  [--paths transformers,fused,fused+compile]
                                  [--attention default,split,separate,act-separate,1x16w1s1]
-                                 [--gemm cublas,tiles.json]
+                                 [--gemm cublas,tiles.json] [--pdl 0,64]
 
 ``--attention`` builds the last path once per attention choice listed:
 ``default`` (``KernelConfig.measured``), ``split`` (the split kernel in every
@@ -22,6 +22,9 @@ bucket).
 attention: ``cublas`` everywhere, or a table of our kernel's tiles (JSON,
 from ``bench.gemm_tune --save``). Otherwise the step's GEMMs are the
 defaults (``kernel_config.MEASURED`` for this GPU).
+``--pdl`` builds it once more per value listed of ``KernelConfig.pdl_rows``
+(buckets of at most that many rows run ``pdl_step``'s dependent launches;
+0: none), with the default attention and GEMMs.
 """
 
 from __future__ import annotations
@@ -88,12 +91,15 @@ def main(argv: list[str] | None = None) -> None:
                     "act-separate, or launches")
     ap.add_argument("--gemm", default="", help="GEMM choices for the last path: cublas, or "
                     "JSON files of tiles")
+    ap.add_argument("--pdl", default="", help="KernelConfig.pdl_rows values for the last path")
+    ap.add_argument("--pdl-tiles", default="", help="with --pdl: the dependent step's GEMM tiles "
+                    "(JSON, from bench.pdl_tune --save)")
     args = ap.parse_args(argv)
     model, label = build_model(False, shape=args.model)
     print(label, flush=True)
     rows = [int(x) for x in args.rows.split(",")]
     paths = args.paths.split(",")
-    default = KernelConfig.measured("cuda")
+    default = KernelConfig.measured("cuda", model.config.model_type)
     attention = {"default": default,
                  "split": attrs.evolve(default, dispatch=default.dispatch.forced(1 << 30)),
                  "separate": attrs.evolve(default, new_token=False),
@@ -107,16 +113,24 @@ def main(argv: list[str] | None = None) -> None:
         if x and x not in gemms:
             with open(x) as f:
                 gemms[x] = TileTable.read(json.load(f))
-    last = [(paths[-1], x, "default") for x in args.attention.split(",") if x]
-    last += [(paths[-1], "default", x) for x in args.gemm.split(",") if x]
-    runs = [(name, "default", "default") for name in paths[:-1]]
-    runs = list(dict.fromkeys(runs + last)) if last else runs + [(paths[-1], "default", "default")]
+    last = [(paths[-1], x, "default", None) for x in args.attention.split(",") if x]
+    last += [(paths[-1], "default", x, None) for x in args.gemm.split(",") if x]
+    last += [(paths[-1], "default", "default", int(x)) for x in args.pdl.split(",") if x]
+    runs = [(name, "default", "default", None) for name in paths[:-1]]
+    runs = (list(dict.fromkeys(runs + last)) if last
+            else runs + [(paths[-1], "default", "default", None)])
     results: dict[str, list[float]] = {}
     be = None
-    for i, (path, chosen, gemm) in enumerate(runs):
+    for i, (path, chosen, gemm, pdl_rows) in enumerate(runs):
         kernels = attrs.evolve(attention[chosen], tiles=gemms[gemm])
+        if pdl_rows is not None:
+            kernels = attrs.evolve(kernels, pdl_rows=pdl_rows)
+            if args.pdl_tiles:
+                with open(args.pdl_tiles) as f:
+                    kernels = attrs.evolve(kernels, pdl_tiles=TileTable.read(json.load(f)))
         choice = [f"attention {chosen}"] * (chosen != "default")
         choice += [f"GEMM {gemm.split('/')[-1]}"] * (gemm != "default")
+        choice += [f"pdl_rows {pdl_rows}"] * (pdl_rows is not None)
         name = f"{path} [{', '.join(choice)}]" if choice else path
         t = time.perf_counter()
         be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=64, max_seqs=64,

@@ -36,10 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubblefree.cuda_backend import skinny_gemm
+from bubblefree.cuda_backend import pdl_step, skinny_gemm
 from bubblefree.cuda_backend.attention import (CONTEXT_KWARG, PagedContext, decode_attention,
                                                prefill_attention, store_kv)
 from bubblefree.cuda_backend.kernel_config import KernelConfig, TileTable
+from bubblefree.cuda_backend.pdl import supported as pdl_supported
 from bubblefree.cuda_backend.rope_attention import ACTIVATIONS, rope_attend, rotate
 from bubblefree.cuda_backend.rope_store import available as rope_store_available
 from bubblefree.cuda_backend.rope_store import rope_store
@@ -169,6 +170,13 @@ class Dims:
     tiles: TileTable = TileTable()
     # A prefill's rotary, KV write and activation as one kernel (rope_store).
     one_store: bool = False
+    # Decode buckets of at most this many rows run pdl_step's layers (0:
+    # none); the GPU's multiprocessors, which its GEMM tiles cover; whether
+    # the MLP is silu(gate) * up, which its down projection reads itself.
+    pdl_rows: int = 0
+    pdl_tiles: TileTable = TileTable()
+    sms: int = 132
+    gated: bool = False
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -321,10 +329,21 @@ class FusedDecoder:
         self.rope_in_kernel = kernels.new_token
         act = ACTIVATIONS.get(getattr(cfg, "hidden_act", None), 0)
         act = act if parallel and kernels.mlp_act else 0
+        device = self.lm_head.weight.device
+        pdl_rows = kernels.pdl_rows if kernels.new_token and pdl_supported(device) else 0
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if pdl_rows else 132
         self.dims = Dims(heads=heads, kv_heads=kv_heads, head_dim=attn.head_dim, eps=eps,
                          scaling=attn.scaling, split=qkv + ((inter,) if parallel else ()),
                          inter=inter, act=act, tiles=kernels.tiles,
-                         one_store=kernels.prefill_store)
+                         one_store=kernels.prefill_store, pdl_rows=pdl_rows,
+                         pdl_tiles=kernels.pdl_tiles, sms=sms,
+                         gated=not parallel and getattr(cfg, "hidden_act", None) == "silu")
+        self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
+        # The final norm, as add_norm takes it: weight, bias, eps, RMS or not.
+        self.final_norm = ((self.norm.weight, self.norm.bias, self.norm.eps, False) if parallel
+                           else (self.norm.weight, None, self.norm.variance_epsilon, True))
+        if pdl_rows:
+            self.path += f", dependent launches up to {pdl_rows} rows"
 
     def compiled(self, on: bool) -> "FusedDecoder":
         self.step_layer = torch.compile(_own_copy(self.layer_fn)) if on else self.layer_fn
@@ -334,15 +353,34 @@ class FusedDecoder:
                  last: torch.Tensor | None = None) -> torch.Tensor:
         """``[B]`` tokens at ``[B]`` positions -> logits ``[B, V]``, or only
         the rows ``last`` ``[R]`` -> ``[R, V]`` (a prefill's last tokens)."""
-        # The one op lets each row see the cache as it was before the step,
-        # plus its own key. Right for a decode step (a row per sequence); the
-        # token rows of a prefill must see each other's keys, so they write
-        # first and attend after (three steps).
-        x = self.hidden(self.embed(input_ids), positions, ctx,
-                        one_op=self.rope_in_kernel and last is None)
-        if last is not None:
-            x = x.index_select(0, last)
-        return self.head(x)
+        x = self.embed(input_ids)
+        if last is None:
+            # The one op lets each row see the cache as it was before the
+            # step, plus its own key. Right for a decode step (a row per
+            # sequence); the token rows of a prefill must see each other's
+            # keys, so they write first and attend after (three steps).
+            _, normed = self.hidden_normed(x, positions, ctx, one_op=self.rope_in_kernel)
+            return self.logits(normed, pdl=self.uses_pdl(x, self.rope_in_kernel))
+        return self.head(self.hidden(x, positions, ctx).index_select(0, last))
+
+    def uses_pdl(self, x: torch.Tensor, one_op: bool) -> bool:
+        """Whether a decode step over ``x``'s rows runs ``pdl_step``'s layers."""
+        return one_op and x.shape[0] <= self.dims.pdl_rows
+
+    def _layers(self, x, positions, ctx, one_op: bool, compiled: bool):
+        """The layers over input embeddings: ``(x, delta, pdl)``, the output
+        being ``x + delta`` (``delta`` as sums where ``pdl``)."""
+        cos, sin = self.rotary(x, positions.view(1, -1))  # [1, T, rot] each, in x's dtype
+        cos, sin = cos[0], sin[0]
+        pdl = self.uses_pdl(x, one_op)
+        if pdl:
+            layer, delta = self.pdl_layer, pdl_step.first_delta(x)
+        else:
+            layer, delta = self.step_layer if compiled else self.layer_fn, torch.zeros_like(x)
+        for i, w in enumerate(self.weights):
+            kv = ctx.cache.layer_kv(i) if one_op else ctx.cache.layer(i)
+            x, delta = layer(x, delta, cos, sin, kv, ctx, w, self.dims, self.act, self.windows[i])
+        return x, delta, pdl
 
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx: PagedContext, *,
                one_op: bool = False, compiled: bool = True) -> torch.Tensor:
@@ -352,15 +390,25 @@ class FusedDecoder:
         packed prefill's (``attention.prefill_context``); ``one_op`` only
         for the former. ``compiled=False`` runs the plain layer function
         (a prefill's shapes change every step: no compile per shape)."""
-        cos, sin = self.rotary(x, positions.view(1, -1))  # [1, T, rot] each, in x's dtype
-        cos, sin = cos[0], sin[0]
-        delta = torch.zeros_like(x)
-        layer = self.step_layer if compiled else self.layer_fn
-        for i, w in enumerate(self.weights):
-            kv = ctx.cache.layer_kv(i) if one_op else ctx.cache.layer(i)
-            x, delta = layer(x, delta, cos, sin, kv, ctx, w, self.dims, self.act, self.windows[i])
-        return x + delta
+        x, delta, pdl = self._layers(x, positions, ctx, one_op, compiled)
+        return pdl_step.combine(x, delta) if pdl else x + delta
+
+    def hidden_normed(self, x: torch.Tensor, positions: torch.Tensor, ctx: PagedContext, *,
+                      one_op: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden``'s output and its final norm, the head's input (one
+        kernel for both where the step runs ``pdl_step``'s layers)."""
+        x, delta, pdl = self._layers(x, positions, ctx, one_op, True)
+        if pdl:
+            return pdl_step.final(x, delta, *self.final_norm)
+        h = x + delta
+        return h, self.norm(h)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[R, hidden]`` before the final norm -> logits ``[R, V]``."""
-        return _linear(self.norm(x), self.lm_head.weight, self.lm_head.bias, self.dims.tiles)
+        return self.logits(self.norm(x))
+
+    def logits(self, normed: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """Normed hidden states ``[R, hidden]`` -> logits ``[R, V]``."""
+        if pdl:
+            return pdl_step.gemm(normed, self.lm_head.weight, self.lm_head.bias, self.dims)
+        return _linear(normed, self.lm_head.weight, self.lm_head.bias, self.dims.tiles)

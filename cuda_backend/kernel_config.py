@@ -194,6 +194,33 @@ class TileTable:
         return f"ours for {', '.join(shapes)} at measured rows" if shapes else "cuBLAS"
 
 
+def step_tile(k: int, n: int, rows: int, partial: bool, sms: int) -> Tile | None:
+    """A tile for a GEMM of the dependent-launch step where the table has
+    none: enough programs to cover the GPU's ``sms`` twice where the shape
+    allows. A GEMM whose output goes to a norm (``partial``) splits K and
+    leaves the sum to it; one whose output feeds a kernel as is keeps K
+    whole and narrows its columns instead. None when K cannot be cut into
+    steps of at least 16."""
+    want = 2 * sms
+    block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), None)
+    if block_k is None:
+        return None
+    stages = 3 if rows <= 16 else 4
+    if not partial:
+        block_n = next((b for b in (64, 32) if -(-n // b) >= sms), 16)
+        return Tile(block_n, block_k, 1, 4, stages)
+    block_n = 32 if n <= 4096 else 64
+    cols = -(-n // block_n)
+    # Steps of K of at least 64 where K allows (a narrower load costs more
+    # than fewer programs); then the fewest slices that reach ``want``
+    # programs, else the most programs.
+    steps = [b for b in (128, 64) if k % b == 0] or [b for b in (32, 16) if k % b == 0][:1]
+    options = [(min(cols * s, want), -s, b) for b in steps
+               for s in range(1, min(k // b, 16) + 1) if (k // b) % s == 0]
+    _, split, block_k = max(options)
+    return Tile(block_n, block_k, -split, 4, stages)
+
+
 def tile_for(scalars: list[int], m: int) -> Tile | None:
     """The tile for ``m`` rows in ``TileTable.scalars``' form, or None (cuBLAS)."""
     for i in range(0, len(scalars), 6):
@@ -215,6 +242,23 @@ MEASURED: Mapping[str, TileTable] = types.MappingProxyType({
 })
 
 
+# Where the dependent-launch step (``pdl_step``) was measured faster, per
+# GPU and architecture: the buckets of rows that run it and its GEMM tiles
+# (``bench.pdl_tune``; docs/performance.md, "Dependent launches"). On the
+# H200 it took a Phi-1.5-shaped step from 1.18 to 1.03 ms at one row and
+# 1.21 to 1.11 at eight; Llama-3.2-1B's moved 1%, and Qwen2-0.5B's was 34%
+# slower (its gated down projection), so they keep it off by default.
+MEASURED_PDL: Mapping[str, Mapping[str, tuple[int, TileTable]]] = types.MappingProxyType({
+    "NVIDIA H200": types.MappingProxyType({
+        "phi": (8, TileTable({
+            (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
+            (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
+            (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
+        })),
+    }),
+})
+
+
 @attrs.frozen
 class KernelConfig:
     """Everything that decides which kernels a decode step runs (the
@@ -227,20 +271,31 @@ class KernelConfig:
     prefill's rotary, KV write and Phi's activation as one kernel before it
     attends (``rope_store``), instead of torch's dozen a layer: on the H200
     it cut a point request's device time by a fifth
-    (docs/runs/prefill-store-ab-2026-12-01.txt)."""
+    (docs/runs/prefill-store-ab-2026-12-01.txt).
+
+    ``pdl_rows``: decode buckets of at most this many rows run the step
+    whose kernels are all ours, each launched dependent on the one before
+    (``pdl_step``; Hopper and later, with ``new_token``); 0: none. Their
+    GEMMs take ``pdl_tiles``' tile for a shape and row count where it has
+    one (``bench.pdl_tune``), else ``step_tile``'s."""
     dispatch: Dispatch = Dispatch()
     new_token: bool = True
     mlp_act: bool = True
     prefill_store: bool = True
     tiles: TileTable = TileTable()
+    pdl_rows: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    pdl_tiles: TileTable = TileTable()
 
     @classmethod
-    def measured(cls, device: torch.device | str) -> "KernelConfig":
+    def measured(cls, device: torch.device | str, model_type: str | None = None) -> "KernelConfig":
         """The defaults, with the GEMM tiles measured for ``device``'s GPU
-        (none elsewhere, so cuBLAS, until it is measured)."""
+        (none elsewhere, so cuBLAS, until it is measured) and, for a model
+        of ``model_type`` (transformers' name), the dependent-launch step
+        where it was measured faster on that GPU (``MEASURED_PDL``)."""
         device = torch.device(device)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        return cls(tiles=MEASURED.get(name, TileTable()))
+        pdl_rows, pdl_tiles = MEASURED_PDL.get(name, {}).get(model_type, (0, TileTable()))
+        return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles)
 
     def __str__(self) -> str:
         where = ""
@@ -250,4 +305,6 @@ class KernelConfig:
             where = "; Phi's MLP activation separate"
         if not self.prefill_store:
             where += "; prefill's rotary and KV write in torch"
+        if self.pdl_rows:
+            where += f"; dependent launches up to {self.pdl_rows} rows"
         return f"attention: {self.dispatch}{where}; GEMM: {self.tiles}"

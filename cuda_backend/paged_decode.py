@@ -23,6 +23,7 @@ import torch
 
 from bubblefree.cuda_backend import paged_decode_kernels as kernels
 from bubblefree.cuda_backend.kernel_config import Dispatch, Launch, split_chunk
+from bubblefree.cuda_backend.pdl import launch_options
 
 NO_WINDOW = 1 << 30  # a window no context reaches: every key up to pos
 
@@ -114,7 +115,7 @@ def _cache_args(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> di
 
 def one_pass(q, keys, values, page_table, positions, page_size: int, scale: float,
              window: int, out: torch.Tensor, launch: Launch, new: NewToken | None = None,
-             act: Activation | None = None) -> torch.Tensor:
+             act: Activation | None = None, pdl: bool = False) -> torch.Tensor:
     """The one-pass kernel into ``out``; ``launch.heads`` is cut to a power of
     two dividing the head count. With ``new``, q is before its rotary
     embedding and the step's own key and value are written and attended;
@@ -127,13 +128,15 @@ def one_pass(q, keys, values, page_table, positions, page_size: int, scale: floa
         so_h=out.stride(1), scale=scale, window=window,
         **_rotary_args(new, q), **_token_args(new, q), **_act_args(act, q, h // heads),
         GROUP=h // keys.shape[1], PS=page_size, D=d, BLOCK_D=_next_power_of_2(d),
-        BLOCK_N=launch.block_n, HEADS=heads, STAGES=launch.stages, num_warps=launch.warps)
+        BLOCK_N=launch.block_n, HEADS=heads, STAGES=launch.stages, num_warps=launch.warps,
+        PDL=pdl, **launch_options(pdl))
     return out
 
 
 def split_attention(q, keys, values, page_table, positions, page_size: int, scale: float,
                     window: int, out: torch.Tensor | None = None,
-                    new: NewToken | None = None, act: Activation | None = None) -> torch.Tensor:
+                    new: NewToken | None = None, act: Activation | None = None,
+                    pdl: bool = False) -> torch.Tensor:
     """Flash-decoding: each (row, head) spread over programs of ``chunk``
     keys, then one combining pass (why: docs/performance.md). ``new`` and
     ``act`` as in ``one_pass``: the combining pass writes and adds the
@@ -153,21 +156,23 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
         q, keys, values, page_table, positions, m, l, acc,
         **_cache_args(q, keys, values), spt_b=page_table.stride(0), scale=scale, window=window,
         chunk=chunk, splits=splits, heads=h, **rotary,
-        GROUP=group, PS=page_size, D=d, BLOCK_D=_next_power_of_2(d), BLOCK_N=32, num_warps=2)
+        GROUP=group, PS=page_size, D=d, BLOCK_D=_next_power_of_2(d), BLOCK_N=32, num_warps=2,
+        PDL=pdl, **launch_options(pdl))
     kernels.combine_kernel[(b, h)](
         m, l, acc, out, splits=splits, heads=h, so_b=out.stride(0), so_h=out.stride(1),
         q_ptr=q, k_ptr=keys, v_ptr=values, **_cache_args(q, keys, values), scale=scale,
         **rotary, **_token_args(new, q), **_act_args(act, q, h),
         D=d, BLOCK_D=_next_power_of_2(d), BLOCK_S=_next_power_of_2(splits), GROUP=group,
-        num_warps=2)
+        num_warps=2, PDL=pdl, **launch_options(pdl))
     return out
 
 
 def run(q, keys, values, page_table, positions, page_size: int, scale: float, window: int,
         dispatch: Dispatch, new: NewToken | None = None, out: torch.Tensor | None = None,
-        act: Activation | None = None) -> torch.Tensor:
+        act: Activation | None = None, pdl: bool = False) -> torch.Tensor:
     """The kernel ``dispatch`` picks for these shapes, into ``out`` ``[B, H,
-    Dv]`` (a new one by default)."""
+    Dv]`` (a new one by default); ``pdl``: launched dependent on the kernel
+    before (``cuda_backend.pdl``)."""
     b, h, d = q.shape
     if out is None:
         out = torch.empty((b, h, values.shape[2]), dtype=q.dtype, device=q.device)
@@ -176,10 +181,10 @@ def run(q, keys, values, page_table, positions, page_size: int, scale: float, wi
     launch = dispatch.choose(b, h, length)
     if launch is None:
         split_attention(q, keys, values, page_table, positions, page_size, scale, window, out,
-                        new, act)
+                        new, act, pdl)
     else:
         one_pass(q, keys, values, page_table, positions, page_size, scale, window, out, launch,
-                 new, act)
+                 new, act, pdl)
     return out
 
 

@@ -13,7 +13,8 @@ once, with an online softmax in float32:
 With NEW (a compile-time flag) q arrives before its rotary embedding and the
 step's own key and value come raw: rotary, the KV write and attention run as
 one kernel (``_new_token``). With ACT the programs of a row also apply an
-MLP activation to a share of its columns (``_activate``).
+MLP activation to a share of its columns (``_activate``). With PDL each is
+launched dependent on the kernel before it (``cuda_backend.pdl``).
 
 Shapes: q ``[B, H, D]``, keys/values ``[N * page_size, KVH, D]``, page table
 ``[B, P]``, positions ``[B]`` (the query's position; keys ``<= pos``).
@@ -26,6 +27,8 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
+else:
+    from bubblefree.cuda_backend.pdl import enter
 
 
 if triton is not None:
@@ -96,7 +99,7 @@ if triton is not None:
                 GROUP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
                 STAGES: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
-                ACT: tl.constexpr, BLOCK_F: tl.constexpr):
+                ACT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
         """One row's query heads ``HEADS * j ..`` over its whole context. The
         heads share the page-table walk, and in the ``[tokens, heads, D]``
         cache their keys for one position are one contiguous run. With NEW,
@@ -104,6 +107,7 @@ if triton is not None:
         value come raw (``_new_token``): rotary, the KV write and attention
         in one kernel. With ACT, the row's programs also write act(f) (see
         ``paged_decode.Activation``)."""
+        enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] query heads
         kvh = h // GROUP
@@ -168,11 +172,12 @@ if triton is not None:
                       scale, window, chunk, splits, heads,
                       GROUP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
-                      ROT: tl.constexpr):
+                      ROT: tl.constexpr, PDL: tl.constexpr):
         """Keys ``s * chunk ..`` of one (row, head): the partial softmax state
         (max, sum, unnormalised output) for ``combine_kernel``. With NEW, q
         arrives before its rotary embedding and the step's own key (position
         pos) is left to the combining pass, which writes it."""
+        enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -229,11 +234,12 @@ if triton is not None:
                         sf_b, sfo_b, f_per, f_n, scale,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                         GROUP: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
-                        ACT: tl.constexpr, BLOCK_F: tl.constexpr):
+                        ACT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
         """One (row, head): its splits' partial states into the output. An
         empty split (max -inf) weighs exp(-inf) = 0. With NEW the step's own
         key and value join here as one more state (``_new_token``); with ACT
         the row's programs write act(f) as ``one_pass_kernel``'s do."""
+        enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         first = (b * heads + h) * splits

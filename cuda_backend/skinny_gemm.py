@@ -12,6 +12,11 @@ has a tile for the weight's shape and row count (by default the tiles
 ``bench.gemm_tune`` measured faster than cuBLAS on this GPU,
 ``kernel_config.MEASURED``) and ``F.linear`` everywhere else. It is a custom
 op, so a compiled decode step calls it as one opaque call.
+
+The decode step with dependent launches (``KernelConfig.pdl``,
+``pdl_step``) calls ``launch`` itself: every GEMM through the kernel, the
+output projections' partial sums handed to the next norm instead of a
+reduction kernel, the first weights read before the previous kernel ends.
 """
 
 from __future__ import annotations
@@ -20,20 +25,37 @@ import torch
 import torch.nn.functional as F
 
 from bubblefree.cuda_backend.kernel_config import Tile, TileTable, tile_for
+from bubblefree.cuda_backend.pdl import launch_options
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
+else:
+    from bubblefree.cuda_backend.pdl import enter
 
 
 if triton is not None:
 
     @triton.jit
-    def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per, sx_m, sw_n, so_s, so_m,
+    def _x_tile(x_ptr, rm, kk, sx_m, m_ok, up_off, GATED: tl.constexpr):
+        """Rows ``rm`` of x at columns ``kk``; GATED: x is ``[gate | up]``
+        (``up`` at column ``up_off``) and the tile is ``silu(gate) * up``,
+        each rounded to x's dtype as torch's two ops round them."""
+        x = tl.load(x_ptr + rm[:, None] * sx_m + kk[None, :], mask=m_ok[:, None], other=0.0)
+        if GATED:
+            up = tl.load(x_ptr + rm[:, None] * sx_m + up_off + kk[None, :], mask=m_ok[:, None],
+                         other=0.0)
+            g = x.to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(x.dtype)
+            x = (a.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per, sx_m, sw_n, so_s, so_m, up_off,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_M: tl.constexpr,
+                GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
         n0 = tl.program_id(0) * BLOCK_N
         s = tl.program_id(1)
@@ -44,9 +66,19 @@ if triton is not None:
         n_ok = rn < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         k0 = s * k_per
-        for k in tl.range(k0, k0 + k_per, BLOCK_K, num_stages=STAGES):
-            x = tl.load(x_ptr + rm[:, None] * sx_m + (k + rk)[None, :], mask=m_ok[:, None],
+        start = k0
+        if PDL:  # the first step's weights are read while the previous kernel ends
+            w = tl.load(w_ptr + rn[:, None] * sw_n + (k0 + rk)[None, :], mask=n_ok[:, None],
                         other=0.0)
+            enter(PDL)
+            x = _x_tile(x_ptr, rm, k0 + rk, sx_m, m_ok, up_off, GATED)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+            start = k0 + BLOCK_K
+        for k in tl.range(start, k0 + k_per, BLOCK_K, num_stages=STAGES):
+            x = _x_tile(x_ptr, rm, k + rk, sx_m, m_ok, up_off, GATED)
             w = tl.load(w_ptr + rn[:, None] * sw_n + (k + rk)[None, :], mask=n_ok[:, None],
                         other=0.0)
             if IEEE:  # float32 inputs: full precision, as cuBLAS gives them here
@@ -54,19 +86,23 @@ if triton is not None:
             else:
                 acc += tl.dot(x, tl.trans(w))
         mask = m_ok[:, None] & n_ok[None, :]
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if PARTIAL:  # partial sums: the first slice carries it
+                bias = tl.where(s == 0, bias, 0.0)
+            acc += bias[None, :]
         if PARTIAL:
             tl.store(out_ptr + s * so_s + rm[:, None] * so_m + rn[None, :], acc, mask=mask)
         else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + rm[:, None] * so_m + rn[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _reduce_kernel(p_ptr, b_ptr, out_ptr, total, N, splits,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < total
+        enter(PDL)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for s in range(splits):
             acc += tl.load(p_ptr + s * total + i, mask=ok, other=0.0)
@@ -79,32 +115,44 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile) -> torch.Tensor:
-    """``[split, M, N]`` float32 partial sums (bias not added) when
-    ``tile.split`` > 1, else ``[M, N]`` in x's dtype with the bias."""
+def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile, *,
+           bias_in_parts: bool = False, gated: bool = False, pdl: bool = False,
+           partial: bool | None = None) -> torch.Tensor:
+    """``[split, M, N]`` float32 partial sums when ``tile.split`` > 1 (or
+    ``partial``), else ``[M, N]`` in x's dtype with the bias. Partial sums
+    leave the bias out unless ``bias_in_parts`` (the first slice's sums then
+    carry it). ``gated``: x is ``[M, 2K]``, ``[gate | up]``, and the GEMM
+    reads ``silu(gate) * up`` (Llama's and Qwen2's MLP). ``pdl``: launched
+    dependent on the previous kernel (``cuda_backend.pdl``)."""
     m, k = x.shape
+    if gated:
+        k //= 2
     n = w.shape[0]
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("skinny_gemm: x and w must be contiguous along K")
+    if w.shape[1] != k:
+        raise ValueError(f"skinny_gemm: w {tuple(w.shape)} does not take x's K={k}")
     if not tile.fits(k):
         raise ValueError(f"skinny_gemm: K={k} is not {tile.split} slices of {tile.block_k}")
-    partial = tile.split > 1
+    partial = tile.split > 1 if partial is None else partial or tile.split > 1
     if partial:
         out = torch.empty((tile.split, m, n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemm_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
         x, w, bias if bias is not None else w, out, m, n, k // tile.split,
-        x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2),
-        HAS_BIAS=bias is not None, PARTIAL=partial, IEEE=x.dtype == torch.float32,
+        x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2), k,
+        HAS_BIAS=bias is not None and (not partial or bias_in_parts), PARTIAL=partial,
+        IEEE=x.dtype == torch.float32, GATED=gated, PDL=pdl,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, STAGES=tile.stages, num_warps=tile.warps)
+        BLOCK_K=tile.block_k, STAGES=tile.stages, num_warps=tile.warps, **launch_options(pdl))
     return out
 
 
-def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile) -> torch.Tensor:
+def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile, *,
+        pdl: bool = False) -> torch.Tensor:
     """``F.linear(x, w, bias)`` through the kernel, partial sums reduced."""
-    parts = launch(x, w, bias, tile)
+    parts = launch(x, w, bias, tile, pdl=pdl)
     if tile.split == 1:
         return parts
     _, m, n = parts.shape
@@ -112,7 +160,7 @@ def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile)
     block = 1024
     _reduce_kernel[(triton.cdiv(m * n, block),)](
         parts, bias if bias is not None else parts, out, m * n, n, tile.split,
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        HAS_BIAS=bias is not None, PDL=pdl, BLOCK=block, num_warps=4, **launch_options(pdl))
     return out
 
 

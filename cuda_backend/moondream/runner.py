@@ -52,9 +52,10 @@ class MoondreamRunner(ModelRunner):
         x = torch.where(flag, self.value_emb.index_select(0, row_slots),
                         self.decoder.embed(ids))  # [b, D]
         ctx = decode_context(self.cache, positions, page_table, self.kernels.dispatch)
-        h = self.decoder.hidden(x, positions, ctx, one_op=self.decoder.rope_in_kernel)
+        one_op = self.decoder.rope_in_kernel
+        h, normed = self.decoder.hidden_normed(x, positions, ctx, one_op=one_op)
         self.hidden[:b].copy_(h)
-        return self.decoder.head(h)
+        return self.decoder.logits(normed, pdl=self.decoder.uses_pdl(x, one_op))
 
     def prefill(self, meta: torch.Tensor, shape: tuple[int, ...],
                 features: torch.Tensor | None = None, feature_rows: torch.Tensor | None = None,

@@ -1,0 +1,60 @@
+"""Programmatic dependent launch (Hopper's PDL) for our Triton kernels.
+
+A decode step is a chain of about a hundred kernels, each waiting for the
+one before to finish and its results to reach memory before it even
+launches. With PDL a kernel launches while its predecessor still runs: its
+programs are placed, read what no earlier kernel writes (weights, a norm's
+parameters), then wait (``griddepcontrol.wait``) until the predecessor has
+finished and its writes are visible, and only then read its outputs or
+write anything. Right after that wait each program lets the next kernel
+launch in turn (``griddepcontrol.launch_dependents``), so at most two
+kernels of the chain are ever resident.
+
+The rule every kernel launched this way keeps (``enter`` is where):
+
+- before ``enter``: loads of memory no kernel of the step writes, nothing
+  else (no store: the predecessor may still read what it would overwrite);
+- ``enter`` on every path of every program, before anything else.
+
+A kernel launched plainly after one launched this way waits for it to end,
+and a PDL kernel's end implies its predecessor's (it waited for it), so a
+chain that mixes our kernels with cuBLAS' or torch's stays ordered.
+``KernelConfig.pdl`` turns it on for the decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+
+
+def supported(device: torch.device | str) -> bool:
+    """Whether ``device`` can launch this way: CUDA, compute capability 9
+    or later (Hopper), and a Triton that exposes the instructions."""
+    device = torch.device(device)
+    if triton is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if not hasattr(getattr(tl, "extra", None), "cuda") or not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    """The Triton launch keyword for a kernel whose ``PDL`` flag is ``pdl``."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def enter(PDL: tl.constexpr):
+        """Wait for the predecessor's results, then let the next kernel
+        launch. A no-op for a kernel launched plainly (PDL False)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

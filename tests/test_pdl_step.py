@@ -1,0 +1,229 @@
+"""The decode step with dependent launches (cuda_backend/pdl_step.py): its
+GEMM tiles, the residual add with the norm over partial sums, and on a GPU
+the kernels against torch and whole steps against the step without it.
+The GPU cases are skipped, with the reason, where there is no CUDA."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bubblefree.cuda_backend import pdl
+from bubblefree.cuda_backend.add_norm import add_norm, torch_add, torch_add_norm
+from bubblefree.cuda_backend.drive import generate
+from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, step_tile
+from bubblefree.cuda_backend.tiny import tiny_model
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Triton kernels")
+PDL = pytest.mark.skipif(not pdl.supported("cuda"),
+                         reason="needs a GPU of compute capability 9 or later and Triton")
+PROMPTS = [[5, 9, 17, 33, 4], [7, 8], [100, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2], [11] * 30]
+
+
+@given(k=st.integers(1, 16384), n=st.integers(1, 200_000), rows=st.integers(1, 64),
+       partial=st.booleans(), sms=st.integers(1, 200))
+def test_a_step_tile_cuts_k_in_whole_steps_and_covers_the_gpu_where_it_can(k, n, rows, partial,
+                                                                           sms):
+    tile = step_tile(k, n, rows, partial, sms)
+    if k % 16:
+        assert tile is None  # the kernel does not mask K
+        return
+    assert isinstance(tile, Tile) and tile.fits(k) and tile.block_k >= 16
+    programs = -(-n // tile.block_n) * tile.split
+    if not partial:
+        assert tile.split == 1  # its output feeds a kernel as is: no sums left over
+        assert tile.block_n == 16 or programs >= sms
+    else:  # the fewest slices of K (at most 16) that cover the GPU twice, or the most programs
+        cols = -(-n // tile.block_n)
+        wide = [b for b in (128, 64) if k % b == 0]  # steps of 64 or more where K allows
+        assert tile.block_k >= 64 or not wide
+        reach = max(cols * s for b in (wide or [tile.block_k])
+                    for s in range(1, min(k // b, 16) + 1) if (k // b) % s == 0)
+        assert tile.split <= 16 and programs >= min(2 * sms, reach)
+        fewer = [s for b in (wide or [tile.block_k]) for s in range(1, tile.split)
+                 if (k // b) % s == 0 and s <= k // b]
+        assert all(cols * s < 2 * sms for s in fewer)  # no fewer slices would do
+
+
+def test_the_sums_are_added_in_the_streams_dtype_before_the_norm():
+    """add_norm's rounding: the projection's sum rounded to x's dtype (as
+    the reduction kernel's output was), then added, then normed."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    parts = torch.randn(4, 3, 40)
+    w, b = torch.randn(40, dtype=torch.bfloat16), torch.randn(40, dtype=torch.bfloat16)
+    want = x + (parts[0] + parts[1] + parts[2] + parts[3]).to(torch.bfloat16)
+    assert torch.equal(torch_add(x, parts), want)
+    xn, h = torch_add_norm(x, parts, w, b, 1e-5, rms=False)
+    assert torch.equal(xn, want) and torch.equal(h, F.layer_norm(want, (40,), w, b, 1e-5))
+    xn, h = torch_add_norm(x, parts, w, None, 1e-6, rms=True)
+    v = want.float()
+    assert torch.equal(h, w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype))
+
+
+def test_add_norm_names_mismatched_inputs():
+    x = torch.zeros(2, 8)
+    for parts, weight, says in [(torch.zeros(1, 2, 8, dtype=torch.float16), torch.ones(8), "float32"),
+                                (torch.zeros(1, 3, 8), torch.ones(8), r"\[S, 2, 8\]"),
+                                (torch.zeros(2, 8), torch.ones(8), "parts"),
+                                (torch.zeros(1, 2, 8), torch.ones(7), r"weight and bias must be \[8\]")]:
+        with pytest.raises(ValueError, match=says):
+            add_norm(x, parts, weight, None, 1e-5, rms=True)
+
+
+def test_pdl_rows_is_a_count_and_says_itself():
+    assert "dependent launches up to 8 rows" in str(KernelConfig(pdl_rows=8))
+    assert "dependent" not in str(KernelConfig())
+    with pytest.raises(ValueError):
+        KernelConfig(pdl_rows=-1)
+
+
+def test_where_it_cannot_launch_dependent_the_step_is_the_usual_one():
+    """On the CPU (and GPUs before Hopper) pdl_rows changes nothing."""
+    from tests.test_cuda_fused import backend, decode_logits
+    model = tiny_model("llama", seed=7)
+    plain = backend(model)
+    asked = backend(model, kernels=KernelConfig(pdl_rows=64))
+    decoder = asked._runner.decoder
+    assert not pdl.supported("cpu") and decoder.dims.pdl_rows == 0
+    assert asked.decode_path == plain.decode_path == "fused llama"
+    torch.manual_seed(0)
+    plain.cache.data.normal_()
+    asked.cache.data.copy_(plain.cache.data)
+    assert torch.equal(decode_logits(asked, decoder, [1, 6, 17, 9]),
+                       decode_logits(plain, plain._runner.decoder, [1, 6, 17, 9]))
+
+
+# -- on the GPU -----------------------------------------------------------------------
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,splits,rms", [(1, 2048, 1, False), (5, 896, 19, True),
+                                            (64, 2048, 8, True), (3, 100, 2, False)])
+@pytest.mark.parametrize("launch_pdl", [False, True])
+def test_the_add_norm_kernel_matches_torch(m, n, splits, rms, dtype, launch_pdl):
+    if launch_pdl and not pdl.supported("cuda"):
+        pytest.skip("needs a GPU of compute capability 9 or later for dependent launches")
+    torch.manual_seed(m + n)
+    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    parts = torch.randn(splits, m, n, device="cuda") / splits
+    w = torch.randn(n, device="cuda", dtype=dtype)
+    b = None if rms else torch.randn(n, device="cuda", dtype=dtype)
+    xo, h = add_norm(x, parts, w, b, 1e-5, rms, pdl=launch_pdl)
+    rx, rh = torch_add_norm(x, parts, w, b, 1e-5, rms)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(xo, rx, rtol=tol, atol=tol)
+    torch.testing.assert_close(h, rh, rtol=tol, atol=tol)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n,tile", [(1, 2048, 96, "64n128k1s4w3p"), (5, 512, 2048, "32n128k4s4w3p"),
+                                        (33, 896, 100, "16n128k7s4w3p"), (64, 256, 64, "64n128k2s4w3p")])
+@pytest.mark.parametrize("launch_pdl", [False, True])
+def test_the_gemm_hands_sums_with_the_bias_and_reads_the_gated_mlp(m, k, n, tile, dtype, launch_pdl):
+    """Partial sums with the bias in the first slice, whole outputs, and the
+    gated input (silu(gate) * up read by the GEMM), each against torch."""
+    from bubblefree.cuda_backend import skinny_gemm
+    if launch_pdl and not pdl.supported("cuda"):
+        pytest.skip("needs a GPU of compute capability 9 or later for dependent launches")
+    torch.manual_seed(m)
+    t = Tile.parse(tile)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+
+    def close(got, want):
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err < tol, err
+
+    parts = skinny_gemm.launch(x, w, bias, t, bias_in_parts=True, partial=True, pdl=launch_pdl)
+    assert parts.shape == (t.split, m, n) and parts.dtype == torch.float32
+    close(parts.sum(0), F.linear(x.float(), w.float(), bias.float()))
+    close(skinny_gemm.run(x, w, bias, t, pdl=launch_pdl), F.linear(x.float(), w.float(), bias.float()))
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    parts = skinny_gemm.launch(gate_up, w, None, t, gated=True, partial=True, pdl=launch_pdl)
+    close(parts.sum(0), F.linear((F.silu(gate) * up).float(), w.float()))
+
+
+def _small(model, **kw):
+    from bubblefree.cuda_backend.backend import CudaBackend
+    args = dict(page_size=16, num_pages=64, max_rows=8, max_seqs=16, max_prefill_tokens=256,
+                max_context=256, compile_decode=False)
+    args.update(kw)
+    return CudaBackend(model, **args)
+
+
+@PDL
+@pytest.mark.parametrize("arch", ["phi", "llama", "qwen2"])
+def test_the_dependent_step_gives_the_usual_steps_logits(arch):
+    """Eager, outside graphs: the same logits as the fused step without it,
+    to float32 rounding (sums in another order)."""
+    from tests.test_cuda_fused import decode_logits
+    model = tiny_model(arch, device="cuda", seed=7)
+    plain = _small(model, page_size=4, max_rows=8, kernels=KernelConfig.measured("cuda"))
+    assert "dependent" not in plain.decode_path
+    be = _small(model, page_size=4, max_rows=8, kernels=attrs.evolve(
+        KernelConfig.measured("cuda"), pdl_rows=64))
+    assert "dependent launches up to 64 rows" in be.decode_path
+    torch.manual_seed(0)
+    plain.cache.data.normal_()
+    be.cache.data.copy_(plain.cache.data)
+    got = decode_logits(be, be._runner.decoder, [1, 6, 17, 9])
+    want = decode_logits(plain, plain._runner.decoder, [1, 6, 17, 9])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@PDL
+@pytest.mark.parametrize("arch,rows", [("phi", 8), ("llama", 8), ("qwen2", 8), ("phi", 1)])
+def test_the_dependent_step_in_graphs_decodes_the_same_tokens(arch, rows):
+    """Captured in CUDA graphs, the buckets of at most ``rows`` rows run it
+    (one row: only the smallest bucket, the others the usual step); greedy
+    tokens equal the usual step's and transformers' generate."""
+    from tests.test_cuda_gpu import reference
+    model = tiny_model(arch, device="cuda", seed=4)
+    first = reference(model, PROMPTS, 10)  # before a backend takes the model's attention
+    want = generate(_small(model, kernels=KernelConfig.measured("cuda")), PROMPTS, 10)
+    be = _small(model, kernels=attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=rows))
+    assert be._decode_graphs.enabled
+    assert generate(be, PROMPTS, 10) == want == first
+
+
+@PDL
+def test_the_dependent_step_in_bf16_keeps_the_phi15_shapes_tokens():
+    """moondream2's text decoder shape in bf16, with the tiles measured for
+    this GPU where there are some: the dependent step's greedy tokens equal
+    the usual compiled step's."""
+    from transformers import PhiForCausalLM
+
+    from bubblefree.cuda_backend.tiny import phi15_config
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = PhiForCausalLM(phi15_config()).to(torch.bfloat16).eval()
+    prompts = [[5, 9, 17, 33, 4], [7, 8, 1000, 2000]]
+    want = generate(_small(model, max_rows=4, compile_decode=True,
+                           kernels=KernelConfig.measured("cuda")), prompts, 16)
+    be = _small(model, max_rows=4, kernels=attrs.evolve(KernelConfig.measured("cuda", "phi"),
+                                                        pdl_rows=4))
+    got = generate(be, prompts, 16)
+    # bf16 sums in another order may flip a near tie late; the first tokens agree.
+    assert [g[:8] for g in got] == [w[:8] for w in want]
+
+
+def test_the_measured_defaults_name_their_architecture():
+    """The dependent step is on by default only where it was measured faster
+    (MEASURED_PDL: the H200, Phi's architecture), never on the CPU."""
+    from bubblefree.cuda_backend.kernel_config import MEASURED_PDL
+    assert KernelConfig.measured("cpu", "phi").pdl_rows == 0
+    for gpu, archs in MEASURED_PDL.items():
+        for arch, (rows, tiles) in archs.items():
+            assert rows > 0 and tiles.shapes(), (gpu, arch)
+            assert all(t is not None and t.fits(k) for (k, _), entries in tiles.entries
+                       for _, t in entries)
