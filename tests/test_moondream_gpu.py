@@ -54,8 +54,8 @@ def test_crops_made_on_the_device_equal_the_hosts_and_wait_for_no_step(model):
     """A caller's image is resized and cut on the backend's crop stream: the
     same pixels as the host's Pillow path, back in pinned memory, and the
     caller waits for its own work, not for what the compute stream runs."""
-    be = make(model, crops_on_device=True)
-    assert be._crop_stream is not None and make(model)._crop_stream is None  # off by default
+    be = make(model)  # on by default
+    assert be._crop_stream is not None and make(model, crops_on_device=False)._crop_stream is None
     vision = be.config.vision
     for h, w in ((200, 300), (756, 756), (379, 1001), (378, 378)):
         image = picture(h, w, h + w)
