@@ -3,8 +3,9 @@ of ``bench.speed``'s model shapes, inside CUDA graphs, against cuBLAS.
 
 Each GEMM is launched the way the step launches it: dependent on the one
 before (``cuda_backend.pdl``), an output projection as partial sums with
-the bias in the first slice, Llama's and Qwen2's down projection reading
-``silu(gate) * up`` itself. Successive launches read different copies of
+the bias in the first slice, Llama's and Qwen2's gate and up projection
+writing ``silu(gate) * up`` itself (its cuBLAS figure includes torch's
+two kernels for that). Successive launches read different copies of
 the weights, as a step's layers do, so L2 cannot hold them. For each shape
 and row count: ``step_tile``'s tile, a grid of others, and ``F.linear``
 (cuBLAS, plainly launched, which the step runs without dependent
@@ -31,7 +32,7 @@ from bubblefree.cuda_backend.kernel_config import Tile, step_tile
 
 
 def gemms(shape: str) -> dict[str, tuple[int, int, bool, bool, bool]]:
-    """The step's GEMMs of a model shape: name -> (K, N, partial, gated, bias)."""
+    """The step's GEMMs of a model shape: name -> (K, N, partial, glu, bias)."""
     cfg = SHAPES[shape]["config"]()
     d, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     heads = cfg.num_attention_heads
@@ -44,7 +45,7 @@ def gemms(shape: str) -> dict[str, tuple[int, int, bool, bool, bool]]:
                 "head": (d, v, False, False, True)}
     bias = cfg.model_type == "qwen2"
     return {"q,k,v": (d, qkv, False, False, bias), "o": (heads * hd, d, True, False, False),
-            "gate,up": (d, 2 * inter, False, False, False), "down": (inter, d, True, True, False),
+            "gate,up": (d, 2 * inter, False, True, False), "down": (inter, d, True, False, False),
             "head": (d, v, False, False, False)}
 
 
@@ -68,26 +69,34 @@ def main(argv: list[str] | None = None) -> None:
     table: dict[str, list] = {}
     print(f"| {args.model} GEMM | rows | cuBLAS us | step_tile | us | best | us | TB/s | best ÷ cuBLAS |")
     print("|---|---:|---:|---|---:|---|---:|---:|---:|")
-    for name, (k, n, partial, gated, has_bias) in gemms(args.model).items():
+    for name, (k, n, partial, glu, has_bias) in gemms(args.model).items():
         torch.manual_seed(0)
         copies = 2 + (2 * L2_BYTES) // (n * k * 2)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
         for m in map(int, args.rows.split(",")):
-            x = torch.randn(m, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
-            plain = x if not gated else F.silu(x[:, :k]) * x[:, k:]
-            want = F.linear(plain.float(), ws[0].float(), None if bias is None else bias.float())
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+            def torch_gemm(w):
+                out = F.linear(x, w, bias)
+                if glu:
+                    gate, up = out.chunk(2, dim=-1)
+                    out = F.silu(gate) * up
+                return out
+
+            want = torch_gemm(ws[0]).float()
             turn = itertools.cycle(ws)
-            cublas = time_in_graph(lambda: F.linear(plain, next(turn), bias))
+            cublas = time_in_graph(lambda: torch_gemm(next(turn)))
 
             def ours(w, t):
                 if partial:
-                    return sg.launch(x, w, bias, t, bias_in_parts=True, gated=gated, pdl=True,
-                                     partial=True)
+                    return sg.launch(x, w, bias, t, bias_in_parts=True, pdl=True, partial=True)
+                if glu:
+                    return sg.launch(x, w, bias, t, glu=True, pdl=True)
                 return sg.run(x, w, bias, t, pdl=True)
 
             timed = {}
-            default = step_tile(k, n, m, partial, sms)
+            default = step_tile(k, n // 2 if glu else n, m, partial, sms)
             for t in dict.fromkeys([default, *grid(k, partial)]):
                 turn = itertools.cycle(ws)
                 try:

@@ -172,11 +172,11 @@ class Dims:
     one_store: bool = False
     # Decode buckets of at most this many rows run pdl_step's layers (0:
     # none); the GPU's multiprocessors, which its GEMM tiles cover; whether
-    # the MLP is silu(gate) * up, which its down projection reads itself.
+    # the MLP is silu(gate) * up, which its gate and up GEMM then writes.
     pdl_rows: int = 0
     pdl_tiles: TileTable = TileTable()
     sms: int = 132
-    gated: bool = False
+    glu: bool = False
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -337,7 +337,7 @@ class FusedDecoder:
                          inter=inter, act=act, tiles=kernels.tiles,
                          one_store=kernels.prefill_store, pdl_rows=pdl_rows,
                          pdl_tiles=kernels.pdl_tiles, sms=sms,
-                         gated=not parallel and getattr(cfg, "hidden_act", None) == "silu")
+                         glu=not parallel and getattr(cfg, "hidden_act", None) == "silu")
         self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
         # The final norm, as add_norm takes it: weight, bias, eps, RMS or not.
         self.final_norm = ((self.norm.weight, self.norm.bias, self.norm.eps, False) if parallel

@@ -11,8 +11,9 @@ each takes to get going. Here:
 - an output projection (Phi's fused dense + fc2; Llama's and Qwen2's o_proj
   and down_proj) leaves its partial sums to the next norm (``add_norm``):
   no reduction kernel, no separate residual add;
-- Llama's and Qwen2's ``silu(gate) * up`` is read by the down projection
-  itself (``skinny_gemm``'s GATED);
+- Llama's and Qwen2's gate and up projection writes ``silu(gate) * up``
+  itself (``skinny_gemm``'s GLU: each program owns the same columns of
+  both), so the down projection reads it as is;
 - the attention kernels (rotary, the KV write, and Phi's activation inside
   them) launch dependent too.
 
@@ -36,27 +37,27 @@ from bubblefree.cuda_backend.rope_attention import rope_attend
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
-         partial: bool = False, gated: bool = False) -> torch.Tensor:
+         partial: bool = False, glu: bool = False) -> torch.Tensor:
     """``F.linear(x, w, bias)`` through our kernel, launched dependent:
     ``[M, N]`` in x's dtype, or with ``partial`` float32 partial sums ``[S,
-    M, N]``, the bias in the first. ``gated``: x is ``[gate | up]`` and the
-    GEMM reads ``silu(gate) * up``. The tile: ``dims.pdl_tiles``' where it
-    has one for this shape and row count, else ``step_tile``'s."""
+    M, N]``, the bias in the first. ``glu``: w is ``[gate; up]`` and the
+    output ``silu(gate) * up``, ``[M, N / 2]``. The tile: ``dims.pdl_tiles``'
+    where it has one for this shape and row count, else ``step_tile``'s
+    (K whole where the output is not partial sums)."""
     rows, k, n = x.shape[0], w.shape[1], w.shape[0]
     tile = dims.pdl_tiles.tile_for(rows, k, n)
-    if tile is None or not tile.fits(k):
-        tile = step_tile(k, n, rows, partial, dims.sms)
+    if tile is None or not tile.fits(k) or (glu and tile.split > 1):
+        tile = step_tile(k, n // 2 if glu else n, rows, partial, dims.sms)
     if tile is None:  # no whole K steps: cuBLAS, plainly launched (still ordered)
-        if gated:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
         out = F.linear(x, w, bias)
+        if glu:
+            gate, up = out.chunk(2, dim=-1)
+            out = F.silu(gate) * up
         return out.float().unsqueeze(0) if partial else out
     if partial:
-        return skinny_gemm.launch(x, w, bias, tile, bias_in_parts=True, gated=gated, pdl=True,
-                                  partial=True)
-    if gated:
-        raise ValueError("pdl_step.gemm: a gated GEMM hands its sums to a norm (partial)")
+        return skinny_gemm.launch(x, w, bias, tile, bias_in_parts=True, pdl=True, partial=True)
+    if glu:
+        return skinny_gemm.launch(x, w, bias, tile, glu=True, pdl=True)
     return skinny_gemm.run(x, w, bias, tile, pdl=True)
 
 
@@ -91,17 +92,16 @@ def parallel_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
 
 def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
     """Llama, Qwen2: norm, q/k/v, attention, o_proj's sums into the second
-    norm, gate and up, down reading ``silu(gate) * up``."""
+    norm, gate and up as ``silu(gate) * up``, down."""
     norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
     x, h = add_norm(x, delta, norm1, None, dims.eps, rms=True, pdl=True)
     q, k, v = gemm(h, w_qkv, b_qkv, dims).split(dims.split, dim=-1)
     a = attend(q, k, v, cos, sin, kv, ctx, None, dims, window)
     x, h = add_norm(x, gemm(a, w_o, b_o, dims, partial=True), norm2, None, dims.eps, rms=True,
                     pdl=True)
-    gate_up = gemm(h, w_gu, b_gu, dims)
-    if dims.gated:
-        return x, gemm(gate_up, w_down, b_down, dims, partial=True, gated=True)
-    gate, up = gate_up.split(dims.inter, dim=-1)
+    if dims.glu:
+        return x, gemm(gemm(h, w_gu, b_gu, dims, glu=True), w_down, b_down, dims, partial=True)
+    gate, up = gemm(h, w_gu, b_gu, dims).split(dims.inter, dim=-1)
     return x, gemm(act(gate) * up, w_down, b_down, dims, partial=True)
 
 

@@ -16,7 +16,8 @@ op, so a compiled decode step calls it as one opaque call.
 The decode step with dependent launches (``KernelConfig.pdl``,
 ``pdl_step``) calls ``launch`` itself: every GEMM through the kernel, the
 output projections' partial sums handed to the next norm instead of a
-reduction kernel, the first weights read before the previous kernel ends.
+reduction kernel, the first weights read before the previous kernel ends,
+and (``glu``) Llama's gate and up projections ending in ``silu(gate) * up``.
 """
 
 from __future__ import annotations
@@ -39,24 +40,19 @@ else:
 if triton is not None:
 
     @triton.jit
-    def _x_tile(x_ptr, rm, kk, sx_m, m_ok, up_off, GATED: tl.constexpr):
-        """Rows ``rm`` of x at columns ``kk``; GATED: x is ``[gate | up]``
-        (``up`` at column ``up_off``) and the tile is ``silu(gate) * up``,
-        each rounded to x's dtype as torch's two ops round them."""
-        x = tl.load(x_ptr + rm[:, None] * sx_m + kk[None, :], mask=m_ok[:, None], other=0.0)
-        if GATED:
-            up = tl.load(x_ptr + rm[:, None] * sx_m + up_off + kk[None, :], mask=m_ok[:, None],
-                         other=0.0)
-            g = x.to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g))).to(x.dtype)
-            x = (a.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
-        return x
+    def _mma(acc, x, w, IEEE: tl.constexpr):
+        if IEEE:  # float32 inputs: full precision, as cuBLAS gives them here
+            return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+        return acc + tl.dot(x, tl.trans(w))
 
     @triton.jit
     def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per, sx_m, sw_n, so_s, so_m, up_off,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
-                GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                GLU: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        """GLU: w is ``[gate; up]`` (up from row ``up_off``) and the output
+        column j is ``silu(gate_j) * up_j``, each rounded to x's dtype as
+        torch's ops round them."""
         n0 = tl.program_id(0) * BLOCK_N
         s = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -64,38 +60,48 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
+        w_rows = w_ptr + rn[:, None] * sw_n
+        u_rows = w_ptr + (rn + up_off)[:, None] * sw_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         k0 = s * k_per
         start = k0
         if PDL:  # the first step's weights are read while the previous kernel ends
-            w = tl.load(w_ptr + rn[:, None] * sw_n + (k0 + rk)[None, :], mask=n_ok[:, None],
-                        other=0.0)
+            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+            if GLU:
+                wu = tl.load(u_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
             enter(PDL)
-            x = _x_tile(x_ptr, rm, k0 + rk, sx_m, m_ok, up_off, GATED)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+            x = tl.load(x_ptr + rm[:, None] * sx_m + (k0 + rk)[None, :], mask=m_ok[:, None],
+                        other=0.0)
+            acc = _mma(acc, x, w, IEEE)
+            if GLU:
+                acc_up = _mma(acc_up, x, wu, IEEE)
             start = k0 + BLOCK_K
         for k in tl.range(start, k0 + k_per, BLOCK_K, num_stages=STAGES):
-            x = _x_tile(x_ptr, rm, k + rk, sx_m, m_ok, up_off, GATED)
-            w = tl.load(w_ptr + rn[:, None] * sw_n + (k + rk)[None, :], mask=n_ok[:, None],
+            x = tl.load(x_ptr + rm[:, None] * sx_m + (k + rk)[None, :], mask=m_ok[:, None],
                         other=0.0)
-            if IEEE:  # float32 inputs: full precision, as cuBLAS gives them here
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+            w = tl.load(w_rows + (k + rk)[None, :], mask=n_ok[:, None], other=0.0)
+            acc = _mma(acc, x, w, IEEE)
+            if GLU:
+                wu = tl.load(u_rows + (k + rk)[None, :], mask=n_ok[:, None], other=0.0)
+                acc_up = _mma(acc_up, x, wu, IEEE)
         mask = m_ok[:, None] & n_ok[None, :]
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             if PARTIAL:  # partial sums: the first slice carries it
                 bias = tl.where(s == 0, bias, 0.0)
             acc += bias[None, :]
+            if GLU:
+                acc_up += tl.load(b_ptr + rn + up_off, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if PARTIAL:
             tl.store(out_ptr + s * so_s + rm[:, None] * so_m + rn[None, :], acc, mask=mask)
         else:
-            tl.store(out_ptr + rm[:, None] * so_m + rn[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+            dtype = out_ptr.dtype.element_ty
+            if GLU:
+                g = acc.to(dtype).to(tl.float32)
+                a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+                acc = a * acc_up.to(dtype).to(tl.float32)
+            tl.store(out_ptr + rm[:, None] * so_m + rn[None, :], acc.to(dtype), mask=mask)
 
     @triton.jit
     def _reduce_kernel(p_ptr, b_ptr, out_ptr, total, N, splits,
@@ -116,18 +122,17 @@ def available(x: torch.Tensor) -> bool:
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile, *,
-           bias_in_parts: bool = False, gated: bool = False, pdl: bool = False,
+           bias_in_parts: bool = False, glu: bool = False, pdl: bool = False,
            partial: bool | None = None) -> torch.Tensor:
     """``[split, M, N]`` float32 partial sums when ``tile.split`` > 1 (or
     ``partial``), else ``[M, N]`` in x's dtype with the bias. Partial sums
     leave the bias out unless ``bias_in_parts`` (the first slice's sums then
-    carry it). ``gated``: x is ``[M, 2K]``, ``[gate | up]``, and the GEMM
-    reads ``silu(gate) * up`` (Llama's and Qwen2's MLP). ``pdl``: launched
-    dependent on the previous kernel (``cuda_backend.pdl``)."""
+    carry it). ``glu``: w (and the bias) are ``[gate; up]`` and the output,
+    ``[M, N / 2]``, is ``silu(gate) * up`` (Llama's and Qwen2's MLP; K
+    whole, no partial sums). ``pdl``: launched dependent on the previous
+    kernel (``cuda_backend.pdl``)."""
     m, k = x.shape
-    if gated:
-        k //= 2
-    n = w.shape[0]
+    n = w.shape[0] // 2 if glu else w.shape[0]
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("skinny_gemm: x and w must be contiguous along K")
     if w.shape[1] != k:
@@ -135,15 +140,17 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Ti
     if not tile.fits(k):
         raise ValueError(f"skinny_gemm: K={k} is not {tile.split} slices of {tile.block_k}")
     partial = tile.split > 1 if partial is None else partial or tile.split > 1
+    if glu and (partial or w.shape[0] % 2):
+        raise ValueError("skinny_gemm: a GLU output needs K whole and [gate; up] of equal rows")
     if partial:
         out = torch.empty((tile.split, m, n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemm_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
         x, w, bias if bias is not None else w, out, m, n, k // tile.split,
-        x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2), k,
+        x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2), n,
         HAS_BIAS=bias is not None and (not partial or bias_in_parts), PARTIAL=partial,
-        IEEE=x.dtype == torch.float32, GATED=gated, PDL=pdl,
+        IEEE=x.dtype == torch.float32, GLU=glu, PDL=pdl,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, STAGES=tile.stages, num_warps=tile.warps, **launch_options(pdl))
     return out

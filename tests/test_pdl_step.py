@@ -126,9 +126,10 @@ def test_the_add_norm_kernel_matches_torch(m, n, splits, rms, dtype, launch_pdl)
 @pytest.mark.parametrize("m,k,n,tile", [(1, 2048, 96, "64n128k1s4w3p"), (5, 512, 2048, "32n128k4s4w3p"),
                                         (33, 896, 100, "16n128k7s4w3p"), (64, 256, 64, "64n128k2s4w3p")])
 @pytest.mark.parametrize("launch_pdl", [False, True])
-def test_the_gemm_hands_sums_with_the_bias_and_reads_the_gated_mlp(m, k, n, tile, dtype, launch_pdl):
-    """Partial sums with the bias in the first slice, whole outputs, and the
-    gated input (silu(gate) * up read by the GEMM), each against torch."""
+def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, tile, dtype,
+                                                                    launch_pdl):
+    """Partial sums with the bias in the first slice, whole outputs, and
+    ``silu(gate) * up`` of a ``[gate; up]`` weight, each against torch."""
     from bubblefree.cuda_backend import skinny_gemm
     if launch_pdl and not pdl.supported("cuda"):
         pytest.skip("needs a GPU of compute capability 9 or later for dependent launches")
@@ -147,10 +148,15 @@ def test_the_gemm_hands_sums_with_the_bias_and_reads_the_gated_mlp(m, k, n, tile
     assert parts.shape == (t.split, m, n) and parts.dtype == torch.float32
     close(parts.sum(0), F.linear(x.float(), w.float(), bias.float()))
     close(skinny_gemm.run(x, w, bias, t, pdl=launch_pdl), F.linear(x.float(), w.float(), bias.float()))
-    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
-    parts = skinny_gemm.launch(gate_up, w, None, t, gated=True, partial=True, pdl=launch_pdl)
-    close(parts.sum(0), F.linear((F.silu(gate) * up).float(), w.float()))
+    whole = Tile(t.block_n, t.block_k, 1, t.warps, t.stages)  # a GLU output keeps K whole
+    w2 = torch.cat((w, torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5))
+    b2 = torch.randn(2 * n, device="cuda", dtype=dtype)
+    gate, up = F.linear(x, w2, b2).chunk(2, dim=-1)
+    got = skinny_gemm.launch(x, w2, b2, whole, glu=True, pdl=launch_pdl)
+    assert got.shape == (m, n) and got.dtype == dtype
+    close(got, F.silu(gate) * up)
+    with pytest.raises(ValueError, match="GLU"):
+        skinny_gemm.launch(x, w2, b2, whole, glu=True, partial=True)
 
 
 def _small(model, **kw):
