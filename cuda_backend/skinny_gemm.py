@@ -42,8 +42,10 @@ if triton is not None:
     @triton.jit
     def _mma(acc, x, w, IEEE: tl.constexpr):
         if IEEE:  # float32 inputs: full precision, as cuBLAS gives them here
-            return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
-        return acc + tl.dot(x, tl.trans(w))
+            out = acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            out = acc + tl.dot(x, tl.trans(w))
+        return out
 
     @triton.jit
     def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per, sx_m, sw_n, so_s, so_m, up_off,
