@@ -79,6 +79,10 @@ def parse(argv):
     ap.add_argument("--attention", type=Launch.parse, default=None, metavar="LAUNCH",
                     help="the one-pass attention kernel's launch wherever it runs, "
                          "HEADSxBLOCKwWARPSsSTAGES (default: KernelConfig's dispatch)")
+    ap.add_argument("--pdl-rows", type=int, default=None, metavar="ROWS",
+                    help="decode buckets of at most ROWS rows run the dependent-launch step "
+                         "(KernelConfig.pdl_rows; 0: none; default: as measured for the GPU "
+                         "and the model's architecture)")
     ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
                     help="the decode step's GEMMs: ours where measured faster (default), "
                          "or cuBLAS everywhere")
@@ -207,8 +211,10 @@ def main(argv: list[str] | None = None) -> str:
         torch.set_num_threads(threads)
 
 
-def decode_options(args, device) -> dict:
-    kernels = KernelConfig.measured(device)
+def decode_options(args, device, model_type: str | None) -> dict:
+    kernels = KernelConfig.measured(device, model_type)
+    if args.pdl_rows is not None:
+        kernels = attrs.evolve(kernels, pdl_rows=args.pdl_rows)
     kernels = attrs.evolve(kernels, dispatch=kernels.dispatch.forced(args.split_below,
                                                                      args.attention))
     if args.gemm == "cublas":
@@ -246,7 +252,8 @@ def run(args, command: str) -> str:
         backend = TimedBackend(model, page_size=16, num_pages=2 * top * math.ceil(CONTEXT / 16) + 16,
                                max_rows=top, max_seqs=max(256, 2 * top),
                                max_prefill_tokens=max(2048, PROMPT * top), max_context=CONTEXT,
-                               use_graphs=device.type == "cuda", **decode_options(args, device))
+                               use_graphs=device.type == "cuda",
+                               **decode_options(args, device, model.config.model_type))
         env["decode"] = backend.decode_path + kernels_note(backend)
         env["prefill"] = backend.prefill_path
         args.clock.say(f"backend built in {time.perf_counter() - t:.1f} s (graphs captured); "

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     from bubblefree.cuda_backend.kernel_config import KernelConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kernels = KernelConfig.measured(device)
+    kernels = KernelConfig.measured(device, "phi")  # moondream2's decoder is Phi-shaped
     engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device,
                                      prefill_graphs=not args.eager_prefill,
                                      kernels=attrs.evolve(kernels,
