@@ -115,7 +115,9 @@ def add_norm(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor,
 
 
 def torch_add(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
-    """``x`` plus the sums of ``parts``, rounded as the kernel rounds them."""
+    """``x`` plus the sums of ``parts``, rounded to x's dtype before the add
+    as the kernel rounds them (the slices summed in another order: equal to
+    float32 rounding)."""
     delta = parts[0].clone()
     for s in range(1, parts.shape[0]):
         delta += parts[s]
