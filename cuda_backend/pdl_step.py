@@ -43,12 +43,14 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
     M, N]``, the bias in the first. ``glu``: w is ``[gate; up]`` and the
     output ``silu(gate) * up``, ``[M, N / 2]``. The tile: ``dims.pdl_tiles``'
     where it has one for this shape and row count, else ``step_tile``'s
-    (K whole where the output is not partial sums)."""
+    (K whole where the output is not partial sums). Without Triton on x's
+    device (or whole steps of K): torch's, the same results, plainly
+    launched (still ordered)."""
     rows, k, n = x.shape[0], w.shape[1], w.shape[0]
     tile = dims.pdl_tiles.tile_for(rows, k, n)
     if tile is None or not tile.fits(k) or (glu and tile.split > 1):
         tile = step_tile(k, n // 2 if glu else n, rows, partial, dims.sms)
-    if tile is None:  # no whole K steps: cuBLAS, plainly launched (still ordered)
+    if tile is None or not skinny_gemm.available(x):
         out = F.linear(x, w, bias)
         if glu:
             gate, up = out.chunk(2, dim=-1)

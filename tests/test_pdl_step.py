@@ -233,3 +233,29 @@ def test_the_measured_defaults_name_their_architecture():
             assert rows > 0 and tiles.shapes(), (gpu, arch)
             assert all(t is not None and t.fits(k) for (k, _), entries in tiles.entries
                        for _, t in entries)
+
+
+@pytest.mark.parametrize("arch", ["phi", "llama", "qwen2"])
+def test_the_dependent_steps_layers_compute_the_usual_step(arch):
+    """The layer functions themselves, on the CPU, where every kernel has
+    its torch stand-in: the norms over partial sums, the fused GEMMs' splits,
+    the gated MLP as one output and the final norm give the usual step's
+    logits (the kernels are checked against torch on the GPU, above)."""
+    from tests.test_cuda_fused import backend, decode_logits
+    model = tiny_model(arch, seed=7)
+    with torch.no_grad():  # norms and biases of their own, so that mixing them up shows
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.3 * torch.randn_like(param))
+    plain = backend(model)
+    be = backend(model)
+    decoder = be._runner.decoder
+    decoder.dims = attrs.evolve(decoder.dims, pdl_rows=64)  # as a Hopper GPU would run it
+    assert decoder.dims.glu == (arch != "phi")
+    torch.manual_seed(0)
+    plain.cache.data.normal_()
+    be.cache.data.copy_(plain.cache.data)
+    got = decode_logits(be, decoder, [1, 6, 17, 9])
+    want = decode_logits(plain, plain._runner.decoder, [1, 6, 17, 9])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(be.cache.data, plain.cache.data)  # the same keys and values written
