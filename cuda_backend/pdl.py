@@ -19,7 +19,8 @@ The rule every kernel launched this way keeps (``enter`` is where):
 A kernel launched plainly after one launched this way waits for it to end,
 and a PDL kernel's end implies its predecessor's (it waited for it), so a
 chain that mixes our kernels with cuBLAS' or torch's stays ordered.
-``KernelConfig.pdl`` turns it on for the decode step.
+``KernelConfig.pdl_rows`` turns it on for a decode step's smaller buckets
+(``pdl_step``).
 """
 
 from __future__ import annotations
