@@ -7,7 +7,8 @@
 # text file and the tiles per shape, eight files for the three shapes.
 #
 # Knobs (environment): MODELS, TEST_SECONDS (150), TUNE_SECONDS (100 a
-# shape), PROFILE_SECONDS (95 a shape), PDL_ROWS (8: the buckets it runs).
+# shape), PROFILE_SECONDS (95 a shape), PDL_ROWS (8: the buckets it runs),
+# TUNE_ARGS (e.g. --wide: a larger grid; give it more TUNE_SECONDS).
 set -u
 out="${OUT:-/tmp/bubblefree-pdl}"
 mkdir -p "$out"
@@ -23,7 +24,7 @@ timeout -k 10 "${TEST_SECONDS:-150}" python3 -m pytest -p no:cacheprovider -q -r
 for m in ${MODELS:-phi llama1b qwen05b}; do
   echo "== bench.pdl_tune --model $m"
   timeout -k 10 "${TUNE_SECONDS:-100}" python3 -m bubblefree.bench.pdl_tune --model "$m" --rows 1,8 \
-    --save "$out/pdl-tiles-$m.json" 2>&1 | grep -v -i warn | tee "$out/$m.txt"
+    ${TUNE_ARGS:-} --save "$out/pdl-tiles-$m.json" 2>&1 | grep -v -i warn | tee "$out/$m.txt"
   tiles=""; [ -f "$out/pdl-tiles-$m.json" ] && tiles="--pdl-tiles $out/pdl-tiles-$m.json"
   echo "== bench.profile_step --model $m --pdl 0,${PDL_ROWS:-8}"
   timeout -k 10 "${PROFILE_SECONDS:-95}" python3 -m bubblefree.bench.profile_step --model "$m" --rows 1,8,32 \

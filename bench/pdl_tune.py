@@ -13,7 +13,7 @@ launches). ``--save`` writes the fastest tile per shape and row count as a
 ``kernel_config.TileTable`` (JSON) for ``KernelConfig.pdl_tiles``
 (``bench.profile_step --pdl-tiles`` times it in whole steps).
 
-    python -m bubblefree.bench.pdl_tune --model qwen05b [--rows 1,8] [--save tiles.json]
+    python -m bubblefree.bench.pdl_tune --model qwen05b [--rows 1,8] [--save tiles.json] [--wide]
 """
 
 from __future__ import annotations
@@ -49,13 +49,17 @@ def gemms(shape: str) -> dict[str, tuple[int, int, bool, bool, bool]]:
             "head": (d, v, False, False, False)}
 
 
-def grid(k: int, partial: bool) -> list[Tile]:
+def grid(k: int, partial: bool, wide: bool = False) -> list[Tile]:
     """Columns per program, K per step (128 and 256, or 64 where neither
-    divides K) and, for partial sums, slices of K; 4 warps, 3 stages."""
-    steps = [b for b in (128, 256) if k % b == 0] or [64]
+    divides K) and, for partial sums, slices of K; 4 warps, 3 stages. With
+    ``wide`` also 512 of K per step, 8 warps, and 2 to 5 stages (six times
+    the tiles: each is a compile)."""
+    steps = [b for b in (128, 256) + ((512,) if wide else ()) if k % b == 0] or [64]
     blocks_n = (32, 64) if partial else (16, 32, 64, 128)
     splits = (2, 4, 8, 16) if partial else (1,)
-    out = [Tile(n, bk, s, 4, 3) for n, bk, s in itertools.product(blocks_n, steps, splits)]
+    warps, stages = ((4, 8), (2, 3, 4, 5)) if wide else ((4,), (3,))
+    out = [Tile(n, bk, s, w, st) for n, bk, s, w, st in itertools.product(
+        blocks_n, steps, splits, warps, stages)]
     return [t for t in out if t.fits(k)]
 
 
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", choices=list(SHAPES), default="phi")
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--save", default="")
+    ap.add_argument("--wide", action="store_true", help="a grid six times larger (grid())")
     args = ap.parse_args(argv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table: dict[str, list] = {}
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
             timed = {}
             default = step_tile(k, n // 2 if glu else n, m, partial, sms)
-            for t in dict.fromkeys([default, *grid(k, partial)]):
+            for t in dict.fromkeys([default, *grid(k, partial, args.wide)]):
                 turn = itertools.cycle(ws)
                 try:
                     timed[t] = time_in_graph(lambda t=t: ours(next(turn), t))
