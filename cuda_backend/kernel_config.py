@@ -77,11 +77,15 @@ class Dispatch:
     programs: the split kernel below ``split_below``; the one-pass kernel
     with a pipelined key loop below ``pipelined_below``; without pipelining
     from there. The defaults are the H200's measurements
-    (docs/performance.md, "The attention kernels: measured per bucket")."""
+    (docs/performance.md, "The attention kernels: measured per bucket").
+    ``prefetch``: in a step of dependent launches (``pdl_step``), the split
+    kernel reads its first keys and values before it waits for the q/k/v
+    projection (earlier steps wrote them); not yet measured, so off."""
     split_below: int = 512
     pipelined_below: int = 2048
     pipelined: Launch = Launch(stages=3)
     plain: Launch = Launch()
+    prefetch: bool = False
 
     def choose(self, rows: int, heads: int, length: int) -> Launch | None:
         """The one-pass launch for a bucket, or None for the split kernel."""
@@ -93,13 +97,14 @@ class Dispatch:
     def scalars(self) -> list[int]:
         """The dispatch as the custom ops take it (``from_scalars``)."""
         return [self.split_below, self.pipelined_below, *attrs.astuple(self.pipelined),
-                *attrs.astuple(self.plain)]
+                *attrs.astuple(self.plain), int(self.prefetch)]
 
     @classmethod
     def from_scalars(cls, values: list[int]) -> "Dispatch":
-        if len(values) != 10:
-            raise ValueError(f"a dispatch is 10 integers, not {len(values)}")
-        return cls(values[0], values[1], Launch(*values[2:6]), Launch(*values[6:10]))
+        if len(values) != 11:
+            raise ValueError(f"a dispatch is 11 integers, not {len(values)}")
+        return cls(values[0], values[1], Launch(*values[2:6]), Launch(*values[6:10]),
+                   bool(values[10]))
 
     def forced(self, split_below: int | None = None, launch: Launch | None = None) -> "Dispatch":
         """This dispatch with a split threshold and/or one launch for every
@@ -109,10 +114,11 @@ class Dispatch:
 
     def __str__(self) -> str:
         split = f"split below {self.split_below} programs, " if self.split_below > 0 else ""
+        early = "; under dependent launches, keys read before the wait" if self.prefetch else ""
         if self.pipelined == self.plain:
-            return f"{split}one-pass {self.plain}"
+            return f"{split}one-pass {self.plain}{early}"
         return (f"{split}one-pass {self.pipelined} below {self.pipelined_below} "
-                f"programs, {self.plain} from there")
+                f"programs, {self.plain} from there{early}")
 
 
 @attrs.frozen

@@ -136,7 +136,7 @@ def one_pass(q, keys, values, page_table, positions, page_size: int, scale: floa
 def split_attention(q, keys, values, page_table, positions, page_size: int, scale: float,
                     window: int, out: torch.Tensor | None = None,
                     new: NewToken | None = None, act: Activation | None = None,
-                    pdl: bool = False) -> torch.Tensor:
+                    pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
     """Flash-decoding: each (row, head) spread over programs of ``chunk``
     keys, then one combining pass (why: docs/performance.md). ``new`` and
     ``act`` as in ``one_pass``: the combining pass writes and adds the
@@ -157,7 +157,7 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
         **_cache_args(q, keys, values), spt_b=page_table.stride(0), scale=scale, window=window,
         chunk=chunk, splits=splits, heads=h, **rotary,
         GROUP=group, PS=page_size, D=d, BLOCK_D=_next_power_of_2(d), BLOCK_N=32, num_warps=2,
-        PDL=pdl, **launch_options(pdl))
+        PDL=pdl, PREFETCH=pdl and prefetch, **launch_options(pdl))
     kernels.combine_kernel[(b, h)](
         m, l, acc, out, splits=splits, heads=h, so_b=out.stride(0), so_h=out.stride(1),
         q_ptr=q, k_ptr=keys, v_ptr=values, **_cache_args(q, keys, values), scale=scale,
@@ -181,7 +181,7 @@ def run(q, keys, values, page_table, positions, page_size: int, scale: float, wi
     launch = dispatch.choose(b, h, length)
     if launch is None:
         split_attention(q, keys, values, page_table, positions, page_size, scale, window, out,
-                        new, act, pdl)
+                        new, act, pdl, dispatch.prefetch)
     else:
         one_pass(q, keys, values, page_table, positions, page_size, scale, window, out, launch,
                  new, act, pdl)

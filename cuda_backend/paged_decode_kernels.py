@@ -166,18 +166,31 @@ if triton is not None:
                       BLOCK_F)
 
     @triton.jit
+    def _query(ptr, d, cs, sn, dmask, NEW: tl.constexpr, ROT: tl.constexpr):
+        """One query head in float32; with NEW, after its rotary embedding."""
+        if NEW:
+            q = _rope(ptr, d, cs, sn, dmask, ROT)
+        else:
+            q = tl.load(ptr + d, mask=dmask, other=0.0).to(tl.float32)
+        return q
+
+    @triton.jit
     def split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                       cs_ptr, sn_ptr,
                       sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, spt_b, scs_b,
                       scale, window, chunk, splits, heads,
                       GROUP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
-                      ROT: tl.constexpr, PDL: tl.constexpr):
+                      ROT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
         """Keys ``s * chunk ..`` of one (row, head): the partial softmax state
         (max, sum, unnormalised output) for ``combine_kernel``. With NEW, q
         arrives before its rotary embedding and the step's own key (position
-        pos) is left to the combining pass, which writes it."""
-        enter(PDL)
+        pos) is left to the combining pass, which writes it. With PREFETCH
+        (under PDL) the first block's keys and values are read before the
+        wait: they are earlier steps' (positions before pos), and the
+        positions and page table were copied in before the step began."""
+        if not PREFETCH:
+            enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -185,12 +198,12 @@ if triton is not None:
         pos = tl.load(pos_ptr + b)
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
+        if not PREFETCH:
+            q = _query(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
+                       dmask, NEW, ROT)
         if NEW:
-            q = _rope(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
-                      dmask, ROT)
             end = pos
         else:
-            q = tl.load(q_ptr + b * sq_b + h * sq_h + d, mask=dmask, other=0.0).to(tl.float32)
             end = pos + 1
         start = tl.maximum(pos - window + 1, 0)
         hi = tl.minimum(s * chunk + chunk, end)  # exclusive
@@ -203,7 +216,29 @@ if triton is not None:
         l_i = tl.full([], 0.0, tl.float32)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         offs = tl.arange(0, BLOCK_N)
-        for base in range(lo, hi, BLOCK_N):
+        first = lo
+        if PREFETCH:
+            kpos = lo + offs
+            valid0 = (kpos < hi) & (kpos >= start)
+            page = tl.load(pt_ptr + b * spt_b + kpos // PS, mask=valid0, other=0)
+            tok = page * PS + kpos % PS
+            kv_mask = valid0[:, None] & dmask[None, :]
+            k0 = tl.load(k_ptr + tok[:, None] * sk_t + kvh * sk_h + d[None, :], mask=kv_mask,
+                         other=0.0)
+            v0 = tl.load(v_ptr + tok[:, None] * sv_t + kvh * sv_h + d[None, :], mask=kv_mask,
+                         other=0.0)
+            enter(PDL)
+            q = _query(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
+                       dmask, NEW, ROT)
+            if lo < hi:  # the first block, from registers
+                sc = tl.sum(k0.to(tl.float32) * q[None, :], 1) * scale
+                sc = tl.where(valid0, sc, -float("inf"))
+                m_i = tl.max(sc, 0)
+                p = tl.exp(sc - m_i)
+                l_i = tl.sum(p, 0)
+                acc = tl.sum(p[:, None] * v0.to(tl.float32), 0)
+            first = lo + BLOCK_N
+        for base in range(first, hi, BLOCK_N):
             kpos = base + offs
             valid = (kpos < hi) & (kpos >= start)
             page = tl.load(pt_ptr + b * spt_b + kpos // PS, mask=valid, other=0)

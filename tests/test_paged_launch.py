@@ -66,8 +66,8 @@ def test_the_ops_read_back_the_dispatch_they_are_given(dispatch):
     scalars = dispatch.scalars()
     assert all(type(x) is int for x in scalars)
     assert Dispatch.from_scalars(scalars) == dispatch
-    with pytest.raises(ValueError, match="10 integers, not 9"):
-        Dispatch.from_scalars(scalars[:9])
+    with pytest.raises(ValueError, match="11 integers, not 10"):
+        Dispatch.from_scalars(scalars[:10])
 
 
 def test_split_chunks_cap_the_programs_per_row_and_head():

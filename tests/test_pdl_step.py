@@ -259,3 +259,47 @@ def test_the_dependent_steps_layers_compute_the_usual_step(arch):
     want = decode_logits(plain, plain._runner.decoder, [1, 6, 17, 9])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(be.cache.data, plain.cache.data)  # the same keys and values written
+
+
+@PDL
+@pytest.mark.parametrize("new_token", [False, True])
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("pages", [12, 600])
+def test_keys_read_before_the_wait_change_nothing(new_token, window, pages):
+    """Dispatch.prefetch: the split kernel reads its first block of keys and
+    values before it waits for q. Same outputs and cache, bit for bit, with
+    one block per program and with several (600 pages of 4: 64-key chunks)."""
+    from bubblefree.cuda_backend import paged_decode as pd
+    from bubblefree.cuda_backend.kernel_config import Dispatch
+    torch.manual_seed(pages)
+    b, h, kvh, d, ps, n = 3, 4, 2, 64, 4, pages + 64
+    dev = dict(device="cuda")
+    keys, values = torch.randn(n * ps, kvh, d, **dev), torch.randn(n * ps, kvh, d, **dev)
+    table = torch.stack([torch.randperm(n - 1, **dev)[:pages] + 1 for _ in range(b)])
+    positions = torch.tensor([5, 17, pages * ps - 9], **dev)
+    q = torch.randn(b, h, d, **dev)
+    outs = []
+    for prefetch in (False, True):
+        kc, vc = keys.clone(), values.clone()
+        new = None
+        if new_token:
+            g = torch.Generator(device="cuda").manual_seed(1)
+            new = pd.NewToken(torch.randn(b, kvh, d, generator=g, **dev),
+                              torch.randn(b, kvh, d, generator=g, **dev),
+                              torch.randn(b, 32, generator=g, **dev),
+                              torch.randn(b, 32, generator=g, **dev), torch.arange(b, **dev))
+        dispatch = Dispatch(split_below=1 << 30, prefetch=prefetch)
+        out = pd.run(q, kc, vc, table, positions, ps, 0.125,
+                     window if window is not None else pd.NO_WINDOW, dispatch, new=new, pdl=True)
+        outs.append((out, kc, vc))
+    (a, ka, va), (c, kc, vc) = outs
+    assert torch.equal(a, c) and torch.equal(ka, kc) and torch.equal(va, vc)
+
+
+@PDL
+def test_the_dependent_step_with_keys_read_early_decodes_the_same_tokens():
+    model = tiny_model("phi", device="cuda", seed=4)
+    want = generate(_small(model, kernels=KernelConfig.measured("cuda")), PROMPTS, 10)
+    base = KernelConfig.measured("cuda")
+    kernels = attrs.evolve(base, pdl_rows=8, dispatch=attrs.evolve(base.dispatch, prefetch=True))
+    assert generate(_small(model, kernels=kernels), PROMPTS, 10) == want
