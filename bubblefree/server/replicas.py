@@ -133,14 +133,39 @@ class Relay:
         except Exception as err:  # noqa: BLE001 - the replica died or could not be reached
             return unavailable(f"the replica serving this request stopped ({type(err).__name__}); retry")
         headers = dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", []))
-        streamed = headers.get("content-type", "").startswith("text/event-stream")
-        response = StreamingResponse(_bodies(messages, streamed), status_code=start["status"])
+        if not headers.get("content-type", "").startswith("text/event-stream"):
+            return await _whole(messages, start)
+        response = StreamingResponse(_bodies(messages), status_code=start["status"])
         response.raw_headers = [(k, v) for k, v in start.get("headers", [])
-                                if k.lower() != b"content-length"] if streamed else list(start.get("headers", []))
+                                if k.lower() != b"content-length"]
         return response
 
 
-async def _bodies(messages: Any, streamed: bool) -> AsyncIterator[bytes]:
+async def _whole(messages: Any, start: Message) -> Response:
+    """A JSON answer, gathered whole before anything is sent: complete, or a
+    503 naming the replica when it died part way (never a body cut short).
+    Sent as one plain response: a streamed one would also listen for the
+    client's disconnect on Ray Serve's receive channel, whose cancellation
+    at the end of the answer Ray logs as a traceback."""
+    body = bytearray()
+    try:
+        async for message in messages:
+            if message["type"] == "http.response.body":
+                body += message.get("body", b"")
+    except asyncio.CancelledError:  # the client left: the replica stops its request
+        messages.cancel()
+        raise
+    except Exception as err:  # noqa: BLE001 - the replica died mid-answer
+        return unavailable(f"the replica serving this request stopped ({type(err).__name__}) "
+                           "before the end; retry")
+    response = Response(bytes(body), status_code=start["status"])
+    response.raw_headers = list(start.get("headers", []))
+    return response
+
+
+async def _bodies(messages: Any) -> AsyncIterator[bytes]:
+    """A streamed answer's events; an error event when the replica dies
+    part way."""
     try:
         async for message in messages:
             if message["type"] == "http.response.body" and message.get("body"):
@@ -148,8 +173,6 @@ async def _bodies(messages: Any, streamed: bool) -> AsyncIterator[bytes]:
     except asyncio.CancelledError:
         raise
     except Exception as err:  # noqa: BLE001 - the replica died mid-answer
-        if not streamed:
-            raise  # a JSON body cut short: the connection closes incomplete
         event = error_body(503, f"replica: the replica serving this request stopped "
                                 f"({type(err).__name__}) before the end; retry", "replica")
         yield f"event: error\ndata: {json.dumps(event)}\n\n".encode()
