@@ -26,15 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bubblefree.cuda_backend.pdl import launch_options
-
-try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where Triton is absent
-    triton = None
-else:
-    from bubblefree.cuda_backend.pdl import enter
+from bubblefree.cuda_backend.pdl import enter, launch_options, tl, triton
 
 
 if triton is not None:

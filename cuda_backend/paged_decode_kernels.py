@@ -22,13 +22,7 @@ Shapes: q ``[B, H, D]``, keys/values ``[N * page_size, KVH, D]``, page table
 
 from __future__ import annotations
 
-try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where Triton is absent
-    triton = None
-else:
-    from bubblefree.cuda_backend.pdl import enter
+from bubblefree.cuda_backend.pdl import enter, tl, triton
 
 
 if triton is not None:
@@ -166,6 +160,15 @@ if triton is not None:
                       BLOCK_F)
 
     @triton.jit
+    def _block_slots(pt_row, kpos, start, hi, dmask, PS: tl.constexpr):
+        """Key positions ``kpos`` of a row: which are attended (in ``start ..
+        hi``), their cache slots through the row's page table, and the mask
+        of their ``[keys, D]`` tiles."""
+        valid = (kpos < hi) & (kpos >= start)
+        page = tl.load(pt_row + kpos // PS, mask=valid, other=0)
+        return valid, page * PS + kpos % PS, valid[:, None] & dmask[None, :]
+
+    @triton.jit
     def _query(ptr, d, cs, sn, dmask, NEW: tl.constexpr, ROT: tl.constexpr):
         """One query head in float32; with NEW, after its rotary embedding."""
         if NEW:
@@ -218,11 +221,8 @@ if triton is not None:
         offs = tl.arange(0, BLOCK_N)
         first = lo
         if PREFETCH:
-            kpos = lo + offs
-            valid0 = (kpos < hi) & (kpos >= start)
-            page = tl.load(pt_ptr + b * spt_b + kpos // PS, mask=valid0, other=0)
-            tok = page * PS + kpos % PS
-            kv_mask = valid0[:, None] & dmask[None, :]
+            valid0, tok, kv_mask = _block_slots(pt_ptr + b * spt_b, lo + offs, start, hi, dmask,
+                                                PS)
             k0 = tl.load(k_ptr + tok[:, None] * sk_t + kvh * sk_h + d[None, :], mask=kv_mask,
                          other=0.0)
             v0 = tl.load(v_ptr + tok[:, None] * sv_t + kvh * sv_h + d[None, :], mask=kv_mask,
@@ -239,11 +239,8 @@ if triton is not None:
                 acc = tl.sum(p[:, None] * v0.to(tl.float32), 0)
             first = lo + BLOCK_N
         for base in range(first, hi, BLOCK_N):
-            kpos = base + offs
-            valid = (kpos < hi) & (kpos >= start)
-            page = tl.load(pt_ptr + b * spt_b + kpos // PS, mask=valid, other=0)
-            tok = page * PS + kpos % PS
-            kv_mask = valid[:, None] & dmask[None, :]
+            valid, tok, kv_mask = _block_slots(pt_ptr + b * spt_b, base + offs, start, hi, dmask,
+                                               PS)
             k = tl.load(k_ptr + tok[:, None] * sk_t + kvh * sk_h + d[None, :], mask=kv_mask,
                         other=0.0).to(tl.float32)
             sc = tl.sum(k * q[None, :], 1) * scale

@@ -1,4 +1,6 @@
-"""Programmatic dependent launch (Hopper's PDL) for our Triton kernels.
+"""Programmatic dependent launch (Hopper's PDL) for our Triton kernels, and
+where the kernels' modules get Triton from (``triton`` and ``tl`` are None
+on CPU-only installs, which lack it).
 
 A decode step is a chain of about a hundred kernels, each waiting for the
 one before to finish and its results to reach memory before it even
@@ -31,7 +33,7 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where Triton is absent
-    triton = None
+    triton = tl = None
 
 
 def supported(device: torch.device | str) -> bool:
@@ -59,3 +61,5 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+else:  # pragma: no cover - exercised where Triton is absent
+    enter = None

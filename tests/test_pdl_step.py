@@ -21,6 +21,8 @@ from bubblefree.cuda_backend.tiny import tiny_model
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Triton kernels")
 PDL = pytest.mark.skipif(not pdl.supported("cuda"),
                          reason="needs a GPU of compute capability 9 or later and Triton")
+# Each kernel launched plainly, and dependent on the one before where the GPU can.
+LAUNCHES = [False, pytest.param(True, marks=PDL)]
 PROMPTS = [[5, 9, 17, 33, 4], [7, 8], [100, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2], [11] * 30]
 
 
@@ -105,10 +107,8 @@ def test_where_it_cannot_launch_dependent_the_step_is_the_usual_one():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,splits,rms", [(1, 2048, 1, False), (5, 896, 19, True),
                                             (64, 2048, 8, True), (3, 100, 2, False)])
-@pytest.mark.parametrize("launch_pdl", [False, True])
+@pytest.mark.parametrize("launch_pdl", LAUNCHES)
 def test_the_add_norm_kernel_matches_torch(m, n, splits, rms, dtype, launch_pdl):
-    if launch_pdl and not pdl.supported("cuda"):
-        pytest.skip("needs a GPU of compute capability 9 or later for dependent launches")
     torch.manual_seed(m + n)
     x = torch.randn(m, n, device="cuda", dtype=dtype)
     parts = torch.randn(splits, m, n, device="cuda") / splits
@@ -125,14 +125,12 @@ def test_the_add_norm_kernel_matches_torch(m, n, splits, rms, dtype, launch_pdl)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,k,n,tile", [(1, 2048, 96, "64n128k1s4w3p"), (5, 512, 2048, "32n128k4s4w3p"),
                                         (33, 896, 100, "16n128k7s4w3p"), (64, 256, 64, "64n128k2s4w3p")])
-@pytest.mark.parametrize("launch_pdl", [False, True])
+@pytest.mark.parametrize("launch_pdl", LAUNCHES)
 def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, tile, dtype,
                                                                     launch_pdl):
     """Partial sums with the bias in the first slice, whole outputs, and
     ``silu(gate) * up`` of a ``[gate; up]`` weight, each against torch."""
     from bubblefree.cuda_backend import skinny_gemm
-    if launch_pdl and not pdl.supported("cuda"):
-        pytest.skip("needs a GPU of compute capability 9 or later for dependent launches")
     torch.manual_seed(m)
     t = Tile.parse(tile)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
