@@ -23,7 +23,11 @@ import attrs
 import httpx
 
 REPLICA_HEADER = "x-bubblefree-replica"  # bubblefree.server.replicas names it; that module needs Ray
-READS_PER_REPLICA = 24  # the reads a round may make per replica to reach them all
+READS_PER_REPLICA = 24  # the reads a round makes back to back per replica to reach them all
+# Then a round goes on reading, spaced, for up to this long: Ray Serve's
+# router may keep sending to one replica while its cached queue length for
+# another is stale (its cache lives 10 s), however many reads are made.
+ROUND_S = 12.0
 
 
 @attrs.define
@@ -74,16 +78,23 @@ class Stats:
             seen.last, seen.calls = stats, seen.calls + 1
         return name, stats
 
-    async def read(self) -> dict[str, Any]:
-        """A round: every replica's stats read afresh (a replica not reached
-        within the round's reads keeps its older answer, and ``checks`` says
-        so). Returns the first answer of the round."""
+    async def read(self, within_s: float = ROUND_S) -> dict[str, Any]:
+        """A round: every replica's stats read afresh, back to back, then
+        spaced until ``within_s`` has passed (a replica not reached keeps
+        its older answer, and ``checks`` says so). Reads are one at a time:
+        each counts the ones before it. Returns the first answer of the
+        round."""
         fresh: dict[str, dict[str, Any]] = {}
-        for _ in range(READS_PER_REPLICA * self.replicas):
+        deadline = time.monotonic() + within_s
+        reads = 0
+        while len(fresh) < self.replicas:
+            if reads >= READS_PER_REPLICA * self.replicas:
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.25)
             name, stats = await self.read_one()
             fresh.setdefault(name, stats)
-            if len(fresh) >= self.replicas:
-                break
+            reads += 1
         self.fresh = len(fresh)
         return next(iter(fresh.values()))
 
@@ -94,10 +105,10 @@ class Stats:
         up; counted from a later first read, the requests it served before
         it would be missing, so ``checks`` says how many were reached."""
         deadline = time.monotonic() + within_s
-        await self.read()
+        await self.read(min(within_s, ROUND_S))
         while len(self.seen) < self.replicas and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-            await self.read()
+            await self.read(min(within_s, ROUND_S))
         self.before = len(self.seen)
 
     def counted_since_first(self) -> int:
@@ -141,7 +152,7 @@ async def settle(stats: Stats, sent: int, within_s: float, *, left_waiting: int 
     moved on."""
     deadline = time.monotonic() + within_s
     while True:
-        await stats.read()
+        await stats.read(min(within_s, ROUND_S))
         result = checks(stats, sent, left_waiting=left_waiting)
         if all(result.values()) or time.monotonic() > deadline:
             return result

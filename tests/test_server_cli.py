@@ -53,3 +53,22 @@ def test_serve_a_random_moondream_and_load_it_with_images():
     finally:
         output = interrupt(server)
     assert server.returncode == 0, output
+
+
+def test_serve_replicas_signals_interrupt_the_start_once_then_only_set_the_flag():
+    """``serve --replicas``: its replicas answer before ``serve.run`` has
+    returned, so a user's two Ctrl-C may both land in the start. The first
+    interrupts it; the second, arriving while the first unwinds into the
+    shutdown, must not raise into it (it did: exit -2, a traceback)."""
+    from bubblefree.server.cli import StopSignals
+
+    stop = StopSignals()
+    with pytest.raises(KeyboardInterrupt):
+        stop(2, None)
+    stop(2, None)  # the second: the flag only
+    assert stop.flag.is_set()
+    serving = StopSignals()
+    serving.started()
+    serving(15, None)
+    serving(2, None)
+    assert serving.flag.is_set()

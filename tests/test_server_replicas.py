@@ -50,8 +50,14 @@ def ask(http: httpx.Client, url: str, tokens: int = 2) -> httpx.Response:
 
 
 def replicas_answering(url: str, requests: int = 24) -> set[str]:
-    with httpx.Client(trust_env=False, timeout=30) as http:
-        answers = [ask(http, url) for _ in range(requests)]
+    """The replicas that answered ``requests`` whole requests, sent four at a
+    time: Ray's router sends one at a time to the replica with the shorter
+    queue as it last saw them, which may be the same one for seconds (its
+    queue lengths are cached); requests in flight together are spread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with httpx.Client(trust_env=False, timeout=30) as http, ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: ask(http, url), range(requests)))
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200]
     return {r.headers[REPLICA_HEADER] for r in answers}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import threading
 from typing import Any, Callable
 
 from bubblefree.server.settings import ServerSettings
@@ -85,7 +86,6 @@ def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Cal
     """Start Ray here (or join the cluster RAY_ADDRESS names), serve until
     SIGINT or SIGTERM."""
     import signal
-    import threading
 
     import ray
     from ray import serve
@@ -98,25 +98,47 @@ def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Cal
     serve.start(http_options={"host": settings.host, "port": settings.port},
                 logging_config={"log_level": args.log_level.upper(),
                                 "enable_access_log": args.log_level in ("debug", "info")})
-    stop, previous = threading.Event(), {}
+    stop = StopSignals()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.run(application(make, settings, args.replicas, gpus=gpus, log_level=args.log_level),
                   name="bubblefree", route_prefix="/")
-        # Serving: a signal sets a flag instead of raising KeyboardInterrupt,
-        # which, raised again by a second signal while the first unwound a
-        # lock's wait, broke the shutdown ("release unlocked lock").
-        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        stop.started()
         print(f"{args.replicas} replicas on http://{settings.host}:{settings.port}", flush=True)
-        while not stop.wait(0.5):
+        while not stop.flag.wait(0.5):
             pass
-    except KeyboardInterrupt:  # during the start
+    except KeyboardInterrupt:  # the first signal, during the start
         pass
     finally:
+        stop.started()  # from here a signal only sets the flag
         serve.shutdown()
         ray.shutdown()
         for sig, handler in previous.items():  # only now: a signal mid-shutdown must not cut it short
             signal.signal(sig, handler)
     return 0
+
+
+class StopSignals:
+    """The SIGINT and SIGTERM handler of ``serve --replicas``. The first
+    signal during the start interrupts it (a start that never ends can
+    still be stopped); every other one only sets ``flag``. A
+    KeyboardInterrupt raised again by a second signal while the first
+    unwound (the start, or a lock's wait) broke the shutdown; the replicas
+    answer before ``serve.run`` returns, so a client may signal twice
+    before it has."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self.starting = True
+
+    def __call__(self, *_: Any) -> None:
+        self.flag.set()
+        if self.starting:
+            self.starting = False
+            raise KeyboardInterrupt
+
+    def started(self) -> None:
+        self.starting = False
 
 
 if __name__ == "__main__":
