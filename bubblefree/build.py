@@ -36,9 +36,14 @@ def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool
                  dtype: Any = None, **backend_options: Any):
     from bubblefree.checkpoints import is_moondream
 
+    from bubblefree.checkpoints import is_vision_language
+
     if is_moondream(source):
         return build_moondream(cls, os.fspath(source), device=device, pipelined=pipelined, dtype=dtype,
                                **backend_options)
+    if is_vision_language(source):
+        return build_vision_language(cls, os.fspath(source), device=device, pipelined=pipelined,
+                                     dtype=dtype, **backend_options)
     add_locations = backend_options.pop("location_tokens", False)
     if source is not None and not isinstance(source, (str, os.PathLike)):
         raise InvalidRequest(f"path_or_default: must be a path or None, got {source!r}")
@@ -123,6 +128,35 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
     skills = SkillSet(skills_tokenizer, core.register_mask,
                       codec=RegionHeadCodec.for_tokenizer(skills_tokenizer)).compile_all()
+    return cls(core, skills, backend=backend)
+
+
+# -- transformers vision-language models (LLaVA) --------------------------------
+
+def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str, dtype: Any = None,
+                          **backend_options: Any):
+    """An engine on a local transformers vision-language checkpoint
+    (``cuda_backend/vlm``): its weights, tokenizer, image processor and
+    chat template, which places the image in the user's turn. The text
+    skills answer about images; the spatial ones need location tokens the
+    model has never seen, so they are refused as on a text model."""
+    from bubblefree.cuda_backend.errors import ModelLoadError
+    from bubblefree.cuda_backend.vlm.backend import VlmBackend
+    from bubblefree.cuda_backend.vlm.load import load_vision_language
+
+    if backend_options.pop("location_tokens", False):
+        raise InvalidRequest("location_tokens: a vision-language checkpoint keeps its own vocabulary")
+    check_pipelined(pipelined)
+    device, dtype = check_device(device), check_dtype(dtype)
+    check_backend_options(backend_options)
+    loaded = load_vision_language(path, device=device, dtype=dtype)
+    try:
+        tokenizer = HFTokenizer.wrap(loaded.tokenizer, image_token=loaded.image_token)
+    except ValueError as ex:
+        raise ModelLoadError(f"{path}: {ex}") from ex
+    backend = VlmBackend(loaded.model, loaded.image_processor, tokenizer.image_turn.head, **backend_options)
+    core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
+    skills = SkillSet(tokenizer, core.register_mask, codec=_codec(tokenizer)).compile_all()
     return cls(core, skills, backend=backend)
 
 

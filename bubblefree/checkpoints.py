@@ -63,6 +63,18 @@ def is_moondream(source: Any) -> bool:
     return isinstance(inner, dict) and bool(inner) and set(inner) <= set(PARTS)
 
 
+def is_vision_language(source: Any) -> bool:
+    """Whether ``source`` is a local transformers vision-language checkpoint
+    (a config with a ``vision_config`` and a ``text_config``: LLaVA and its
+    kin); which of them are served is the VLM backend's to say."""
+    if not isinstance(source, (str, os.PathLike)) or is_moondream(source):
+        return False
+    path = Path(source)
+    config = _config(path) if path.is_dir() else None
+    return config is not None and isinstance(config.get("vision_config"), dict) and isinstance(
+        config.get("text_config"), dict)
+
+
 def moondream_tokenizer(raw: Any, config: Any) -> HFTokenizer:
     """The checkpoint's ``tokenizers.Tokenizer`` with the prompt templates and
     BOS/EOS of ``config`` (a ``TokenizerConfig``); every template id must be

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Callable
 
-from bubblefree.checkpoints import is_moondream
+from bubblefree.checkpoints import is_moondream, is_vision_language
 from bubblefree.engine import Engine
 from bubblefree.skills import TextStream
 
@@ -86,18 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default=os.environ.get("BUBBLEFREE_MODEL") or None,
-                    help="a model directory or .gguf, or a moondream2 checkpoint directory "
+                    help="a model directory or .gguf, or a moondream2 or LLaVA checkpoint directory "
                          "(default: $BUBBLEFREE_MODEL, else the embedded model)")
-    ap.add_argument("--image", default=None, help="the picture to ask a moondream2 about "
+    ap.add_argument("--image", default=None, help="the picture to ask a moondream2 or LLaVA about "
                                                   "(default: one drawn here)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per mode")
     args = ap.parse_args(argv)
-    if is_moondream(args.model):
+    if is_moondream(args.model) or is_vision_language(args.model):
         from bubblefree.picture_demo import main as picture_main
 
         return picture_main(args)
     if args.image is not None:
-        ap.error("--image needs a moondream2 checkpoint (--model or BUBBLEFREE_MODEL)")
+        ap.error("--image needs a moondream2 or LLaVA checkpoint (--model or BUBBLEFREE_MODEL)")
     print("loading the model (the first run converts the GGUF and caches it)...", flush=True)
     t = time.perf_counter()
     engine = Engine.from_pretrained(args.model, max_rows=8, max_seqs=16, num_pages=1024,

@@ -1,8 +1,8 @@
-"""`make run` with a moondream2 checkpoint: questions about one picture.
+"""`make run` with a moondream2 or LLaVA checkpoint: questions about one picture.
 
 The picture is encoded once (``encode_image``); a caption (streamed as it is
-decoded), a question, point and detect about it are submitted together and
-share their steps. Then the same four requests are timed in both modes
+decoded), a question, and point and detect where the model has a region
+head (moondream2), are submitted together and share their steps. Then the same four requests are timed in both modes
 (pipelined and blocking: one engine, one flag), alternating after a warm-up.
 """
 
@@ -36,16 +36,19 @@ def drawn_picture() -> Image.Image:
     return image
 
 
-def calls(image: Any, max_tokens: int, show=None) -> list[tuple[str, dict]]:
+def calls(engine: Engine, image: Any, max_tokens: int, show=None) -> list[tuple[str, dict]]:
+    """Caption and query; point and detect where the model serves them (a
+    region head: moondream2; a transformers VLM has none)."""
+    spatial = [("point", dict(image=image, object=POINT, max_objects=MAX_OBJECTS)),
+               ("detect", dict(image=image, object=DETECT, max_objects=MAX_OBJECTS))]
     return [("caption", dict(image=image, length="normal", max_tokens=max_tokens, listener=show)),
             ("query", dict(image=image, question=QUESTION, max_tokens=max_tokens)),
-            ("point", dict(image=image, object=POINT, max_objects=MAX_OBJECTS)),
-            ("detect", dict(image=image, object=DETECT, max_objects=MAX_OBJECTS))]
+            *((name, args) for name, args in spatial if engine.skills.serves(name))]
 
 
 def ask_all(engine: Engine, image: Any, max_tokens: int, stream_caption: bool) -> tuple[list, float]:
     """The four requests submitted together; (results, seconds)."""
-    return submit_timed(engine, calls(image, max_tokens, printer(engine) if stream_caption else None))
+    return submit_timed(engine, calls(engine, image, max_tokens, printer(engine) if stream_caption else None))
 
 
 def run(engine: Engine, picture: Any, max_tokens: int, rounds: int) -> bool:
@@ -53,23 +56,26 @@ def run(engine: Engine, picture: Any, max_tokens: int, rounds: int) -> bool:
     image = engine.encode_image(picture)
     print("Caption: ", end="", flush=True)
     results, _ = ask_all(engine, image, max_tokens, stream_caption=True)
-    caption, answer, points, boxes = (r.output for r in results)
+    answer = results[1].output
     print(f"\n\nQ: {QUESTION}\nA: {answer['answer']}\n")
-    print(f"Point at {POINT!r}: " + (", ".join(f"({p['x']:.3f}, {p['y']:.3f})" for p in points["points"])
-                                      or "none found"))
-    print(f"Detect {DETECT!r}: " + (", ".join(
-        f"[{b['x_min']:.3f}, {b['y_min']:.3f}, {b['x_max']:.3f}, {b['y_max']:.3f}]"
-        for b in boxes["objects"]) or "none found"))
-    print("(coordinates are fractions of the picture's width and height, from its top left)\n")
+    if len(results) == 4:
+        points, boxes = results[2].output, results[3].output
+        print(f"Point at {POINT!r}: " + (", ".join(f"({p['x']:.3f}, {p['y']:.3f})" for p in points["points"])
+                                          or "none found"))
+        print(f"Detect {DETECT!r}: " + (", ".join(
+            f"[{b['x_min']:.3f}, {b['y_min']:.3f}, {b['x_max']:.3f}, {b['y_max']:.3f}]"
+            for b in boxes["objects"]) or "none found"))
+        print("(coordinates are fractions of the picture's width and height, from its top left)\n")
     modes = timed_modes(engine, lambda: ask_all(engine, image, max_tokens, stream_caption=False), rounds)
     same = len({tuple(r.tokens for r in results) for results, _ in modes.values()}) == 1
-    print(f"Both modes, the 4 requests submitted together on the encoded picture, best of {rounds} "
+    n = len(results)
+    print(f"Both modes, the {n} requests submitted together on the encoded picture, best of {rounds} "
           "alternating rounds after a warm-up:\n")
     print("| mode | requests | tokens | seconds | identical answers |")
     print("|---|---:|---:|---:|---|")
     tokens = sum(len(r.tokens) for r in modes["pipelined"][0])
     for mode, (_, secs) in modes.items():
-        print(f"| {mode} | 4 | {tokens} | {secs:.2f} | {'yes' if same else 'no'} |")
+        print(f"| {mode} | {n} | {tokens} | {secs:.2f} | {'yes' if same else 'no'} |")
     return same
 
 
@@ -80,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
         picture = drawn_picture()
         where = os.path.join(tempfile.gettempdir(), "bubblefree-picture.png")
         picture.save(where)
-    print(f"loading moondream2 from {args.model}...", flush=True)
+    print(f"loading {args.model}...", flush=True)
     t = time.perf_counter()
     engine = Engine.from_pretrained(args.model)
     backend = engine.backend

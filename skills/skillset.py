@@ -126,7 +126,10 @@ class SkillSet:
         if image is not None and not isinstance(image, ImageRef):
             raise invalid(name, "image", f"must be an ImageRef from the backend's image_ref, "
                           f"got {type(image).__name__}")
-        prompt = tuple(skill.prompt(self.tokenizer, parsed))
+        # A vision-language model's chat turn about an image: the ids after the image.
+        about = self.tokenizer.about_image() if image is not None and getattr(
+            self.tokenizer, "image_turn", None) is not None else self.tokenizer
+        prompt = tuple(skill.prompt(about, parsed))
         values = tuple(skill.prompt_values(self.tokenizer, parsed))
         if values and image is None:  # the references are to an image, as in moondream's reference
             raise invalid(name, "spatial_refs", "refer to an image: give one")

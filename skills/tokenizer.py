@@ -20,6 +20,9 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import attrs
 
+from bubblefree.core.values import InvalidRequest
+from bubblefree.skills.image_turn import ImageTurn
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -62,10 +65,14 @@ class HFTokenizer:
     _vocab: tuple[str, ...]
     _eos_id: int
     templates: Any = None  # skills.templates.MoondreamTemplates for moondream2
+    image_turn: Any = None  # skills.image_turn.ImageTurn for a vision-language model
 
     @classmethod
     def wrap(cls, hf: Any, *, add_tokens: Sequence[str] = (),
-             add_special_tokens: bool = False, templates: Any = None) -> HFTokenizer:
+             add_special_tokens: bool = False, templates: Any = None,
+             image_token: tuple[int, str] | None = None) -> HFTokenizer:
+        """``image_token``: a vision-language model's image placeholder (id,
+        text); its chat template then places the image (``image_turn``)."""
         known = hf.get_vocab()
         missing = [t for t in add_tokens if t not in known]
         if missing:
@@ -79,8 +86,16 @@ class HFTokenizer:
         vocab = tuple(hf.batch_decode([[i] for i in range(len(hf))],
                                       skip_special_tokens=False,
                                       clean_up_tokenization_spaces=False))
-        return cls(hf=hf, added=tuple(missing), add_special_tokens=add_special_tokens,
-                   vocab=vocab, eos_id=int(hf.eos_token_id), templates=templates)
+        wrapped = cls(hf=hf, added=tuple(missing), add_special_tokens=add_special_tokens,
+                      vocab=vocab, eos_id=int(hf.eos_token_id), templates=templates)
+        if image_token is not None:
+            if not getattr(hf, "chat_template", None):
+                raise ValueError("a vision-language model's tokenizer needs a chat template: it "
+                                 "places the image in the user's turn")
+            wrapped.image_turn = ImageTurn(int(image_token[0]), image_token[1], ())  # renders as one
+            rendered = wrapped.chat_turn([{"type": "image"}, {"type": "text", "text": "?"}])
+            wrapped.image_turn = ImageTurn.of(rendered, *image_token)
+        return wrapped
 
     @property
     def eos_id(self) -> int:
@@ -98,13 +113,62 @@ class HFTokenizer:
 
     def prompt(self, frame: str, user: str) -> list[int]:
         if getattr(self.hf, "chat_template", None):
-            ids = self.hf.apply_chat_template([{"role": "user", "content": user}],
-                                              add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in newer releases
-                ids = ids["input_ids"]
+            # A vision-language model's template reads the content as typed parts.
+            ids = self.chat_turn(user if self.image_turn is None else [{"type": "text", "text": user}])
+        else:
+            ids = self.encode(frame)
+        return ids if self.image_turn is None else self.image_turn.check_text(ids)
+
+    def chat_turn(self, content: Any) -> list[int]:
+        """The user's turn (``content``: text, or a list of typed parts) and
+        the assistant's start, through the chat template, as ids."""
+        return self.chat([{"role": "user", "content": content}])
+
+    def chat(self, turn: list[dict]) -> list[int]:
+        """A conversation (``[{"role": ..., "content": ...}]``) and the
+        assistant's start, through the chat template, as ids."""
+        if self.image_turn is not None:
+            # As the model's processor does: the rendered text encoded with the
+            # tokenizer's special tokens (BOS) unless the template wrote them.
+            text = self.hf.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+            ids = self.hf.encode(text, add_special_tokens=False)
+            bos = self.hf.bos_token_id
+            if bos is not None and ids[:1] != [bos] and self.hf.encode("", add_special_tokens=True)[:1] == [bos]:
+                ids = [bos, *ids]
             return [int(i) for i in ids]
-        return self.encode(frame)
+        ids = self.hf.apply_chat_template(turn, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in newer releases
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def image_prompt(self, user: str) -> list[int]:
+        """The ids after the image in a turn about one image (``image_turn``)."""
+        if self.image_turn is None:
+            raise InvalidRequest("image: this model's tokenizer has no image turn")
+        return self.image_turn.after(self.chat_turn([{"type": "image"}, {"type": "text", "text": user}]))
+
+    def about_image(self) -> AboutImage:
+        """This tokenizer as a request about an image sees it."""
+        return AboutImage(self)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True,
                               clean_up_tokenization_spaces=False)
+
+
+class AboutImage:
+    """A vision-language model's tokenizer for one request about an image:
+    ``prompt`` gives the ids after the image in the user's turn (the image's
+    prefix holds the ones before it); the rest is the tokenizer's."""
+
+    def __init__(self, inner: HFTokenizer):
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def prompt(self, frame: str, user: str) -> list[int]:
+        return self.inner.image_prompt(user)

@@ -32,7 +32,7 @@ def test_an_image_without_a_moondream_checkpoint_is_refused(monkeypatch, capsys)
     monkeypatch.delenv("BUBBLEFREE_MODEL", raising=False)
     with pytest.raises(SystemExit):
         demo.main(["--image", "photo.jpg"])
-    assert "--image needs a moondream2 checkpoint" in capsys.readouterr().err
+    assert "--image needs a moondream2 or LLaVA checkpoint" in capsys.readouterr().err
 
 
 def test_make_run_with_a_moondream_checkpoint_in_the_environment(tmp_path, monkeypatch, capsys):
@@ -43,8 +43,23 @@ def test_make_run_with_a_moondream_checkpoint_in_the_environment(tmp_path, monke
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the drawn picture is saved
     assert demo.main(["--max-tokens", "4", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
-    assert f"loading moondream2 from {tmp_path}" in out
+    assert f"loading {tmp_path}" in out
     assert f"the picture: {tmp_path / 'bubblefree-picture.png'}" in out
     for line in ("Caption: ", f"Q: {QUESTION}", f"Point at {POINT!r}: ", f"Detect {DETECT!r}: ",
                  "| pipelined | 4 |", "| blocking | 4 |"):
         assert line in out
+
+
+def test_make_run_with_a_llava_checkpoint_asks_what_it_serves(tmp_path, monkeypatch, capsys):
+    """A transformers VLM checkpoint (tiny LLaVA, random weights): caption
+    and query about the picture, in both modes; no point or detect (no
+    region head, no location tokens)."""
+    from tests.vlm_world import checkpoint
+
+    monkeypatch.setenv("BUBBLEFREE_MODEL", str(checkpoint(tmp_path / "llava", seed=1)))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert demo.main(["--max-tokens", "4", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for line in ("Caption: ", f"Q: {QUESTION}", "| pipelined | 2 |", "| blocking | 2 |"):
+        assert line in out
+    assert "Point at" not in out and "Detect" not in out

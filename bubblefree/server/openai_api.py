@@ -56,8 +56,8 @@ def router(served: Served) -> APIRouter:
     async def chat(request: Request) -> Response:
         body = await read_json(request)
         images: list[tuple[str, Any]] = []
-        messages = _messages(body, images)
-        ask = _ask(body, chat_prompt(served.engine.skills.tokenizer, messages))
+        messages, image_in = _messages(body, images)
+        ask = _ask(body, chat_prompt(served.engine.skills.tokenizer, messages, image_in))
         if len(images) > 1:
             where = images[1][0]
             raise ApiError(422, f"{where}: one image a request; this is the second", where)
@@ -78,13 +78,14 @@ def router(served: Served) -> APIRouter:
     return api
 
 
-def _messages(body: Fields, images: list[tuple[str, Any]]) -> list[tuple[str, str]]:
-    """The conversation as (role, text); each image part's (field, url) goes
+def _messages(body: Fields, images: list[tuple[str, Any]]) -> tuple[list[tuple[str, str]], int | None]:
+    """The conversation as (role, text), and the index of the message with
+    the first image (None without one); each image part's (field, url) goes
     to ``images``, checked once the rest of the body is."""
     messages = body.items("messages")
     if not messages:
         raise body.refuse("messages", "must hold at least one message")
-    out = []
+    out, image_in = [], None
     for where, fields in each_object(messages, "messages"):
         role = fields.text("role")
         if role not in ROLES:
@@ -92,8 +93,11 @@ def _messages(body: Fields, images: list[tuple[str, Any]]) -> list[tuple[str, st
         content = fields.raw("content")
         fields.text("name", None)
         fields.done()
+        had = len(images)
         out.append((role, _content(content, where, images)))
-    return out
+        if image_in is None and len(images) > had:
+            image_in = len(out) - 1
+    return out, image_in
 
 
 def _content(content: Any, where: str, images: list[tuple[str, Any]]) -> str:

@@ -49,11 +49,18 @@ def run_prompt(engine: Engine, prompt: list[int], max_tokens: int | None, sampli
                      sampling=SamplingParams.of(sampling), image=image)
 
 
-def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]]) -> list[int]:
+def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]], image_in: int | None = None) -> list[int]:
     """A conversation as prompt ids: through the model's chat template where
     it has one; moondream's query template (each user turn a question, each
     assistant turn its answer) where the model has those; otherwise in the
-    Question/Answer frame the skills use."""
+    Question/Answer frame the skills use. On a vision-language model with a
+    chat template (``image_turn``), message ``image_in`` holds the image
+    and the ids are those after it (its prefix holds the ones before)."""
+    turn = getattr(tokenizer, "image_turn", None)
+    if turn is not None:
+        ids = tokenizer.chat([{"role": r, "content": ([{"type": "image"}] if i == image_in else [])
+                               + [{"type": "text", "text": c}]} for i, (r, c) in enumerate(messages)])
+        return turn.check_text(ids) if image_in is None else turn.after(ids)
     templates = templates_of(tokenizer)
     if templates is not None:
         ids: list[int] = []

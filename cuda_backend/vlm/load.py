@@ -1,0 +1,76 @@
+"""Loading a local transformers vision-language checkpoint, offline.
+
+The directory holds what the model's own processor needs: config.json,
+safetensors, the tokenizer, the image processor's config and a chat
+template (the tokenizer's, or the processor's ``chat_template.json`` /
+``.jinja``). Every refusal is a ``ModelLoadError`` or ``UnsupportedModel``
+naming the directory and what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
+from bubblefree.cuda_backend.loader import default_device, default_dtype
+from bubblefree.cuda_backend.quiet import quiet_transformers
+from bubblefree.cuda_backend.vlm.model import VisionLanguage, supported
+
+
+@attrs.define(eq=False)
+class LoadedVision:
+    model: VisionLanguage
+    tokenizer: Any  # transformers tokenizer, its chat template set
+    image_processor: Any
+    image_token: tuple[int, str]  # the placeholder's id and text
+
+
+def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = None) -> LoadedVision:
+    path = Path(path)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    try:  # the type first: another architecture's config may not even parse as its own
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        why = supported(str(model_type))
+        if why:
+            raise UnsupportedModel(f"{path}: {why}")
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except UnsupportedModel:
+        raise
+    except Exception as ex:  # noqa: BLE001 - any failure here is a bad directory
+        raise ModelLoadError(f"model directory {path}: cannot read config.json: {ex}") from ex
+    try:
+        with quiet_transformers():
+            vlm = AutoModelForImageTextToText.from_pretrained(path, config=config, dtype=dtype,
+                                                              local_files_only=True)
+    except Exception as ex:  # noqa: BLE001
+        raise ModelLoadError(f"model directory {path}: cannot load weights: {ex}") from ex
+    vlm.eval().to(device)
+    with quiet_transformers():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        except Exception as ex:  # noqa: BLE001
+            raise ModelLoadError(f"model directory {path}: cannot load its tokenizer and image "
+                                 f"processor: {ex}") from ex
+        if not getattr(tokenizer, "chat_template", None):
+            try:  # LLaVA checkpoints keep the template with the processor
+                tokenizer.chat_template = getattr(AutoProcessor.from_pretrained(
+                    path, local_files_only=True), "chat_template", None)
+            except Exception:  # noqa: BLE001 - no processor: refused below, naming the template
+                pass
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelLoadError(f"model directory {path}: has no chat template (the tokenizer's, or "
+                             "chat_template.json); it places the image in the prompt")
+    token_id = int(config.image_token_id)
+    if not 0 <= token_id < len(tokenizer):
+        raise ModelLoadError(f"model directory {path}: image_token_id {token_id} is not one of the "
+                             f"tokenizer's {len(tokenizer)} ids")
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    return LoadedVision(VisionLanguage.of(vlm), tokenizer, image_processor, (token_id, token))

@@ -1,0 +1,231 @@
+"""A transformers vision-language model (LLaVA, tiny and random, from a
+checkpoint directory as a user's) through the public Engine on the CPU:
+greedy answers about images equal transformers' ``generate`` with the
+model's own processor, alone and batched, pipelined and blocking; text-only
+questions too; every bad image and a question spelling the image token are
+refused naming the field while the engine keeps serving; cancels free
+every page; what is not served is refused naming why."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import moondream
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from bubblefree import Engine, InvalidRequest, Status
+from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
+from tests import vlm_world
+from tests.image_world import png
+from tests.server_support import serving
+from tests.serving_world import WAIT, wait_idle
+from tests.test_images import BAD
+
+OPTIONS = dict(device="cpu", page_size=16, num_pages=64, max_rows=4, max_seqs=8)
+QUESTIONS = ("what is in this image ?", "how many cat are there ?", "is the sky blue ?")
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+IMAGES = (picture(40, 60, 0), picture(90, 30, 1), picture(28, 28, 2))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def world(request, tmp_path_factory):
+    path = vlm_world.checkpoint(tmp_path_factory.mktemp(request.param), seed=3, text_type=request.param)
+    model, processor = vlm_world.reference(path)
+    engine = Engine.from_pretrained(str(path), **OPTIONS)
+    yield engine, model, processor
+    engine.close()
+
+
+def test_answers_about_images_equal_generate_alone_and_batched_in_both_modes(world):
+    engine, model, processor = world
+    cases = [(image, question) for image in IMAGES for question in QUESTIONS[:2]]
+    expected = [vlm_world.generate(model, processor, image, q, 10) for image, q in cases]
+    assert sum(map(len, expected)) > 3 * len(cases)  # answers, not just an end token
+    for pipelined in (False, True, "auto"):
+        engine.pipelined = pipelined
+        alone = [engine.submit("query", image=image, question=q, max_tokens=10).result(WAIT).tokens
+                 for image, q in cases]
+        together = [h.result(WAIT).tokens for h in engine.submit_many(
+            [("query", dict(image=image, question=q, max_tokens=10)) for image, q in cases])]
+        assert [list(t) for t in alone] == expected, pipelined
+        assert [list(t) for t in together] == expected, pipelined
+    wait_idle(engine)
+
+
+def test_threads_submitting_images_at_once_get_the_answers_they_get_alone(world):
+    import threading
+
+    engine, _, _ = world
+    cases = [(image, q) for image in IMAGES for q in QUESTIONS]
+    alone = [engine.submit("query", image=image, question=q, max_tokens=6).result(WAIT).tokens
+             for image, q in cases]
+    got: dict[int, tuple] = {}
+
+    def ask(i: int) -> None:
+        image, q = cases[i]
+        got[i] = engine.submit("query", image=image, question=q, max_tokens=6).result(WAIT).tokens
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert [got[i] for i in range(len(cases))] == alone
+    wait_idle(engine)
+
+
+def test_a_text_question_on_the_vision_model_equals_generate_without_an_image(world):
+    import torch
+
+    engine, model, processor = world
+    tokenizer = processor.tokenizer
+    turn = [{"role": "user", "content": [{"type": "text", "text": QUESTIONS[2]}]}]
+    ids = tokenizer(processor.apply_chat_template(turn, add_generation_prompt=True),
+                    add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    expected = out[0, ids.shape[1]:].tolist()
+    assert list(engine.submit("query", question=QUESTIONS[2], max_tokens=8).result(WAIT).tokens) == expected
+
+
+def test_the_prefix_is_the_head_and_one_position_per_feature(world):
+    engine, _, processor = world
+    tokenizer = processor.tokenizer
+    head = tokenizer.encode("<s>USER:", add_special_tokens=False)
+    assert engine.skills.tokenizer.image_turn.head == tuple(head)
+    features = (vlm_world.IMAGE_SIZE // vlm_world.PATCH) ** 2
+    assert engine.backend.features_per_image == features
+    assert engine.backend.prefix_len == len(head) + features
+    assert engine.takes_images
+
+
+def test_an_encoded_image_answers_as_the_image_does(world):
+    engine, _, _ = world
+    encoded = engine.encode_image(IMAGES[1])
+    direct = engine.submit("query", image=IMAGES[1], question=QUESTIONS[0], max_tokens=8).result(WAIT).tokens
+    for _ in range(2):
+        assert engine.submit("query", image=encoded, question=QUESTIONS[0],
+                             max_tokens=8).result(WAIT).tokens == direct
+
+
+@pytest.mark.parametrize("kind", sorted(set(BAD) - {"none"}))  # None: a question without an image
+def test_a_bad_image_is_refused_naming_image_and_the_engine_serves_on(world, kind, tmp_path):
+    engine, _, _ = world
+    with pytest.raises(InvalidRequest, match=r"image"):
+        engine.query(BAD[kind](tmp_path), QUESTIONS[0])
+    assert engine.submit("query", image=IMAGES[0], question=QUESTIONS[0],
+                         max_tokens=4).result(WAIT).status is Status.COMPLETED
+
+
+@pytest.mark.parametrize("question", ["what is <image> ?", "<image>"])
+def test_a_question_that_spells_the_image_token_is_refused(world, question):
+    engine, _, _ = world
+    with pytest.raises(InvalidRequest, match=r"^prompt: holds the model's image token '<image>' 2 times"):
+        engine.submit("query", image=IMAGES[0], question=question)
+    with pytest.raises(InvalidRequest, match=r"image token '<image>' without an image"):
+        engine.submit("query", question=question)
+    assert engine.submit("query", image=IMAGES[0], question=QUESTIONS[0],
+                         max_tokens=4).result(WAIT).status is Status.COMPLETED
+
+
+def test_cancels_mid_image_request_free_every_page(world):
+    engine, _, _ = world
+    handles = engine.submit_many([("query", dict(image=image, question=q, max_tokens=40))
+                                  for image in IMAGES for q in QUESTIONS])
+    for h in handles[::2]:
+        h.cancel()
+    for h in handles:
+        assert h.result(WAIT).status in (Status.COMPLETED, Status.CANCELLED)
+    wait_idle(engine)
+
+
+def test_the_spatial_skills_are_refused_without_location_tokens(world):
+    engine, _, _ = world
+    with pytest.raises(InvalidRequest, match=r"^skill: this model has no location tokens or region head"):
+        engine.point(IMAGES[0], "cat")
+
+
+def test_an_image_from_another_backend_is_refused_at_launch(world):
+    from bubblefree.core.values import ImageRef
+
+    engine, _, _ = world
+    foreign = ImageRef(length=engine.backend.prefix_len, source=object())
+    handle = engine.submit("query", image=foreign, question=QUESTIONS[0], max_tokens=4)
+    assert handle.result(WAIT).status is Status.FAILED
+    assert "did not make" in handle.result(WAIT).finish_reason
+    assert engine.submit("query", image=IMAGES[0], question=QUESTIONS[0],
+                         max_tokens=4).result(WAIT).status is Status.COMPLETED
+
+
+def test_streams_asyncio_and_the_clients_over_http_give_the_same_answers(world):
+    engine, _, _ = world
+    image, question = IMAGES[0], QUESTIONS[0]
+    answer = engine.query(image, question, max_tokens=8)["answer"]
+    assert "".join(engine.stream("query", image=image, question=question, max_tokens=8)) == answer
+
+    async def both():
+        pieces = [p async for p in engine.astream("query", image=image, question=question, max_tokens=8)]
+        return "".join(pieces), (await engine.arun("query", image=image, question=question, max_tokens=8))
+    streamed, ran = asyncio.run(both())
+    assert streamed == answer and ran["answer"] == answer
+    assert engine.caption(image, length="short", max_tokens=6)["caption"]
+    with serving(engine) as url:
+        md = moondream.vl(endpoint=f"{url}/v1")
+        sent = base64.b64decode(md.encode_image(image).image_url.partition(",")[2])
+        assert md.query(image, question, settings={"max_tokens": 8}) == engine.query(sent, question, max_tokens=8)
+        oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        uri = "data:image/png;base64," + base64.b64encode(png(image)).decode()
+        reply = oa.chat.completions.create(model="any", max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "text", "text": question}, {"type": "image_url", "image_url": {"url": uri}}]}])
+        assert reply.choices[0].message.content.strip() == engine.query(png(image), question,
+                                                                         max_tokens=8)["answer"].strip()
+        # The image opens the conversation: its prefix holds the template's tokens before it.
+        with pytest.raises(openai.UnprocessableEntityError, match="the image must open the conversation"):
+            oa.chat.completions.create(model="any", max_tokens=4, messages=[
+                {"role": "user", "content": "what"}, {"role": "assistant", "content": "a cat"},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}]}])
+        with pytest.raises(openai.UnprocessableEntityError, match="image token '<image>'"):
+            oa.chat.completions.create(model="any", max_tokens=4, messages=[
+                {"role": "user", "content": "what is <image> ?"}])
+        assert engine.query(image, question, max_tokens=8)["answer"] == answer  # served on
+    wait_idle(engine)
+
+
+# -- what is refused at load ------------------------------------------------------
+
+def _edit(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("model_type, why", [("qwen2_vl", "3-D"), ("paligemma", "both ways"),
+                                             ("llava_next", "anyres")])
+def test_architectures_not_served_are_refused_naming_why(tmp_path, model_type, why):
+    from bubblefree.cuda_backend.vlm.model import supported
+
+    assert why in supported(model_type)
+    path = vlm_world.checkpoint(tmp_path)
+    _edit(path, model_type=model_type)
+    with pytest.raises((UnsupportedModel, ModelLoadError), match=rf"model type '{model_type}'|{model_type}"):
+        Engine.from_pretrained(str(path), **OPTIONS)
+
+
+def test_a_checkpoint_without_a_chat_template_is_refused_naming_it(tmp_path):
+    path = vlm_world.checkpoint(tmp_path)
+    (path / "chat_template.jinja").unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="chat template"):
+        Engine.from_pretrained(str(path), **OPTIONS)
