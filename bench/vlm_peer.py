@@ -18,19 +18,29 @@ import time
 import torch
 
 IMAGE_TOKEN = 50000
-PROMPT_TOKENS = 12
+BOS = 50256
+PROMPT = list(range(100, 112))  # 12 prompt tokens after the image
 
 
-def make_peer(device: torch.device, dtype: torch.dtype = torch.bfloat16):
+def make_peer(device: torch.device, dtype: torch.dtype = torch.bfloat16, tiny: bool = False):
+    """The peer's LLaVA; ``tiny``: the same structure at CPU-test widths
+    (28-px images of 4 patches)."""
     import transformers as tf
 
-    vision = tf.SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
-                                   num_attention_heads=16, image_size=378, patch_size=14)
-    text = tf.PhiConfig(vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                        num_attention_heads=32, partial_rotary_factor=0.5, max_position_embeddings=2048)
+    if tiny:
+        vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, image_size=28, patch_size=14)
+        text = tf.PhiConfig(vocab_size=51200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, partial_rotary_factor=0.5, max_position_embeddings=2048)
+    else:
+        vision = tf.SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                       num_attention_heads=16, image_size=378, patch_size=14)
+        text = tf.PhiConfig(vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                            num_attention_heads=32, partial_rotary_factor=0.5, max_position_embeddings=2048)
+    features = (vision.image_size // vision.patch_size) ** 2
     config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
                             vision_feature_select_strategy="full", vision_feature_layer=-1,
-                            projector_hidden_act="gelu", image_seq_length=729)
+                            projector_hidden_act="gelu", image_seq_length=features)
     torch.manual_seed(0)
     with torch.device(device):
         model = tf.LlavaForConditionalGeneration(config)
@@ -45,13 +55,14 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def time_requests(model, device: torch.device, streams: int, new_tokens: int, reps: int = 5) -> dict:
     """``streams`` requests of ``new_tokens`` as one ``generate`` batch."""
-    ids = torch.tensor([[50256] + [IMAGE_TOKEN] * 729 + list(range(100, 100 + PROMPT_TOKENS))] * streams,
+    ids = torch.tensor([[BOS] + [IMAGE_TOKEN] * model.config.image_seq_length + PROMPT] * streams,
                        device=device)
+    side = model.config.vision_config.image_size
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   pad_token_id=0, eos_token_id=None)
 
     def once() -> float:
-        pixels = torch.randn(streams, 3, 378, 378, device=device, dtype=model.dtype)  # fresh images
+        pixels = torch.randn(streams, 3, side, side, device=device, dtype=model.dtype)  # fresh images
         _sync(device)
         start = time.perf_counter()
         model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids), **kwargs)

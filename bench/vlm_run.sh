@@ -9,7 +9,8 @@
 # Knobs (environment): VLM_TESTS (the image path's test files run first;
 # empty: none), TEST_SECONDS (240), PROFILE_MODES (graphs), PROFILE_SECONDS
 # (90 each), VLM_SECONDS (420), PROFILE_ARGS, VLM_ARGS (--tiny and --quick
-# --no-peer: a CPU smoke run; --crops-on-host: images cut by Pillow on the callers' threads).
+# --no-peer: a CPU smoke run; --crops-on-host: images cut by Pillow on the callers' threads),
+# LLAVA_SECONDS (180; 0: skip bench.llava_speed, the peer's LLaVA served by cuda_backend/vlm).
 set -u
 out="${OUT:-/tmp/bubblefree-vlm}"
 mkdir -p "$out"
@@ -37,5 +38,10 @@ echo "== vlm_speed"
 timeout -k 10 "${VLM_SECONDS:-420}" python3 -m bubblefree.bench.vlm_speed --streams 1,8,32 --sizes 378,756 \
   --per-stream 3 --out "$out/benchmarks.md" --record "$out/vlm-run-$day.json" ${VLM_ARGS:-} 2>&1 \
   | grep -v -i warn | tee "$out/vlm-speed.txt"
+if [ "${LLAVA_SECONDS:-180}" != 0 ]; then
+  echo "== llava_speed (the peer's LLaVA served, against its generate)"
+  timeout -k 10 "${LLAVA_SECONDS:-180}" python3 -m bubblefree.bench.llava_speed --streams 1,8,32 --tokens 3,10 \
+    --out "$out/benchmarks.md" --record "$out/llava-run-$day.json" 2>&1 | grep -v -i warn | tee "$out/llava-speed.txt"
+fi
 cp docs/benchmarks*.png "$out/" 2>/dev/null
 exit 0

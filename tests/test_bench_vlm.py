@@ -119,3 +119,22 @@ def test_vlm_timeline_runs_on_the_tiny_model_and_accounts_each_request(capsys):
     assert any(line.endswith("idle") for line in r["trace"]) and any(line.endswith("notify") for line in r["trace"])
     assert not any(k.split()[0] in vlm_timeline.APART or k.startswith("gc") for k in r["parts"]), r["parts"]
     assert r["gc_ms"] >= 0
+
+
+def test_llava_speed_serves_the_peers_model_against_its_generate_and_writes_its_section(tmp_path):
+    """bench.llava_speed: the same tiny LLaVA served and through ``generate``
+    (the attention switched for the peer's turn and back), every mode giving
+    the same tokens; its section written between its markers."""
+    from bubblefree.bench import llava_speed
+
+    out, record = tmp_path / "bench.md", tmp_path / "run.json"
+    out.write_text("# Speed benchmarks\n\nearlier text\n")
+    text = llava_speed.main(["--quick", "--streams", "1,3", "--tokens", "3", "--reps", "1",
+                             "--out", str(out), "--record", str(record)])
+    doc = out.read_text()
+    assert "earlier text" in doc and llava_speed.BEGIN in doc and llava_speed.END in doc
+    assert "| 3 | 1 |" in text and "| 3 | 3 |" in text and "A smoke run, not a measurement" in text
+    rec = json.loads(record.read_text())
+    assert [r["streams"] for r in rec["rows"]] == [1, 3]
+    assert all(r["same_tokens"] for r in rec["rows"])
+    assert all(r["peer"]["req_s"] > 0 for r in rec["rows"])

@@ -109,13 +109,32 @@ def test_the_prefix_is_the_head_and_one_position_per_feature(world):
     assert engine.takes_images
 
 
-def test_an_encoded_image_answers_as_the_image_does(world):
-    engine, _, _ = world
-    encoded = engine.encode_image(IMAGES[1])
-    direct = engine.submit("query", image=IMAGES[1], question=QUESTIONS[0], max_tokens=8).result(WAIT).tokens
-    for _ in range(2):
-        assert engine.submit("query", image=encoded, question=QUESTIONS[0],
-                             max_tokens=8).result(WAIT).tokens == direct
+def test_an_encoded_image_is_encoded_once_and_answers_as_the_image_does(world):
+    engine, model, _ = world
+    tower = engine.backend.vl.vision_parts[0]
+    images_seen: list[int] = []
+    hook = tower.register_forward_hook(lambda mod, args, kwargs_or_out: images_seen.append(1))
+    try:
+        encoded = engine.encode_image(IMAGES[1])
+        calls = [("query", dict(image=image, question=q, max_tokens=8))
+                 for image in (IMAGES[1], encoded) for q in QUESTIONS]
+        direct = [h.result(WAIT).tokens for h in engine.submit_many(calls[:3])]
+        assert len(images_seen) == 1  # three rows, one batch through the tower
+        first = [h.result(WAIT).tokens for h in engine.submit_many(calls[3:])]
+        assert len(images_seen) == 2  # the encoded image, once for its three rows
+        again = [engine.submit(skill, **args).result(WAIT).tokens for skill, args in calls[3:]]
+        mixed = [h.result(WAIT).tokens for h in engine.submit_many([calls[3], calls[0], calls[4]])]
+    finally:
+        hook.remove()
+    assert first == direct and again == direct and mixed == [direct[0], direct[0], direct[1]]
+    assert len(images_seen) == 3  # only the mixed step's plain image ran the tower again
+    assert engine.encode_image(encoded) is encoded
+    other = Engine.from_pretrained(model.name_or_path, **OPTIONS)  # the same checkpoint
+    try:
+        with pytest.raises(InvalidRequest, match="another engine"):
+            other.query(encoded, QUESTIONS[0])
+    finally:
+        other.close()
 
 
 @pytest.mark.parametrize("kind", sorted(set(BAD) - {"none"}))  # None: a question without an image

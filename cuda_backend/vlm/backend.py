@@ -4,18 +4,21 @@ The text decoder is served as any transformers decoder (``CudaBackend``:
 decode steps in graphs, fused where the architecture has it, text-only
 prefills as before). On top of it, ``Capacity.images``:
 
-    launch    IMAGE_PREFILL: the rows' pixels copied from pinned host memory
-              into one device buffer, through the model's vision tower and
-              projector in one call (all rows at once); one packed prefill
+    launch    IMAGE_PREFILL: the pixels of the rows not encoded yet copied
+              from pinned host memory into one device buffer, through the
+              model's vision tower and projector in one call (all those rows
+              at once; an encoded image keeps its features on the device
+              after its first step, ``encode_image``); one packed prefill
               over [head, one position per feature, prompt] per row, the
               features written over the embeddings at their positions,
               attention causal throughout (as the model's own forward).
               Eager: its shapes follow the prompts.
     finalize, wait    the CudaBackend's.
 
-``image_ref`` is the host side, for callers' threads: the model's own image
-processor, whose pixels land in pinned memory. A slot keeps its step's
-pixels until release (I4): the copy may still be reading them.
+``image_ref`` and ``encode_image`` are the host side, for callers' threads:
+the model's own image processor, whose pixels land in pinned memory. A slot
+keeps its step's pixels until release (I4): the copy may still be reading
+them; a step that fails makes the images it encoded forget their features.
 """
 
 from __future__ import annotations
@@ -76,17 +79,30 @@ class VlmBackend(CudaBackend):
 
     # -- host side: callers' threads ---------------------------------------------------
 
-    def image_ref(self, image: Image.Image) -> ImageRef:
-        """An RGB PIL image (``bubblefree.images.load_image``'s) -> the
-        ``ImageRef`` a request carries. Thread safe: the processor runs
-        here, on the caller's thread."""
+    def image_ref(self, image: Image.Image | VlmPixels) -> ImageRef:
+        """An RGB PIL image (``bubblefree.images.load_image``'s) or an
+        ``encode_image`` of this backend -> the ``ImageRef`` a request
+        carries. Thread safe: the processor runs here, on the caller's
+        thread."""
+        if isinstance(image, VlmPixels):
+            if not image.made_by(self):
+                raise InvalidRequest("image: encoded by another backend")
+            return ImageRef(length=self.prefix_len, source=image)
+        return ImageRef(length=self.prefix_len, source=self._prepare(image, keep=False))
+
+    def encode_image(self, image: Image.Image) -> VlmPixels:
+        """An image to ask several questions of: processed now (thread
+        safe); the first image prefill that uses it encodes it, and its
+        features stay on the device for the next ones."""
+        return self._prepare(image, keep=True)
+
+    def _prepare(self, image: Any, keep: bool) -> VlmPixels:
         if not isinstance(image, Image.Image):
             raise InvalidRequest(f"image: must be a PIL image, got {type(image).__name__}")
         if image.mode != "RGB":
             raise InvalidRequest(f"image: must be RGB (bubblefree.images.load_image), got mode "
                                  f"{image.mode!r}")
-        source = prepare(self.processor, image, self.pixel_shape, self.device.type == "cuda", self)
-        return ImageRef(length=self.prefix_len, source=source)
+        return prepare(self.processor, image, self.pixel_shape, self.device.type == "cuda", self, keep)
 
     # -- launch ----------------------------------------------------------------------
 
@@ -110,11 +126,7 @@ class VlmBackend(CudaBackend):
         inputs = [np.concatenate((self.head, fill, np.asarray(r.tokens, dtype=np.int64))) for r in rows]
         k, shape = runner.pack_prefill(plan, s.staging_np, inputs)
         meta = s.staging[:k].to(self.device, non_blocking=True)
-        sources = [r.image.source for r in rows]
-        self._kept[s.index] = sources
-        for i, source in enumerate(sources):  # one shared buffer: every use is in stream order (I1)
-            self._pixels[i].copy_(source.pixels, non_blocking=True)
-        features = self.vl.image_features(self._pixels[:n].to(self.dtype))  # [n, F, D]
+        features = self._features(s, [r.image.source for r in rows])  # [n, F, D]
         input_ids, positions, last, ctx = runner.prefill_inputs(meta, shape)
         t = shape[0]
         q_start = meta[4 * t:4 * t + n]  # each row's first packed index (runner.pack_prefill)
@@ -125,8 +137,36 @@ class VlmBackend(CudaBackend):
                            logits_to_keep=last, **{CONTEXT_KWARG: ctx})
         return out.logits[0], bucket(n, self._rows)  # [n, V]
 
-    def _forward_failed(self, s: DecodeSlot) -> None:
+    def _features(self, s: DecodeSlot, sources: list[VlmPixels]) -> torch.Tensor:
+        """The rows' image features ``[n, F, D]``: the tower and projector
+        once over the images without features yet (their pixels through one
+        shared device buffer: every use is in stream order, I1); an encoded
+        image keeps what it got."""
+        fresh = [i for i, src in enumerate(sources) if src.features is None]
+        self._kept[s.index] = [sources[i] for i in fresh]
+        computed = None
+        if fresh:
+            for j, i in enumerate(fresh):
+                self._pixels[j].copy_(sources[i].pixels, non_blocking=True)
+            computed = self.vl.image_features(self._pixels[:len(fresh)].to(self.dtype))
+            for j, i in enumerate(fresh):
+                if sources[i].keep and sources[i].features is None:  # twice in a step: the first
+                    sources[i].features = computed[j]
+        if len(fresh) == len(sources):
+            return computed
+        at = {i: j for j, i in enumerate(fresh)}
+        return torch.stack([computed[at[i]] if i in at else src.features for i, src in enumerate(sources)])
+
+    def _settle(self, s: DecodeSlot, failed: bool) -> None:
+        """A step's end: a failed one's encoded images forget the features
+        it meant to compute (the next step encodes them again)."""
+        if failed:
+            for source in self._kept[s.index]:
+                source.features = None
         self._kept[s.index] = []
 
+    def _forward_failed(self, s: DecodeSlot) -> None:
+        self._settle(s, True)
+
     def _released(self, s: DecodeSlot, failed: bool) -> None:
-        self._kept[s.index] = []
+        self._settle(s, failed)
