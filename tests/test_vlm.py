@@ -137,6 +137,31 @@ def test_an_encoded_image_is_encoded_once_and_answers_as_the_image_does(world):
         other.close()
 
 
+def test_a_vision_tower_that_fails_fails_its_rows_only_and_an_encoded_image_encodes_again(world):
+    engine, _, _ = world
+    expected = engine.submit("query", image=IMAGES[2], question=QUESTIONS[1], max_tokens=6).result(WAIT).tokens
+    encoded = engine.encode_image(IMAGES[2])
+    text = engine.submit("query", question=QUESTIONS[2], max_tokens=30)  # decoding through the failure
+    fail = [True]
+
+    def once(module, args):
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("the tower broke")
+
+    hook = engine.backend.vl.vision_parts[0].register_forward_pre_hook(once)
+    try:
+        failed = engine.submit("query", image=encoded, question=QUESTIONS[1], max_tokens=6).result(WAIT)
+    finally:
+        hook.remove()
+    assert failed.status is Status.FAILED and "the tower broke" in failed.finish_reason
+    assert encoded.ref.source.features is None  # forgotten: the next step encodes it
+    assert engine.submit("query", image=encoded, question=QUESTIONS[1],
+                         max_tokens=6).result(WAIT).tokens == expected
+    assert text.result(WAIT).status is Status.COMPLETED
+    wait_idle(engine)
+
+
 @pytest.mark.parametrize("kind", sorted(set(BAD) - {"none"}))  # None: a question without an image
 def test_a_bad_image_is_refused_naming_image_and_the_engine_serves_on(world, kind, tmp_path):
     engine, _, _ = world
