@@ -154,7 +154,8 @@ def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str,
         tokenizer = HFTokenizer.wrap(loaded.tokenizer, image_token=loaded.image_token)
     except ValueError as ex:
         raise ModelLoadError(f"{path}: {ex}") from ex
-    backend = VlmBackend(loaded.model, loaded.image_processor, tokenizer.image_turn.head, **backend_options)
+    turn = tokenizer.image_turn
+    backend = VlmBackend(loaded.model, loaded.processor, turn.head, turn.token, **backend_options)
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
     skills = SkillSet(tokenizer, core.register_mask, codec=_codec(tokenizer)).compile_all()
     return cls(core, skills, backend=backend)

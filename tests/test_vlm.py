@@ -104,8 +104,10 @@ def test_the_prefix_is_the_head_and_one_position_per_feature(world):
     head = tokenizer.encode("<s>USER:", add_special_tokens=False)
     assert engine.skills.tokenizer.image_turn.head == tuple(head)
     features = (vlm_world.IMAGE_SIZE // vlm_world.PATCH) ** 2
-    assert engine.backend.features_per_image == features
-    assert engine.backend.prefix_len == len(head) + features
+    for image in IMAGES:  # LLaVA's block: one placeholder per feature, whatever the image's size
+        ref = engine.images.ref(image)
+        assert ref.source.block == (vlm_world.WORDS.index("<image>"),) * features
+        assert ref.length == len(head) + features
     assert engine.takes_images
 
 
@@ -203,7 +205,7 @@ def test_an_image_from_another_backend_is_refused_at_launch(world):
     from bubblefree.core.values import ImageRef
 
     engine, _, _ = world
-    foreign = ImageRef(length=engine.backend.prefix_len, source=object())
+    foreign = ImageRef(length=engine.images.ref(IMAGES[0]).length, source=object())
     handle = engine.submit("query", image=foreign, question=QUESTIONS[0], max_tokens=4)
     assert handle.result(WAIT).status is Status.FAILED
     assert "did not make" in handle.result(WAIT).finish_reason

@@ -64,20 +64,25 @@ def checkpoint(path: Path, seed: int = 0, text_type: str = "llama") -> Path:
     model = LlavaForConditionalGeneration(config(text_type)).eval()
     model.generation_config.eos_token_id = 2
     model.save_pretrained(path)
-    tokenizer().save_pretrained(path)
-    image_processor().save_pretrained(path)
+    processor().save_pretrained(path)
     return path
+
+
+def processor():
+    """LLaVA's processor: it expands the image token to one per feature."""
+    from transformers import LlavaProcessor
+
+    return LlavaProcessor(image_processor=image_processor(), tokenizer=tokenizer(), patch_size=PATCH,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=TEMPLATE)
 
 
 def reference(path: Path):
     """transformers' own model and processor for ``path``."""
-    from transformers import LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import LlavaForConditionalGeneration
 
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    processor = LlavaProcessor(image_processor=image_processor(), tokenizer=tokenizer(),
-                               patch_size=PATCH, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, chat_template=TEMPLATE)
-    return model, processor
+    return model, processor()
 
 
 def generate(model, processor, image, question: str, max_new_tokens: int) -> list[int]:

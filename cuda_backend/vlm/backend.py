@@ -4,15 +4,16 @@ The text decoder is served as any transformers decoder (``CudaBackend``:
 decode steps in graphs, fused where the architecture has it, text-only
 prefills as before). On top of it, ``Capacity.images``:
 
-    launch    IMAGE_PREFILL: the pixels of the rows not encoded yet copied
-              from pinned host memory into one device buffer, through the
-              model's vision tower and projector in one call (all those rows
-              at once; an encoded image keeps its features on the device
+    launch    IMAGE_PREFILL: the tensors of the images not encoded yet
+              copied from pinned host memory, through the model's vision
+              tower and projector, one call per shape (LLaVA's images all
+              share one; an encoded image keeps its features on the device
               after its first step, ``encode_image``); one packed prefill
-              over [head, one position per feature, prompt] per row, the
-              features written over the embeddings at their positions,
-              attention causal throughout (as the model's own forward).
-              Eager: its shapes follow the prompts.
+              over [head, the image's block, prompt] per row (the block:
+              the processor's expansion of the image token, a placeholder
+              per feature), the features written over the placeholders'
+              embeddings in order, attention causal throughout (as the
+              model's own forward). Eager: its shapes follow the prompts.
     finalize, wait    the CudaBackend's.
 
 ``image_ref`` and ``encode_image`` are the host side, for callers' threads:
@@ -36,18 +37,20 @@ from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.graphs import bucket
 from bubblefree.cuda_backend.slots import DecodeSlot
 from bubblefree.cuda_backend.vlm.model import VisionLanguage
-from bubblefree.cuda_backend.vlm.pixels import VlmPixels, pixel_values, prepare
+from bubblefree.cuda_backend.vlm.pixels import VlmPixels, prepare
 
 
 class VlmBackend(CudaBackend):
     takes_images = True
 
-    def __init__(self, model: VisionLanguage, processor: Any, head: Sequence[int], **options: Any):
+    def __init__(self, model: VisionLanguage, processor: Any, head: Sequence[int], token: str,
+                 **options: Any):
         """``model``: ``VisionLanguage.of(vlm)``; ``processor``: the model's
-        image processor (``pixel_values`` out of a PIL image); ``head``: the
-        ids the chat template puts before the image (``ImageTurn.head``);
+        processor (an image and its placeholder's text in, the expanded ids
+        and pixels out); ``head``: the ids the chat template puts before the
+        image, ``token`` the placeholder's text (``ImageTurn``);
         ``options``: CudaBackend's."""
-        self.vl, self.processor = model, processor
+        self.vl, self.processor, self.token = model, processor, token
         self.head = np.asarray([int(t) for t in head], dtype=np.int64)
         super().__init__(model.text, **options)
         for part in model.vision_parts:
@@ -55,21 +58,18 @@ class VlmBackend(CudaBackend):
             if (param.device, param.dtype) != (self.device, self.dtype):
                 raise InvalidRequest(f"model: the vision tower and projector must be on {self.device} "
                                      f"in {self.dtype} like the text, got {param.device} {param.dtype}")
-        # One blank image through the processor and the tower: the pixels'
-        # shape and the features per image are the model's, whatever the image.
-        probe = pixel_values(processor, Image.new("RGB", (64, 48)))
-        self.pixel_shape = tuple(probe.shape)
+        # One blank image: the processor's block must hold a placeholder per feature.
+        probe = self._prepare(Image.new("RGB", (64, 48)), keep=False)
         with torch.no_grad():
-            features = model.image_features(probe[None].to(self.device, self.dtype))
+            features = self._encode([probe])[0]
         dim = model.text.get_input_embeddings().weight.shape[1]
-        if features.ndim != 3 or features.shape[2] != dim:
-            raise InvalidRequest(f"model: its image features are {tuple(features.shape)}, the text "
-                                 f"takes width {dim}")
-        self.features_per_image = int(features.shape[1])
-        self.prefix_len = len(self.head) + self.features_per_image
-        rows = self._cap.max_rows
-        self._pixels = torch.zeros(rows, *self.pixel_shape, dtype=torch.float32, device=self.device)
-        self._feature_offsets = torch.arange(len(self.head), self.prefix_len, device=self.device)
+        places = probe.block.count(model.image_token_id)
+        if features.shape != (places, dim):
+            raise InvalidRequest(f"model: its processor expands an image to {places} placeholders and its "
+                                 f"tower gives features {tuple(features.shape)}; the text takes width {dim}")
+        pin = self.device.type == "cuda"
+        self._where = [torch.zeros(self._cap.max_prefill_tokens, dtype=torch.long, pin_memory=pin)
+                       for _ in (0, 1)]  # per slot: the placeholders' packed indices (I4)
         self._kept: list[list[VlmPixels]] = [[], []]  # per slot: pixels a copy may read (I4)
         self._sync()
 
@@ -82,13 +82,15 @@ class VlmBackend(CudaBackend):
     def image_ref(self, image: Image.Image | VlmPixels) -> ImageRef:
         """An RGB PIL image (``bubblefree.images.load_image``'s) or an
         ``encode_image`` of this backend -> the ``ImageRef`` a request
-        carries. Thread safe: the processor runs here, on the caller's
-        thread."""
+        carries: the head and the image's block. Thread safe: the processor
+        runs here, on the caller's thread."""
         if isinstance(image, VlmPixels):
             if not image.made_by(self):
                 raise InvalidRequest("image: encoded by another backend")
-            return ImageRef(length=self.prefix_len, source=image)
-        return ImageRef(length=self.prefix_len, source=self._prepare(image, keep=False))
+            source = image
+        else:
+            source = self._prepare(image, keep=False)
+        return ImageRef(length=len(self.head) + len(source.block), source=source)
 
     def encode_image(self, image: Image.Image) -> VlmPixels:
         """An image to ask several questions of: processed now (thread
@@ -102,7 +104,7 @@ class VlmBackend(CudaBackend):
         if image.mode != "RGB":
             raise InvalidRequest(f"image: must be RGB (bubblefree.images.load_image), got mode "
                                  f"{image.mode!r}")
-        return prepare(self.processor, image, self.pixel_shape, self.device.type == "cuda", self, keep)
+        return prepare(self.processor, image, self.token, self.device.type == "cuda", self, keep)
 
     # -- launch ----------------------------------------------------------------------
 
@@ -110,11 +112,12 @@ class VlmBackend(CudaBackend):
         if plan.kind is not StepKind.IMAGE_PREFILL:
             return
         for r in plan.rows:
-            why = None
-            if r.image.length != self.prefix_len:
-                why = f"image length {r.image.length}, this model's prefix is {self.prefix_len}"
-            elif not isinstance(r.image.source, VlmPixels) or not r.image.source.made_by(self):
-                why = f"an image source this backend did not make ({type(r.image.source).__name__})"
+            why, source = None, r.image.source
+            if not isinstance(source, VlmPixels) or not source.made_by(self):
+                why = f"an image source this backend did not make ({type(source).__name__})"
+            elif r.image.length != len(self.head) + len(source.block):
+                why = (f"image length {r.image.length}, its prefix is {len(self.head) + len(source.block)} "
+                       "(the head and the image's block)")
             if why:
                 raise PlanRejected(f"step {plan.step_id}: row of seq {r.seq_id}: {why}")
 
@@ -122,40 +125,54 @@ class VlmBackend(CudaBackend):
         if plan.kind is not StepKind.IMAGE_PREFILL:
             return super()._forward(s, plan)
         rows, runner, n = plan.rows, self._runner, len(plan.rows)
-        fill = np.full(self.features_per_image, self.vl.image_token_id, dtype=np.int64)
-        inputs = [np.concatenate((self.head, fill, np.asarray(r.tokens, dtype=np.int64))) for r in rows]
+        sources = [r.image.source for r in rows]
+        blocks = [np.asarray(src.block, dtype=np.int64) for src in sources]
+        inputs = [np.concatenate((self.head, block, np.asarray(r.tokens, dtype=np.int64)))
+                  for r, block in zip(rows, blocks)]
         k, shape = runner.pack_prefill(plan, s.staging_np, inputs)
         meta = s.staging[:k].to(self.device, non_blocking=True)
-        features = self._features(s, [r.image.source for r in rows])  # [n, F, D]
+        # The placeholders' packed indices, row by row, in the features' order.
+        starts = np.cumsum([0] + [len(x) for x in inputs[:-1]]) + len(self.head)
+        where = np.concatenate([q + np.flatnonzero(block == self.vl.image_token_id)
+                                for q, block in zip(starts, blocks)])
+        staged = self._where[s.index]
+        staged.numpy()[:len(where)] = where
+        where_dev = staged[:len(where)].to(self.device, non_blocking=True)
+        features = self._features(s, sources)  # [placeholders, D]
         input_ids, positions, last, ctx = runner.prefill_inputs(meta, shape)
-        t = shape[0]
-        q_start = meta[4 * t:4 * t + n]  # each row's first packed index (runner.pack_prefill)
-        where = (q_start[:, None] + self._feature_offsets[None, :]).reshape(-1)  # [n * F]
         embeds = self.vl.text.get_input_embeddings()(input_ids)  # [1, T, D]
-        embeds[0].index_copy_(0, where, features.reshape(-1, embeds.shape[-1]).to(embeds.dtype))
+        embeds[0].index_copy_(0, where_dev, features.to(embeds.dtype))
         out = self.vl.text(inputs_embeds=embeds, position_ids=positions, use_cache=False,
                            logits_to_keep=last, **{CONTEXT_KWARG: ctx})
         return out.logits[0], bucket(n, self._rows)  # [n, V]
 
+    def _encode(self, sources: list[VlmPixels]) -> list[torch.Tensor]:
+        """Each source's features ``[tokens, D]``: one tower call for images
+        whose tensors have the same shapes (LLaVA's always do; Idefics3's
+        when their tiles do), copied from pinned memory without a wait."""
+        groups: dict[tuple, list[int]] = {}
+        for i, src in enumerate(sources):
+            groups.setdefault(src.shapes, []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(sources)
+        for members in groups.values():
+            batch = {name: torch.stack([sources[i].tensors[name].to(self.device, non_blocking=True)
+                                        for i in members]) for name in sources[members[0]].tensors}
+            batch["pixel_values"] = batch["pixel_values"].to(self.dtype)
+            for i, features in zip(members, self.vl.image_features(**batch)):
+                out[i] = features
+        return out
+
     def _features(self, s: DecodeSlot, sources: list[VlmPixels]) -> torch.Tensor:
-        """The rows' image features ``[n, F, D]``: the tower and projector
-        once over the images without features yet (their pixels through one
-        shared device buffer: every use is in stream order, I1); an encoded
-        image keeps what it got."""
+        """The rows' image features, concatenated ``[placeholders, D]``: the
+        tower and projector over the images without features yet; an
+        encoded image keeps what it got."""
         fresh = [i for i, src in enumerate(sources) if src.features is None]
         self._kept[s.index] = [sources[i] for i in fresh]
-        computed = None
-        if fresh:
-            for j, i in enumerate(fresh):
-                self._pixels[j].copy_(sources[i].pixels, non_blocking=True)
-            computed = self.vl.image_features(self._pixels[:len(fresh)].to(self.dtype))
-            for j, i in enumerate(fresh):
-                if sources[i].keep and sources[i].features is None:  # twice in a step: the first
-                    sources[i].features = computed[j]
-        if len(fresh) == len(sources):
-            return computed
-        at = {i: j for j, i in enumerate(fresh)}
-        return torch.stack([computed[at[i]] if i in at else src.features for i, src in enumerate(sources)])
+        computed = dict(zip(fresh, self._encode([sources[i] for i in fresh]))) if fresh else {}
+        for i, features in computed.items():
+            if sources[i].keep and sources[i].features is None:  # twice in a step: the first
+                sources[i].features = features
+        return torch.cat([computed[i] if i in computed else src.features for i, src in enumerate(sources)])
 
     def _settle(self, s: DecodeSlot, failed: bool) -> None:
         """A step's end: a failed one's encoded images forget the features

@@ -1,9 +1,9 @@
 """Loading a local transformers vision-language checkpoint, offline.
 
 The directory holds what the model's own processor needs: config.json,
-safetensors, the tokenizer, the image processor's config and a chat
-template (the tokenizer's, or the processor's ``chat_template.json`` /
-``.jinja``). Every refusal is a ``ModelLoadError`` or ``UnsupportedModel``
+safetensors, the tokenizer, the image processor's and the processor's
+configs, and a chat template (the tokenizer's, or the processor's
+``chat_template.json`` / ``.jinja``). Every refusal is a ``ModelLoadError`` or ``UnsupportedModel``
 naming the directory and what is missing.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 import torch
-from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
 from bubblefree.cuda_backend.loader import default_device, default_dtype
@@ -26,9 +26,12 @@ from bubblefree.cuda_backend.vlm.model import VisionLanguage, supported
 @attrs.define(eq=False)
 class LoadedVision:
     model: VisionLanguage
-    tokenizer: Any  # transformers tokenizer, its chat template set
-    image_processor: Any
+    processor: Any  # the model's processor: its tokenizer (chat template set) and image processor
     image_token: tuple[int, str]  # the placeholder's id and text
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
 
 
 def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = None) -> LoadedVision:
@@ -54,17 +57,16 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
     vlm.eval().to(device)
     with quiet_transformers():
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+            processor = AutoProcessor.from_pretrained(path, local_files_only=True)
         except Exception as ex:  # noqa: BLE001
-            raise ModelLoadError(f"model directory {path}: cannot load its tokenizer and image "
-                                 f"processor: {ex}") from ex
-        if not getattr(tokenizer, "chat_template", None):
-            try:  # LLaVA checkpoints keep the template with the processor
-                tokenizer.chat_template = getattr(AutoProcessor.from_pretrained(
-                    path, local_files_only=True), "chat_template", None)
-            except Exception:  # noqa: BLE001 - no processor: refused below, naming the template
-                pass
+            raise ModelLoadError(f"model directory {path}: cannot load its processor (tokenizer and image "
+                                 f"processor): {ex}") from ex
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is None or getattr(processor, "image_processor", None) is None:
+        raise ModelLoadError(f"model directory {path}: its processor ({type(processor).__name__}) has no "
+                             "tokenizer or no image processor")
+    if not getattr(tokenizer, "chat_template", None):  # LLaVA checkpoints keep it with the processor
+        tokenizer.chat_template = getattr(processor, "chat_template", None)
     if not getattr(tokenizer, "chat_template", None):
         raise ModelLoadError(f"model directory {path}: has no chat template (the tokenizer's, or "
                              "chat_template.json); it places the image in the prompt")
@@ -73,4 +75,4 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
         raise ModelLoadError(f"model directory {path}: image_token_id {token_id} is not one of the "
                              f"tokenizer's {len(tokenizer)} ids")
     token = tokenizer.convert_ids_to_tokens(token_id)
-    return LoadedVision(VisionLanguage.of(vlm), tokenizer, image_processor, (token_id, token))
+    return LoadedVision(VisionLanguage.of(vlm), processor, (token_id, token))

@@ -3,10 +3,12 @@
 ``VisionLanguage.of(vlm)`` takes a ``*ForConditionalGeneration`` model and
 gives its text decoder as a causal LM that shares the weights (what
 ``CudaBackend`` serves), its image features function, and its image token.
-Only architectures whose image features are a fixed number of positions
-placed by ``masked_scatter`` into a causally attended prompt, with 1-D
-rotary positions, are taken (``SUPPORTED``); the others are refused with
-what they would need.
+Taken (``SUPPORTED``): architectures whose processor expands an image into
+a block of ids holding one placeholder per feature, the features scattered
+there in order (transformers' ``masked_scatter``), a causally attended
+prompt and 1-D rotary positions: LLaVA (a fixed block), Idefics3 (SmolVLM:
+tiles whose count follows the image's size, each with its row and column
+tokens). The others are refused with what they would need.
 """
 
 from __future__ import annotations
@@ -25,14 +27,12 @@ NOT_YET = {
                  "and it has no chat template: its processor puts the image before BOS",
     "qwen2_vl": "its rotary positions are 3-D (time, height, width) over the image",
     "qwen2_5_vl": "its rotary positions are 3-D (time, height, width) over the image",
-    "idefics3": "an image is split into tiles whose count depends on its size, each with its own "
-                "row and column tokens",
-    "smolvlm": "an image is split into tiles whose count depends on its size, each with its own "
-               "row and column tokens",
+    "smolvlm": "its processor needs num2words and a video processor (SmolVLM checkpoints of model "
+               "type idefics3 are served)",
     "llava_next": "an image is cut into a grid that depends on its size (anyres), with newline "
                   "features between rows",
 }
-SUPPORTED = ("llava",)
+SUPPORTED = ("llava", "idefics3")
 
 
 def supported(model_type: str) -> str | None:
@@ -55,26 +55,32 @@ class VisionLanguage:
         why = supported(config.model_type)
         if why:
             raise UnsupportedModel(f"{type(vlm).__name__}: {why}")
-        inner = vlm.model
+        language = _language_model(vlm.model)
         with torch.device("meta"):  # no weights of its own: they are the VLM's
             text = AutoModelForCausalLM.from_config(config.text_config)
-        text.model = inner.language_model
+        text.model = language
         text.lm_head = vlm.lm_head
-        text.config = inner.language_model.config
+        text.config = language.config
         text.generation_config = vlm.generation_config
         return cls(vlm=vlm.eval(), text=text.eval(), image_token_id=int(config.image_token_id))
 
     @property
     def vision_parts(self) -> tuple[torch.nn.Module, ...]:
-        inner = self.vlm.model
-        return inner.vision_tower, inner.multi_modal_projector
+        """The vision tower (first) and what projects its output."""
+        language = _language_model(self.vlm.model)
+        return tuple(m for m in self.vlm.model.children() if m is not language)
 
-    def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``pixels`` ``[N, 3, H, W]`` (the image processor's, in the model's
-        dtype) -> features ``[N, F, D]``, what transformers scatters into
-        the prompt (its own ``get_image_features``)."""
-        out: Any = self.vlm.model.get_image_features(pixel_values=pixels)
+    def image_features(self, **pixels: torch.Tensor) -> list[torch.Tensor]:
+        """The processor's tensors for N images, batched (``pixel_values``
+        in the model's dtype, and ``pixel_attention_mask`` where the model
+        takes one) -> each image's features ``[tokens, D]``, in the order
+        transformers scatters them into the prompt (its own
+        ``get_image_features``)."""
+        out: Any = self.vlm.model.get_image_features(**pixels)
         features = getattr(out, "pooler_output", out)
-        if isinstance(features, (list, tuple)):
-            features = torch.stack(list(features))
-        return features
+        return [f.reshape(-1, f.shape[-1]) for f in features]
+
+
+def _language_model(inner: torch.nn.Module) -> torch.nn.Module:
+    language = getattr(inner, "language_model", None)
+    return language if language is not None else inner.text_model  # Idefics3's name

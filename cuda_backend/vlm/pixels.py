@@ -1,10 +1,14 @@
-"""Images to pixels on the caller's thread: the model's own image processor.
+"""Images to a block of ids and pixels, on the caller's thread: the model's
+own processor.
 
-``VlmPixels`` is an ``ImageRef``'s source: the processor's ``pixel_values``
-for one image, in pinned memory on CUDA, so the image prefill copies them
-without waiting. ``owner`` ties it to the backend that made it.
+``expand`` runs the processor on the image token's text and one image: the
+ids it expands the token into (the block: one placeholder per feature, and
+for Idefics3 the tiles' row, column and wrapper tokens between them) and
+the tensors the vision tower takes. ``VlmPixels`` is an ``ImageRef``'s
+source: those, the tensors in pinned memory on CUDA so the image prefill
+copies them without waiting, and ``owner``, the backend that made it.
 
-An encoded image (``encode``: meant for several questions) also keeps its
+An encoded image (``keep``: meant for several questions) also keeps its
 features on the device: the first image prefill that uses it sets them at
 launch (later steps read them in stream order), and a step that fails
 forgets them, so the next one encodes again. Only the decode thread sets or
@@ -21,32 +25,49 @@ import torch
 
 from bubblefree.core.values import InvalidRequest
 
+# What of a processor's output the vision tower takes, beside the input ids.
+TOWER_INPUTS = ("pixel_values", "pixel_attention_mask")
+
 
 @attrs.define(eq=False)
 class VlmPixels:
-    pixels: torch.Tensor  # [3, H, W] float32, pinned on CUDA
+    block: tuple[int, ...]  # the image's ids: placeholders and the tokens around them
+    tensors: dict[str, torch.Tensor]  # TOWER_INPUTS of one image (no batch dim), pinned on CUDA
     _owner: Any = attrs.field(repr=False, alias="owner", converter=weakref.ref)
     keep: bool = False  # an encoded image: its features stay on the device
-    features: torch.Tensor | None = attrs.field(default=None, repr=False)  # [F, D] device
+    features: torch.Tensor | None = attrs.field(default=None, repr=False)  # [tokens, D] device
 
     def made_by(self, backend: Any) -> bool:
         return self._owner() is backend
 
-
-def pixel_values(processor: Any, image: Any) -> torch.Tensor:
-    """One RGB PIL image through ``processor`` -> ``[3, H, W]`` float32."""
-    out = processor(images=[image], return_tensors="pt")  # "pt": every processor's, fast or not
-    values = torch.as_tensor(out["pixel_values"]).to(torch.float32)
-    if values.ndim != 4 or values.shape[0] != 1:
-        raise InvalidRequest(f"image: the model's image processor gave pixel values of shape "
-                             f"{tuple(values.shape)}; one [3, H, W] image was expected")
-    return values[0].contiguous()
+    @property
+    def shapes(self) -> tuple:
+        return tuple((k, tuple(v.shape)) for k, v in sorted(self.tensors.items()))
 
 
-def prepare(processor: Any, image: Any, shape: tuple[int, ...], pin: bool, owner: Any,
-            keep: bool = False) -> VlmPixels:
-    pixels = pixel_values(processor, image)
-    if tuple(pixels.shape) != shape:
-        raise InvalidRequest(f"image: the model's image processor gave {tuple(pixels.shape)} "
-                             f"pixels, the model takes {shape}")
-    return VlmPixels(pixels.pin_memory() if pin else pixels, owner=owner, keep=keep)
+def expand(processor: Any, image: Any, token: str) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
+    """One RGB PIL image through ``processor`` with the text ``token`` ->
+    (block ids, the tower's tensors without their batch dim)."""
+    out = processor(text=token, images=[image], return_tensors="pt", add_special_tokens=False)
+    ids = torch.as_tensor(out["input_ids"])
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise InvalidRequest(f"image: the model's processor gave input ids of shape {tuple(ids.shape)}")
+    tensors = {}
+    for name in TOWER_INPUTS:
+        if name in out:
+            value = torch.as_tensor(out[name])
+            if value.shape[0] != 1:
+                raise InvalidRequest(f"image: the model's processor gave {name} of shape {tuple(value.shape)} "
+                                     "for one image")
+            tensors[name] = value[0].contiguous()
+    if "pixel_values" not in tensors:
+        raise InvalidRequest("image: the model's processor gave no pixel_values")
+    tensors["pixel_values"] = tensors["pixel_values"].to(torch.float32)
+    return tuple(int(t) for t in ids[0].tolist()), tensors
+
+
+def prepare(processor: Any, image: Any, token: str, pin: bool, owner: Any, keep: bool = False) -> VlmPixels:
+    block, tensors = expand(processor, image, token)
+    if pin:
+        tensors = {k: v.pin_memory() for k, v in tensors.items()}
+    return VlmPixels(block, tensors, owner=owner, keep=keep)
