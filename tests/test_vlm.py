@@ -1,5 +1,6 @@
-"""A transformers vision-language model (LLaVA, tiny and random, from a
-checkpoint directory as a user's) through the public Engine on the CPU:
+"""Transformers vision-language models (LLaVA with Llama and Qwen2 text,
+Idefics3; tiny and random, from a checkpoint directory as a user's)
+through the public Engine on the CPU:
 greedy answers about images equal transformers' ``generate`` with the
 model's own processor, alone and batched, pipelined and blocking; text-only
 questions too; every bad image and a question spelling the image token are
@@ -37,10 +38,12 @@ def picture(width: int, height: int, seed: int) -> Image.Image:
 IMAGES = (picture(40, 60, 0), picture(90, 30, 1), picture(28, 28, 2))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=[("llava", "llama"), ("llava", "qwen2"), ("idefics3", "llama")],
+                ids=lambda p: "-".join(p))
 def world(request, tmp_path_factory):
-    path = vlm_world.checkpoint(tmp_path_factory.mktemp(request.param), seed=3, text_type=request.param)
-    model, processor = vlm_world.reference(path)
+    arch, text = request.param
+    path = vlm_world.checkpoint(tmp_path_factory.mktemp(arch + text), seed=3, text_type=text, arch=arch)
+    model, processor = vlm_world.reference(path, arch)
     engine = Engine.from_pretrained(str(path), **OPTIONS)
     yield engine, model, processor
     engine.close()
@@ -98,16 +101,31 @@ def test_a_text_question_on_the_vision_model_equals_generate_without_an_image(wo
     assert list(engine.submit("query", question=QUESTIONS[2], max_tokens=8).result(WAIT).tokens) == expected
 
 
-def test_the_prefix_is_the_head_and_one_position_per_feature(world):
-    engine, _, processor = world
+def test_the_prefix_is_the_head_and_the_processors_block(world):
+    """The chat template's ids before the image, then what the model's
+    processor expands the image token into: LLaVA's a placeholder per
+    feature whatever the image; Idefics3's tiles by the image's size, each
+    wrapped in its row and column tokens, and the whole image last."""
+    engine, model, processor = world
     tokenizer = processor.tokenizer
-    head = tokenizer.encode("<s>USER:", add_special_tokens=False)
-    assert engine.skills.tokenizer.image_turn.head == tuple(head)
-    features = (vlm_world.IMAGE_SIZE // vlm_world.PATCH) ** 2
-    for image in IMAGES:  # LLaVA's block: one placeholder per feature, whatever the image's size
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what"}]}]
+    rendered = tokenizer.encode(processor.apply_chat_template(turn, add_generation_prompt=True),
+                                add_special_tokens=False)
+    token = model.config.image_token_id
+    head = tuple(rendered[:rendered.index(token)])
+    assert engine.skills.tokenizer.image_turn.head == head
+    lengths = set()
+    for image in IMAGES:
         ref = engine.images.ref(image)
-        assert ref.source.block == (vlm_world.WORDS.index("<image>"),) * features
-        assert ref.length == len(head) + features
+        expanded = processor(text=tokenizer.convert_ids_to_tokens(token), images=[image],
+                             add_special_tokens=False)["input_ids"][0]
+        assert ref.source.block == tuple(expanded) and ref.length == len(head) + len(expanded)
+        lengths.add(ref.length)
+    if model.config.model_type == "llava":
+        assert lengths == {len(head) + (vlm_world.IMAGE_SIZE // vlm_world.PATCH) ** 2}
+    else:
+        assert len(lengths) > 1  # the tiles follow the image's size
+        assert "<row_2_col_2>" in tokenizer.convert_ids_to_tokens(engine.images.ref(IMAGES[0]).source.block)
     assert engine.takes_images
 
 
@@ -256,7 +274,7 @@ def _edit(path, **changes):
 
 
 @pytest.mark.parametrize("model_type, why", [("qwen2_vl", "3-D"), ("paligemma", "both ways"),
-                                             ("llava_next", "anyres")])
+                                             ("llava_next", "anyres"), ("smolvlm", "num2words")])
 def test_architectures_not_served_are_refused_naming_why(tmp_path, model_type, why):
     from bubblefree.cuda_backend.vlm.model import supported
 

@@ -1,7 +1,13 @@
-"""A tiny random LLaVA checkpoint written to a directory, as a user's would
-be: weights, a word-level tokenizer with BOS, EOS and the image token, a
-LLaVA-style chat template, and a CLIP image processor. The processor that
-transformers pairs with it (``LlavaProcessor``) is the reference's input."""
+"""Tiny random vision-language checkpoints written to a directory, as a
+user's would be: weights, a word-level tokenizer with BOS, EOS and the
+image token, the architecture's style of chat template, and its processor.
+
+``llava``: a CLIP tower, one 28-px image of 16 features. ``idefics3``
+(SmolVLM's architecture): a SigLIP-style tower over 56-px tiles, 4 features
+a tile after the pixel shuffle, an image split into up to 2 x 2 tiles by
+its size plus the whole, each tile's block wrapped in its row and column
+tokens. The processor transformers pairs with each is the reference's
+input."""
 
 from __future__ import annotations
 
@@ -21,16 +27,33 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'].upper() }}: "
 IMAGE_SIZE, PATCH = 28, 7  # 16 patches, 16 features per image (the CLS is dropped)
 
 
-def tokenizer():
+# SmolVLM's: "<|im_start|>User:<image>question<end_of_utterance>\nAssistant:".
+IDEFICS_SPECIAL = ("<|im_start|>", "<end_of_utterance>", "<image>", "<fake_token_around_image>",
+                   "<global-img>", *(f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)))
+IDEFICS_WORDS = ("<unk>", *IDEFICS_SPECIAL, "User", "Assistant", *WORDS[6:])
+IDEFICS_TEMPLATE = ("<|im_start|>{% for m in messages %}{{ m['role'] | capitalize }}"
+                    "{% if m['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
+                    "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}"
+                    "{% elif c['type'] == 'image' %}<image>{% endif %}{% endfor %}<end_of_utterance>\n"
+                    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+TILE = 56  # Idefics3's tiles: 16 patches of 14, 4 features after the 2 x 2 pixel shuffle
+
+
+def tokenizer(arch: str = "llava"):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    words, special = (WORDS, ("<s>", "</s>", "<image>")) if arch == "llava" else (IDEFICS_WORDS, IDEFICS_SPECIAL)
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    raw.add_special_tokens(["<s>", "</s>", "<image>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
-                                  unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
-    tok.chat_template = TEMPLATE
+    raw.add_special_tokens(list(special))
+    if arch == "llava":
+        tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                                      unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
+    else:
+        tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|im_start|>",
+                                      eos_token="<end_of_utterance>", unk_token="<unk>")
+    tok.chat_template = TEMPLATE if arch == "llava" else IDEFICS_TEMPLATE
     return tok
 
 
@@ -49,6 +72,18 @@ def config(text_type: str = "llama"):
                        vision_feature_select_strategy="default")
 
 
+def idefics3_config():
+    from transformers import Idefics3Config, Idefics3VisionConfig, LlamaConfig
+
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, image_size=TILE, patch_size=14)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=len(IDEFICS_WORDS), max_position_embeddings=512,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                          image_token_id=IDEFICS_WORDS.index("<image>"))
+
+
 def image_processor():
     from transformers import CLIPImageProcessor
 
@@ -56,33 +91,41 @@ def image_processor():
                               crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
 
 
-def checkpoint(path: Path, seed: int = 0, text_type: str = "llama") -> Path:
-    """A tiny LLaVA with random weights from ``seed``, saved to ``path``."""
-    from transformers import LlavaForConditionalGeneration
+def checkpoint(path: Path, seed: int = 0, text_type: str = "llama", arch: str = "llava") -> Path:
+    """A tiny ``arch`` model with random weights from ``seed``, saved to ``path``."""
+    from transformers import Idefics3ForConditionalGeneration, LlavaForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config(text_type)).eval()
+    if arch == "llava":
+        model = LlavaForConditionalGeneration(config(text_type)).eval()
+    else:
+        model = Idefics3ForConditionalGeneration(idefics3_config()).eval()
     model.generation_config.eos_token_id = 2
     model.save_pretrained(path)
-    processor().save_pretrained(path)
+    processor(arch).save_pretrained(path)
     return path
 
 
-def processor():
-    """LLaVA's processor: it expands the image token to one per feature."""
-    from transformers import LlavaProcessor
+def processor(arch: str = "llava"):
+    """The architecture's processor: it expands the image token into the image's block."""
+    from transformers import Idefics3ImageProcessor, Idefics3Processor, LlavaProcessor
 
-    return LlavaProcessor(image_processor=image_processor(), tokenizer=tokenizer(), patch_size=PATCH,
-                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                          chat_template=TEMPLATE)
+    if arch == "llava":
+        return LlavaProcessor(image_processor=image_processor(), tokenizer=tokenizer(), patch_size=PATCH,
+                              vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                              chat_template=TEMPLATE)
+    images = Idefics3ImageProcessor(size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE},
+                                    do_image_splitting=True)
+    return Idefics3Processor(image_processor=images, tokenizer=tokenizer(arch), image_seq_len=4,
+                             chat_template=IDEFICS_TEMPLATE)
 
 
-def reference(path: Path):
+def reference(path: Path, arch: str = "llava"):
     """transformers' own model and processor for ``path``."""
-    from transformers import LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    return model, processor()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return model, processor(arch)
 
 
 def generate(model, processor, image, question: str, max_new_tokens: int) -> list[int]:
