@@ -133,7 +133,7 @@ class HFTokenizer:
             text = self.hf.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
             ids = self.hf.encode(text, add_special_tokens=False)
             bos = self.hf.bos_token_id
-            if bos is not None and ids[:1] != [bos] and self.hf.encode("", add_special_tokens=True)[:1] == [bos]:
+            if bos is not None and bos not in ids and self.hf.encode("", add_special_tokens=True)[:1] == [bos]:
                 ids = [bos, *ids]
             return [int(i) for i in ids]
         ids = self.hf.apply_chat_template(turn, add_generation_prompt=True, tokenize=True)

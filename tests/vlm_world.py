@@ -37,19 +37,26 @@ IDEFICS_TEMPLATE = ("<|im_start|>{% for m in messages %}{{ m['role'] | capitaliz
                     "{% elif c['type'] == 'image' %}<image>{% endif %}{% endfor %}<end_of_utterance>\n"
                     "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
 TILE = 56  # Idefics3's tiles: 16 patches of 14, 4 features after the 2 x 2 pixel shuffle
+# PaliGemma's (Gemma's) specials; its processor adds the <loc####> and <seg###> tokens.
+PALI_WORDS = ("<pad>", "<eos>", "<bos>", "<unk>", "<image>", *WORDS[6:])
 
 
 def tokenizer(arch: str = "llava"):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words, special = (WORDS, ("<s>", "</s>", "<image>")) if arch == "llava" else (IDEFICS_WORDS, IDEFICS_SPECIAL)
+    words, special = {"llava": (WORDS, ("<s>", "</s>", "<image>")), "idefics3": (IDEFICS_WORDS, IDEFICS_SPECIAL),
+                      "paligemma": (PALI_WORDS, PALI_WORDS[:5])}[arch]
     raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     raw.add_special_tokens(list(special))
     if arch == "llava":
         tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
                                       unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
+    elif arch == "paligemma":  # no chat template: the engine writes the processor's layout
+        return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>",
+                                       unk_token="<unk>", pad_token="<pad>",
+                                       extra_special_tokens={"image_token": "<image>"})
     else:
         tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|im_start|>",
                                       eos_token="<end_of_utterance>", unk_token="<unk>")
@@ -84,6 +91,19 @@ def idefics3_config():
                           image_token_id=IDEFICS_WORDS.index("<image>"))
 
 
+def paligemma_config(vocab: int):
+    from transformers import GemmaConfig, PaliGemmaConfig, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=IMAGE_SIZE, patch_size=PATCH)
+    text = GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=1, head_dim=16, vocab_size=vocab, max_position_embeddings=512,
+                       bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.5)
+    # Wide weights: at the usual 0.02 a tiny random Gemma says one token for ever.
+    return PaliGemmaConfig(vision_config=vision, text_config=text, projection_dim=64,
+                           image_token_index=PALI_WORDS.index("<image>"), initializer_range=0.5)
+
+
 def image_processor():
     from transformers import CLIPImageProcessor
 
@@ -93,23 +113,32 @@ def image_processor():
 
 def checkpoint(path: Path, seed: int = 0, text_type: str = "llama", arch: str = "llava") -> Path:
     """A tiny ``arch`` model with random weights from ``seed``, saved to ``path``."""
-    from transformers import Idefics3ForConditionalGeneration, LlavaForConditionalGeneration
+    from transformers import (Idefics3ForConditionalGeneration, LlavaForConditionalGeneration,
+                              PaliGemmaForConditionalGeneration)
 
     torch.manual_seed(seed)
+    made = processor(arch)
     if arch == "llava":
         model = LlavaForConditionalGeneration(config(text_type)).eval()
+    elif arch == "paligemma":
+        model = PaliGemmaForConditionalGeneration(paligemma_config(len(made.tokenizer))).eval()
     else:
         model = Idefics3ForConditionalGeneration(idefics3_config()).eval()
-    model.generation_config.eos_token_id = 2
+    model.generation_config.eos_token_id = made.tokenizer.eos_token_id
     model.save_pretrained(path)
-    processor(arch).save_pretrained(path)
+    made.save_pretrained(path)
     return path
 
 
 def processor(arch: str = "llava"):
     """The architecture's processor: it expands the image token into the image's block."""
-    from transformers import Idefics3ImageProcessor, Idefics3Processor, LlavaProcessor
+    from transformers import (Idefics3ImageProcessor, Idefics3Processor, LlavaProcessor, PaliGemmaProcessor,
+                              SiglipImageProcessor)
 
+    if arch == "paligemma":
+        images = SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        images.image_seq_length = (IMAGE_SIZE // PATCH) ** 2
+        return PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer(arch))
     if arch == "llava":
         return LlavaProcessor(image_processor=image_processor(), tokenizer=tokenizer(), patch_size=PATCH,
                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
@@ -130,10 +159,15 @@ def reference(path: Path, arch: str = "llava"):
 
 def generate(model, processor, image, question: str, max_new_tokens: int) -> list[int]:
     """Greedy tokens from transformers' ``generate``, the prompt through the
-    processor (which expands the image token to one per feature)."""
-    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    text = processor.apply_chat_template(turn, add_generation_prompt=True)
-    inputs = processor(images=image, text=text, return_tensors="pt", add_special_tokens=False)
+    processor (which expands the image token into the image's block;
+    PaliGemma's writes its own layout around the question)."""
+    if model.config.model_type == "paligemma":
+        inputs = processor(images=image, text=question, return_tensors="pt")
+        inputs.pop("labels", None)
+    else:
+        turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        text = processor.apply_chat_template(turn, add_generation_prompt=True)
+        inputs = processor(images=image, text=text, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()

@@ -1,4 +1,4 @@
-"""Transformers vision-language models (LLaVA, Idefics3) on the two-slot pipeline.
+"""Transformers vision-language models (LLaVA, Idefics3, PaliGemma) on the two slots.
 
 The model's own processor expands an image's token into a block (a
 placeholder per feature, and the tokens around them); its vision tower and
@@ -6,7 +6,8 @@ projector turn the image into features. An IMAGE_PREFILL row's prefix is
 the chat template's head (the tokens before the image) and that block, its
 prompt the rest of the turn. The prefill writes the features over the
 placeholders, where transformers' ``masked_scatter`` would put them, and
-runs the text decoder causally over everything, as ``generate`` does;
+runs the text decoder over everything as ``generate`` does (causally, or
+PaliGemma's prompt both ways);
 decode steps are the CudaBackend's. ``model.supported`` says which
 architectures this covers and why the others are refused.
 """

@@ -13,7 +13,9 @@ prefills as before). On top of it, ``Capacity.images``:
               the processor's expansion of the image token, a placeholder
               per feature), the features written over the placeholders'
               embeddings in order, attention causal throughout (as the
-              model's own forward). Eager: its shapes follow the prompts.
+              model's own forward; a prefix LM's prompt, PaliGemma's, both
+              ways, as its text-only prefills). Eager: its shapes follow
+              the prompts.
     finalize, wait    the CudaBackend's.
 
 ``image_ref`` and ``encode_image`` are the host side, for callers' threads:
@@ -121,7 +123,16 @@ class VlmBackend(CudaBackend):
             if why:
                 raise PlanRejected(f"step {plan.step_id}: row of seq {r.seq_id}: {why}")
 
+    def _prefix(self, inputs: list[np.ndarray]) -> np.ndarray | None:
+        """Each row's prompt, attended both ways on a prefix LM (PaliGemma)."""
+        return np.array([len(x) for x in inputs], dtype=np.int64) if self.vl.prefix_lm else None
+
     def _forward(self, s: DecodeSlot, plan: StepPlan) -> tuple[torch.Tensor, int]:
+        if plan.kind is StepKind.PREFILL and self.vl.prefix_lm:
+            inputs = [np.asarray(r.tokens, dtype=np.int64) for r in plan.rows]
+            k, shape = self._runner.pack_prefill(plan, s.staging_np, inputs, self._prefix(inputs))
+            meta = s.staging[:k].to(self.device, non_blocking=True)
+            return self._runner.prefill_forward(meta, shape), bucket(len(plan.rows), self._rows)
         if plan.kind is not StepKind.IMAGE_PREFILL:
             return super()._forward(s, plan)
         rows, runner, n = plan.rows, self._runner, len(plan.rows)
@@ -129,7 +140,7 @@ class VlmBackend(CudaBackend):
         blocks = [np.asarray(src.block, dtype=np.int64) for src in sources]
         inputs = [np.concatenate((self.head, block, np.asarray(r.tokens, dtype=np.int64)))
                   for r, block in zip(rows, blocks)]
-        k, shape = runner.pack_prefill(plan, s.staging_np, inputs)
+        k, shape = runner.pack_prefill(plan, s.staging_np, inputs, self._prefix(inputs))
         meta = s.staging[:k].to(self.device, non_blocking=True)
         # The placeholders' packed indices, row by row, in the features' order.
         starts = np.cumsum([0] + [len(x) for x in inputs[:-1]]) + len(self.head)

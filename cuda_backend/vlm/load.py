@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
 from bubblefree.cuda_backend.loader import default_device, default_dtype
 from bubblefree.cuda_backend.quiet import quiet_transformers
-from bubblefree.cuda_backend.vlm.model import VisionLanguage, supported
+from bubblefree.cuda_backend.vlm.model import TEMPLATES, VisionLanguage, supported
 
 
 @attrs.define(eq=False)
@@ -66,7 +66,7 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
         raise ModelLoadError(f"model directory {path}: its processor ({type(processor).__name__}) has no "
                              "tokenizer or no image processor")
     if not getattr(tokenizer, "chat_template", None):  # LLaVA checkpoints keep it with the processor
-        tokenizer.chat_template = getattr(processor, "chat_template", None)
+        tokenizer.chat_template = getattr(processor, "chat_template", None) or TEMPLATES.get(config.model_type)
     if not getattr(tokenizer, "chat_template", None):
         raise ModelLoadError(f"model directory {path}: has no chat template (the tokenizer's, or "
                              "chat_template.json); it places the image in the prompt")

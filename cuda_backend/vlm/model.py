@@ -5,10 +5,11 @@ gives its text decoder as a causal LM that shares the weights (what
 ``CudaBackend`` serves), its image features function, and its image token.
 Taken (``SUPPORTED``): architectures whose processor expands an image into
 a block of ids holding one placeholder per feature, the features scattered
-there in order (transformers' ``masked_scatter``), a causally attended
-prompt and 1-D rotary positions: LLaVA (a fixed block), Idefics3 (SmolVLM:
-tiles whose count follows the image's size, each with its row and column
-tokens). The others are refused with what they would need.
+there in order (transformers' ``masked_scatter``), and 1-D rotary
+positions: LLaVA (a fixed block), Idefics3 (SmolVLM: tiles whose count
+follows the image's size, each with its row and column tokens), PaliGemma
+(the image, then BOS, before the text; the prompt attends both ways,
+``PREFIX_LM``). The others are refused with what they would need.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from bubblefree.cuda_backend.errors import UnsupportedModel
 
 # model_type -> why it is not served here (the rest of issue 13's list).
 NOT_YET = {
-    "paligemma": "its prompt attends both ways over the image and the question (a prefix mask), "
-                 "and it has no chat template: its processor puts the image before BOS",
     "qwen2_vl": "its rotary positions are 3-D (time, height, width) over the image",
     "qwen2_5_vl": "its rotary positions are 3-D (time, height, width) over the image",
     "smolvlm": "its processor needs num2words and a video processor (SmolVLM checkpoints of model "
@@ -32,7 +31,19 @@ NOT_YET = {
     "llava_next": "an image is cut into a grid that depends on its size (anyres), with newline "
                   "features between rows",
 }
-SUPPORTED = ("llava", "idefics3")
+SUPPORTED = ("llava", "idefics3", "paligemma")
+# Whose prompt attends both ways (a prefix LM): the image and the question
+# see each other; what the model writes after them is causal.
+PREFIX_LM = ("paligemma",)
+# The prompt layout of a model whose checkpoint has no chat template, as a
+# template over typed parts: PaliGemma's processor writes the image, BOS,
+# the text and a newline (without an image: BOS, the text, a newline).
+TEMPLATES = {"paligemma": (
+    "{% for m in messages %}{% set ns = namespace(image=false) %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% set ns.image = true %}{% endif %}"
+    "{% endfor %}{% if not ns.image %}{{ bos_token }}{% endif %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}\n"
+    "{% endfor %}")}
 
 
 def supported(model_type: str) -> str | None:
@@ -48,6 +59,7 @@ class VisionLanguage:
     vlm: torch.nn.Module  # the *ForConditionalGeneration model (owns every weight)
     text: torch.nn.Module  # its decoder as a *ForCausalLM, weights shared
     image_token_id: int
+    prefix_lm: bool = False  # the prompt attends both ways (PREFIX_LM)
 
     @classmethod
     def of(cls, vlm: torch.nn.Module) -> VisionLanguage:
@@ -62,7 +74,8 @@ class VisionLanguage:
         text.lm_head = vlm.lm_head
         text.config = language.config
         text.generation_config = vlm.generation_config
-        return cls(vlm=vlm.eval(), text=text.eval(), image_token_id=int(config.image_token_id))
+        return cls(vlm=vlm.eval(), text=text.eval(), image_token_id=int(config.image_token_id),
+                   prefix_lm=config.model_type in PREFIX_LM)
 
     @property
     def vision_parts(self) -> tuple[torch.nn.Module, ...]:

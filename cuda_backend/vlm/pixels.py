@@ -48,7 +48,14 @@ class VlmPixels:
 def expand(processor: Any, image: Any, token: str) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
     """One RGB PIL image through ``processor`` with the text ``token`` ->
     (block ids, the tower's tensors without their batch dim)."""
-    out = processor(text=token, images=[image], return_tensors="pt", add_special_tokens=False)
+    if type(processor).__name__ == "PaliGemmaProcessor":
+        # Its processor writes BOS and a newline around any text: the block
+        # is the image's placeholders and the BOS after them.
+        ids = processor.tokenizer.convert_tokens_to_ids(token)
+        out = dict(processor.image_processor(images=[image], return_tensors="pt"),
+                   input_ids=[[ids] * processor.image_seq_length + [processor.tokenizer.bos_token_id]])
+    else:
+        out = processor(text=token, images=[image], return_tensors="pt", add_special_tokens=False)
     ids = torch.as_tensor(out["input_ids"])
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise InvalidRequest(f"image: the model's processor gave input ids of shape {tuple(ids.shape)}")
