@@ -24,8 +24,10 @@ from bubblefree.cuda_backend.errors import UnsupportedModel
 
 # model_type -> why it is not served here (the rest of issue 13's list).
 NOT_YET = {
-    "qwen2_vl": "its rotary positions are 3-D (time, height, width) over the image",
-    "qwen2_5_vl": "its rotary positions are 3-D (time, height, width) over the image",
+    "qwen2_vl": "its rotary positions are 3-D (time, height, width) over the image, so after it a "
+                "row's rotary position is not its KV position",
+    "qwen2_5_vl": "its rotary positions are 3-D (time, height, width) over the image, so after it a "
+                  "row's rotary position is not its KV position",
     "smolvlm": "its processor needs num2words and a video processor (SmolVLM checkpoints of model "
                "type idefics3 are served)",
     "llava_next": "an image is cut into a grid that depends on its size (anyres), with newline "
