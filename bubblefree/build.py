@@ -9,7 +9,9 @@ CUDA graphs from the vocabulary.
 A local moondream2 checkpoint directory (``checkpoints.is_moondream``)
 builds the moondream backend instead (``build_moondream``): its region
 head, its tokenizer.json and its prompt templates; a ``MoondreamConfig``
-gives it random weights, for tests and benchmarks.
+gives it random weights, for tests and benchmarks. A transformers
+vision-language checkpoint (``checkpoints.is_vision_language``) builds the
+VLM backend (``build_vision_language``).
 
 Location tokens are opt-in (``location_tokens=True``): a text model has
 never seen them, so by default it keeps its own vocabulary and serves the
@@ -34,9 +36,7 @@ from bubblefree.skills.codec import CodecError
 
 def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool | str,
                  dtype: Any = None, **backend_options: Any):
-    from bubblefree.checkpoints import is_moondream
-
-    from bubblefree.checkpoints import is_vision_language
+    from bubblefree.checkpoints import is_moondream, is_vision_language
 
     if is_moondream(source):
         return build_moondream(cls, os.fspath(source), device=device, pipelined=pipelined, dtype=dtype,
@@ -131,13 +131,14 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     return cls(core, skills, backend=backend)
 
 
-# -- transformers vision-language models (LLaVA) --------------------------------
+# -- transformers vision-language models (LLaVA, Idefics3, PaliGemma) ----------------
 
 def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str, dtype: Any = None,
                           **backend_options: Any):
     """An engine on a local transformers vision-language checkpoint
-    (``cuda_backend/vlm``): its weights, tokenizer, image processor and
-    chat template, which places the image in the user's turn. The text
+    (``cuda_backend/vlm``): its weights, its processor (tokenizer and image
+    processor) and its chat template, which places the image in the user's
+    turn. The text
     skills answer about images; the spatial ones need location tokens the
     model has never seen, so they are refused as on a text model."""
     from bubblefree.cuda_backend.errors import ModelLoadError

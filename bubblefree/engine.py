@@ -61,7 +61,9 @@ class Engine(SkillCalls):
         embedded SmolLM2-135M-Instruct), build the CUDA backend (CPU without a
         GPU), compile the skills. A local moondream2 checkpoint directory
         (config.json, .safetensors, tokenizer.json) gives an engine that
-        answers about images, with its region head and prompt templates. ``location_tokens=True`` adds the spatial
+        answers about images, with its region head and prompt templates; a
+        transformers LLaVA, Idefics3 (SmolVLM) or PaliGemma checkpoint one
+        that captions and answers about them (``docs/vlm.md``). ``location_tokens=True`` adds the spatial
         skills' location tokens to a text model (point, detect and segment
         need them, or a region head); options are checked before loading."""
         from bubblefree.build import build_engine  # torch is imported only here

@@ -3,8 +3,8 @@
 A chat template renders the user's turn with the image in it, e.g. LLaVA's
 ``<s>USER: <image>\\nWhat is this? ASSISTANT:``. The ids before the image
 (the ``head``) are the same for every request: they belong to the image's
-prefix, which the backend writes with the features (``ImageRef.length`` =
-head + features). The ids after it are the request's prompt. ``ImageTurn``
+prefix, which the backend writes with the image's block (``ImageRef.length``
+= head + block). The ids after it are the request's prompt. ``ImageTurn``
 holds the head and splits a rendered turn there, refusing a turn whose
 head differs or that holds the image token more than once (a user's text
 that spells the placeholder).
