@@ -92,8 +92,8 @@ class HFTokenizer:
             if not getattr(hf, "chat_template", None):
                 raise ValueError("a vision-language model's tokenizer needs a chat template: it "
                                  "places the image in the user's turn")
-            wrapped.image_turn = ImageTurn(int(image_token[0]), image_token[1], ())  # renders as one
-            rendered = wrapped.chat_turn([{"type": "image"}, {"type": "text", "text": "?"}])
+            rendered = wrapped._render([{"role": "user", "content": [{"type": "image"},
+                                                                     {"type": "text", "text": "?"}]}], True)
             wrapped.image_turn = ImageTurn.of(rendered, *image_token)
         return wrapped
 
@@ -127,7 +127,10 @@ class HFTokenizer:
     def chat(self, turn: list[dict]) -> list[int]:
         """A conversation (``[{"role": ..., "content": ...}]``) and the
         assistant's start, through the chat template, as ids."""
-        if self.image_turn is not None:
+        return self._render(turn, self.image_turn is not None)
+
+    def _render(self, turn: list[dict], vision: bool) -> list[int]:
+        if vision:
             # As the model's processor does: the rendered text encoded with the
             # tokenizer's special tokens (BOS) unless the template wrote them.
             text = self.hf.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
