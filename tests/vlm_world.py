@@ -2,7 +2,9 @@
 user's would be: weights, a word-level tokenizer with BOS, EOS and the
 image token, the architecture's style of chat template, and its processor.
 
-``llava``: a CLIP tower, one 28-px image of 16 features. ``idefics3``
+``llava``: a CLIP tower, one 28-px image of 16 features. ``llava_next``:
+the same tower over a grid of 28-px crops the image's shape chooses (1 x 2,
+2 x 1 or 2 x 2) and the whole, with a newline feature a row. ``idefics3``
 (SmolVLM's architecture): a SigLIP-style tower over 56-px tiles, 4 features
 a tile after the pixel shuffle, an image split into up to 2 x 2 tiles by
 its size plus the whole, each tile's block wrapped in its row and column
@@ -45,12 +47,13 @@ def tokenizer(arch: str = "llava"):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words, special = {"llava": (WORDS, ("<s>", "</s>", "<image>")), "idefics3": (IDEFICS_WORDS, IDEFICS_SPECIAL),
+    words, special = {"llava": (WORDS, ("<s>", "</s>", "<image>")), "llava_next": (WORDS, ("<s>", "</s>", "<image>")),
+                      "idefics3": (IDEFICS_WORDS, IDEFICS_SPECIAL),
                       "paligemma": (PALI_WORDS, PALI_WORDS[:5])}[arch]
     raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     raw.add_special_tokens(list(special))
-    if arch == "llava":
+    if arch in ("llava", "llava_next"):
         tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
                                       unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
     elif arch == "paligemma":  # no chat template: the engine writes the processor's layout
@@ -60,7 +63,7 @@ def tokenizer(arch: str = "llava"):
     else:
         tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|im_start|>",
                                       eos_token="<end_of_utterance>", unk_token="<unk>")
-    tok.chat_template = TEMPLATE if arch == "llava" else IDEFICS_TEMPLATE
+    tok.chat_template = IDEFICS_TEMPLATE if arch == "idefics3" else TEMPLATE
     return tok
 
 
@@ -77,6 +80,19 @@ def config(text_type: str = "llama"):
     return LlavaConfig(vision_config=vision, text_config=text, image_token_id=WORDS.index("<image>"),
                        projector_hidden_act="gelu", vision_feature_layer=-2,
                        vision_feature_select_strategy="default")
+
+
+PINPOINTS = [[28, 56], [56, 28], [56, 56]]  # LLaVA-NeXT's grids: 1 x 2, 2 x 1, 2 x 2 crops
+
+
+def llava_next_config():
+    from transformers import LlavaNextConfig
+
+    base = config()
+    return LlavaNextConfig(vision_config=base.vision_config, text_config=base.text_config,
+                           image_token_index=WORDS.index("<image>"), image_grid_pinpoints=PINPOINTS,
+                           projector_hidden_act="gelu", vision_feature_layer=-2,
+                           vision_feature_select_strategy="default")
 
 
 def idefics3_config():
@@ -114,12 +130,14 @@ def image_processor():
 def checkpoint(path: Path, seed: int = 0, text_type: str = "llama", arch: str = "llava") -> Path:
     """A tiny ``arch`` model with random weights from ``seed``, saved to ``path``."""
     from transformers import (Idefics3ForConditionalGeneration, LlavaForConditionalGeneration,
-                              PaliGemmaForConditionalGeneration)
+                              LlavaNextForConditionalGeneration, PaliGemmaForConditionalGeneration)
 
     torch.manual_seed(seed)
     made = processor(arch)
     if arch == "llava":
         model = LlavaForConditionalGeneration(config(text_type)).eval()
+    elif arch == "llava_next":
+        model = LlavaNextForConditionalGeneration(llava_next_config()).eval()
     elif arch == "paligemma":
         model = PaliGemmaForConditionalGeneration(paligemma_config(len(made.tokenizer))).eval()
     else:
@@ -132,8 +150,8 @@ def checkpoint(path: Path, seed: int = 0, text_type: str = "llama", arch: str = 
 
 def processor(arch: str = "llava"):
     """The architecture's processor: it expands the image token into the image's block."""
-    from transformers import (Idefics3ImageProcessor, Idefics3Processor, LlavaProcessor, PaliGemmaProcessor,
-                              SiglipImageProcessor)
+    from transformers import (Idefics3ImageProcessor, Idefics3Processor, LlavaNextImageProcessor,
+                              LlavaNextProcessor, LlavaProcessor, PaliGemmaProcessor, SiglipImageProcessor)
 
     if arch == "paligemma":
         images = SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
@@ -143,6 +161,12 @@ def processor(arch: str = "llava"):
         return LlavaProcessor(image_processor=image_processor(), tokenizer=tokenizer(), patch_size=PATCH,
                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
                               chat_template=TEMPLATE)
+    if arch == "llava_next":
+        images = LlavaNextImageProcessor(size={"shortest_edge": IMAGE_SIZE}, image_grid_pinpoints=PINPOINTS,
+                                         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        return LlavaNextProcessor(image_processor=images, tokenizer=tokenizer(), patch_size=PATCH,
+                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                  chat_template=TEMPLATE)
     images = Idefics3ImageProcessor(size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE},
                                     do_image_splitting=True)
     return Idefics3Processor(image_processor=images, tokenizer=tokenizer(arch), image_seq_len=4,

@@ -6,8 +6,10 @@ gives its text decoder as a causal LM that shares the weights (what
 Taken (``SUPPORTED``): architectures whose processor expands an image into
 a block of ids holding one placeholder per feature, the features scattered
 there in order (transformers' ``masked_scatter``), and 1-D rotary
-positions: LLaVA (a fixed block), Idefics3 (SmolVLM: tiles whose count
-follows the image's size, each with its row and column tokens), PaliGemma
+positions: LLaVA (a fixed block), LLaVA-NeXT (a grid of crops chosen by
+the image's size, its features unpadded with a newline feature a row),
+Idefics3 (SmolVLM: tiles whose count follows the image's size, each with
+its row and column tokens), PaliGemma
 (the image, then BOS, before the text; the prompt attends both ways,
 ``PREFIX_LM``). The others are refused with what they would need.
 """
@@ -30,10 +32,8 @@ NOT_YET = {
                   "row's rotary position is not its KV position",
     "smolvlm": "its processor needs num2words and a video processor (SmolVLM checkpoints of model "
                "type idefics3 are served)",
-    "llava_next": "an image is cut into a grid that depends on its size (anyres), with newline "
-                  "features between rows",
 }
-SUPPORTED = ("llava", "idefics3", "paligemma")
+SUPPORTED = ("llava", "llava_next", "idefics3", "paligemma")
 # Whose prompt attends both ways (a prefix LM): the image and the question
 # see each other; what the model writes after them is causal.
 PREFIX_LM = ("paligemma",)

@@ -26,7 +26,7 @@ import torch
 from bubblefree.core.values import InvalidRequest
 
 # What of a processor's output the vision tower takes, beside the input ids.
-TOWER_INPUTS = ("pixel_values", "pixel_attention_mask")
+TOWER_INPUTS = ("pixel_values", "pixel_attention_mask", "image_sizes")
 
 
 @attrs.define(eq=False)
