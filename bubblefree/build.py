@@ -131,7 +131,7 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     return cls(core, skills, backend=backend)
 
 
-# -- transformers vision-language models (LLaVA, LLaVA-NeXT, Idefics3, PaliGemma) -----
+# -- transformers vision-language models (cuda_backend/vlm) ---------------------------
 
 def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str, dtype: Any = None,
                           **backend_options: Any):

@@ -62,10 +62,11 @@ class Engine(SkillCalls):
         GPU), compile the skills. A local moondream2 checkpoint directory
         (config.json, .safetensors, tokenizer.json) gives an engine that
         answers about images, with its region head and prompt templates; a
-        transformers LLaVA, LLaVA-NeXT, Idefics3 (SmolVLM) or PaliGemma checkpoint one
-        that captions and answers about them (``docs/vlm.md``). ``location_tokens=True`` adds the spatial
-        skills' location tokens to a text model (point, detect and segment
-        need them, or a region head); options are checked before loading."""
+        transformers LLaVA, LLaVA-NeXT, Idefics3 (SmolVLM), PaliGemma or
+        Qwen2-VL checkpoint one that captions and answers about them
+        (``docs/vlm.md``). ``location_tokens=True`` adds the spatial skills'
+        location tokens to a text model (point, detect and segment need
+        them, or a region head); options are checked before loading."""
         from bubblefree.build import build_engine  # torch is imported only here
 
         return build_engine(cls, path_or_default, device=device, pipelined=pipelined,

@@ -90,8 +90,12 @@ def check_decoder(config, source: str) -> None:
 
 def use_paged_attention(model: torch.nn.Module) -> None:
     """Route the model's attention through the paged function (what the
-    backend does to a model it is given); refuse models that cannot."""
-    check_decoder(model.config, type(model).__name__)
+    backend does to a model it is given); refuse models that cannot. A
+    module that says it is a causal decoder (``causal_decoder``: a
+    vision-language model's text part without a *ForCausalLM class) is
+    taken at its word."""
+    if not getattr(model, "causal_decoder", False):
+        check_decoder(model.config, type(model).__name__)
     try:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     except Exception as ex:  # noqa: BLE001

@@ -32,7 +32,14 @@ IMAGE_SIZE, PATCH = 28, 7  # 16 patches, 16 features per image (the CLS is dropp
 # SmolVLM's: "<|im_start|>User:<image>question<end_of_utterance>\nAssistant:".
 IDEFICS_SPECIAL = ("<|im_start|>", "<end_of_utterance>", "<image>", "<fake_token_around_image>",
                    "<global-img>", *(f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)))
-IDEFICS_WORDS = ("<unk>", *IDEFICS_SPECIAL, "User", "Assistant", *WORDS[6:])
+
+
+def vocabulary(special: tuple[str, ...], *roles: str) -> tuple[str, ...]:
+    """An architecture's words: its special tokens, its roles, then the rest of ``WORDS``."""
+    return ("<unk>", *special, *roles, *WORDS[6:])
+
+
+IDEFICS_WORDS = vocabulary(IDEFICS_SPECIAL, "User", "Assistant")
 IDEFICS_TEMPLATE = ("<|im_start|>{% for m in messages %}{{ m['role'] | capitalize }}"
                     "{% if m['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
                     "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}"
@@ -48,7 +55,7 @@ def tokenizer(arch: str = "llava"):
     from transformers import PreTrainedTokenizerFast
 
     words, special = {"llava": (WORDS, ("<s>", "</s>", "<image>")), "llava_next": (WORDS, ("<s>", "</s>", "<image>")),
-                      "idefics3": (IDEFICS_WORDS, IDEFICS_SPECIAL),
+                      "idefics3": (IDEFICS_WORDS, IDEFICS_SPECIAL), "qwen2_vl": (QWEN_WORDS, QWEN_SPECIAL),
                       "paligemma": (PALI_WORDS, PALI_WORDS[:5])}[arch]
     raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -56,6 +63,11 @@ def tokenizer(arch: str = "llava"):
     if arch in ("llava", "llava_next"):
         tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
                                       unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
+    elif arch == "qwen2_vl":  # no BOS
+        tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", unk_token="<unk>",
+                                      pad_token="<|endoftext|>")
+        tok.chat_template = QWEN_TEMPLATE
+        return tok
     elif arch == "paligemma":  # no chat template: the engine writes the processor's layout
         return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>",
                                        unk_token="<unk>", pad_token="<pad>",
@@ -83,6 +95,38 @@ def config(text_type: str = "llama"):
 
 
 PINPOINTS = [[28, 56], [56, 28], [56, 56]]  # LLaVA-NeXT's grids: 1 x 2, 2 x 1, 2 x 2 crops
+QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>")
+QWEN_WORDS = vocabulary(QWEN_SPECIAL, "user", "assistant")
+QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+                 "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                 "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+                 "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen2_vl_config():
+    from transformers import Qwen2VLConfig, Qwen2VLTextConfig, Qwen2VLVisionConfig
+
+    vision = Qwen2VLVisionConfig(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                                 spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    text = Qwen2VLTextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=len(QWEN_WORDS), max_position_embeddings=512,
+                             bos_token_id=None, eos_token_id=QWEN_WORDS.index("<|im_end|>"),
+                             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                              "rope_theta": 10000.0}, initializer_range=0.5)
+    # Wide weights: sharp attention, so the answers follow the rotary positions.
+    ids = {name: QWEN_WORDS.index(f"<|{token}|>") for name, token in (
+        ("image_token_id", "image_pad"), ("video_token_id", "video_pad"),
+        ("vision_start_token_id", "vision_start"), ("vision_end_token_id", "vision_end"))}
+    return Qwen2VLConfig(vision_config=vision, text_config=text, initializer_range=0.5, **ids)
+
+
+def qwen2_vl_images():
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=56 * 56 * 4, patch_size=14, merge_size=2,
+                                 temporal_patch_size=2)
 
 
 def llava_next_config():
@@ -130,9 +174,17 @@ def image_processor():
 def checkpoint(path: Path, seed: int = 0, text_type: str = "llama", arch: str = "llava") -> Path:
     """A tiny ``arch`` model with random weights from ``seed``, saved to ``path``."""
     from transformers import (Idefics3ForConditionalGeneration, LlavaForConditionalGeneration,
-                              LlavaNextForConditionalGeneration, PaliGemmaForConditionalGeneration)
+                              LlavaNextForConditionalGeneration, PaliGemmaForConditionalGeneration,
+                              Qwen2VLForConditionalGeneration)
 
     torch.manual_seed(seed)
+    if arch == "qwen2_vl":  # its processor needs torchvision (a video processor): its parts
+        model = Qwen2VLForConditionalGeneration(qwen2_vl_config()).eval()
+        model.generation_config.eos_token_id = QWEN_WORDS.index("<|im_end|>")
+        model.save_pretrained(path)
+        tokenizer(arch).save_pretrained(path)
+        qwen2_vl_images().save_pretrained(path)
+        return path
     made = processor(arch)
     if arch == "llava":
         model = LlavaForConditionalGeneration(config(text_type)).eval()
@@ -173,12 +225,41 @@ def processor(arch: str = "llava"):
                              chat_template=IDEFICS_TEMPLATE)
 
 
+class QwenReference:
+    """Qwen2-VL's processor, as transformers' would expand a turn (it cannot
+    be built without torchvision): the image processor's patches, the
+    single image token repeated once per merged patch, and the token types
+    (1 for the image's) from which the model computes its 3-D positions."""
+
+    def __init__(self):
+        self.tokenizer, self.image_processor = tokenizer("qwen2_vl"), qwen2_vl_images()
+        self.chat_template = QWEN_TEMPLATE
+
+    def apply_chat_template(self, turn, add_generation_prompt=True):
+        return self.tokenizer.apply_chat_template(turn, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+    def __call__(self, images=None, text="", return_tensors="pt", add_special_tokens=False):
+        if images is not None and not isinstance(images, list):
+            images = [images]
+        out = dict(self.image_processor(images=images, return_tensors="pt")) if images is not None else {}
+        if isinstance(text, list):
+            text = text[0]
+        if images is not None:
+            count = int(out["image_grid_thw"].prod()) // 4
+            text = text.replace("<|image_pad|>", "<|image_pad|>" * count)
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")
+        kinds = (ids["input_ids"] == QWEN_WORDS.index("<|image_pad|>")).to(torch.int)  # 1: image
+        return {**out, "input_ids": ids["input_ids"], "attention_mask": ids["attention_mask"],
+                "mm_token_type_ids": kinds}
+
+
 def reference(path: Path, arch: str = "llava"):
     """transformers' own model and processor for ``path``."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    return model, processor(arch)
+    return model, QwenReference() if arch == "qwen2_vl" else processor(arch)
 
 
 def generate(model, processor, image, question: str, max_new_tokens: int) -> list[int]:

@@ -39,6 +39,7 @@ from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.graphs import bucket
 from bubblefree.cuda_backend.slots import DecodeSlot
 from bubblefree.cuda_backend.vlm.model import VisionLanguage
+from bubblefree.cuda_backend.vlm.mrope import MropeRunner, rope_positions
 from bubblefree.cuda_backend.vlm.pixels import VlmPixels, prepare
 
 
@@ -54,6 +55,8 @@ class VlmBackend(CudaBackend):
         ``options``: CudaBackend's."""
         self.vl, self.processor, self.token = model, processor, token
         self.head = np.asarray([int(t) for t in head], dtype=np.int64)
+        if model.mrope:  # its decode steps add each row's rotary delta
+            self.runner_class = MropeRunner
         super().__init__(model.text, **options)
         for part in model.vision_parts:
             param = next(part.parameters())
@@ -70,8 +73,10 @@ class VlmBackend(CudaBackend):
             raise InvalidRequest(f"model: its processor expands an image to {places} placeholders and its "
                                  f"tower gives features {tuple(features.shape)}; the text takes width {dim}")
         pin = self.device.type == "cuda"
-        self._where = [torch.zeros(self._cap.max_prefill_tokens, dtype=torch.long, pin_memory=pin)
-                       for _ in (0, 1)]  # per slot: the placeholders' packed indices (I4)
+        # Per slot (I4): the placeholders' packed indices, then with 3-D
+        # rotary the rows' slots, deltas and positions [3, T].
+        size = self._cap.max_prefill_tokens * (4 if model.mrope else 1) + 2 * self._cap.max_rows
+        self._where = [torch.zeros(size, dtype=torch.long, pin_memory=pin) for _ in (0, 1)]
         self._kept: list[list[VlmPixels]] = [[], []]  # per slot: pixels a copy may read (I4)
         self._sync()
 
@@ -106,7 +111,8 @@ class VlmBackend(CudaBackend):
         if image.mode != "RGB":
             raise InvalidRequest(f"image: must be RGB (bubblefree.images.load_image), got mode "
                                  f"{image.mode!r}")
-        return prepare(self.processor, image, self.token, self.device.type == "cuda", self, keep)
+        return prepare(self.processor, image, self.token, self.device.type == "cuda", self, keep,
+                       rows=self.vl.mrope)
 
     # -- launch ----------------------------------------------------------------------
 
@@ -134,6 +140,8 @@ class VlmBackend(CudaBackend):
             meta = s.staging[:k].to(self.device, non_blocking=True)
             return self._runner.prefill_forward(meta, shape), bucket(len(plan.rows), self._rows)
         if plan.kind is not StepKind.IMAGE_PREFILL:
+            if plan.kind is StepKind.PREFILL and self.vl.mrope:  # text only: no rotary delta
+                self._set_deltas(s, plan, np.zeros(len(plan.rows), dtype=np.int64), 0)
             return super()._forward(s, plan)
         rows, runner, n = plan.rows, self._runner, len(plan.rows)
         sources = [r.image.source for r in rows]
@@ -151,23 +159,50 @@ class VlmBackend(CudaBackend):
         where_dev = staged[:len(where)].to(self.device, non_blocking=True)
         features = self._features(s, sources)  # [placeholders, D]
         input_ids, positions, last, ctx = runner.prefill_inputs(meta, shape)
+        if self.vl.mrope:
+            positions = self._rope_positions(s, plan, inputs, sources, len(where))
         embeds = self.vl.text.get_input_embeddings()(input_ids)  # [1, T, D]
         embeds[0].index_copy_(0, where_dev, features.to(embeds.dtype))
         out = self.vl.text(inputs_embeds=embeds, position_ids=positions, use_cache=False,
                            logits_to_keep=last, **{CONTEXT_KWARG: ctx})
         return out.logits[0], bucket(n, self._rows)  # [n, V]
 
+    def _rope_positions(self, s: DecodeSlot, plan: StepPlan, inputs: list, sources: list,
+                        used: int) -> torch.Tensor:
+        """The rows' 3-D rotary positions ``[3, 1, T]`` on the device, and
+        their deltas left at their row slots (``mrope``)."""
+        starts = np.array([r.position for r in plan.rows], dtype=np.int64)
+        grids = [src.tensors["image_grid_thw"] for src in sources]
+        pos, deltas = rope_positions(self.vl.vlm, inputs, grids, starts, self.vl.image_token_id)
+        at = self._set_deltas(s, plan, deltas, used)
+        staged = self._where[s.index]
+        staged.numpy()[at:at + pos.size] = pos.reshape(-1)
+        return staged[at:at + pos.size].to(self.device, non_blocking=True).view(3, 1, -1)
+
+    def _set_deltas(self, s: DecodeSlot, plan: StepPlan, deltas: np.ndarray, at: int) -> int:
+        """The rows' rotary deltas into their row slots, staged from ``at``
+        in the slot's pinned buffer; returns where the staging ends."""
+        n = len(plan.rows)
+        staged = self._where[s.index]
+        view = staged.numpy()
+        view[at:at + n] = [r.row_slot for r in plan.rows]
+        view[at + n:at + 2 * n] = deltas
+        both = staged[at:at + 2 * n].to(self.device, non_blocking=True)
+        self._runner.rope_delta.index_copy_(0, both[:n], both[n:])
+        return at + 2 * n
+
     def _encode(self, sources: list[VlmPixels]) -> list[torch.Tensor]:
         """Each source's features ``[tokens, D]``: one tower call for images
         whose tensors have the same shapes (LLaVA's always do; Idefics3's
         when their tiles do), copied from pinned memory without a wait."""
         groups: dict[tuple, list[int]] = {}
-        for i, src in enumerate(sources):
-            groups.setdefault(src.shapes, []).append(i)
+        for i, src in enumerate(sources):  # rows (Qwen2-VL's patches) concatenate whatever their count
+            groups.setdefault(() if self.vl.mrope else src.shapes, []).append(i)
+        join = torch.cat if self.vl.mrope else torch.stack
         out: list[torch.Tensor | None] = [None] * len(sources)
         for members in groups.values():
-            batch = {name: torch.stack([sources[i].tensors[name].to(self.device, non_blocking=True)
-                                        for i in members]) for name in sources[members[0]].tensors}
+            batch = {name: join([sources[i].tensors[name].to(self.device, non_blocking=True)
+                                 for i in members]) for name in sources[members[0]].tensors}
             batch["pixel_values"] = batch["pixel_values"].to(self.dtype)
             for i, features in zip(members, self.vl.image_features(**batch)):
                 out[i] = features

@@ -9,18 +9,20 @@ naming the directory and what is missing.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
 from bubblefree.cuda_backend.loader import default_device, default_dtype
 from bubblefree.cuda_backend.quiet import quiet_transformers
-from bubblefree.cuda_backend.vlm.model import TEMPLATES, VisionLanguage, supported
+from bubblefree.cuda_backend.vlm.model import MROPE, TEMPLATES, VisionLanguage, feature_count, supported
+from bubblefree.cuda_backend.vlm.pixels import TokenRepeat
 
 
 @attrs.define(eq=False)
@@ -59,8 +61,7 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
         try:
             processor = AutoProcessor.from_pretrained(path, local_files_only=True)
         except Exception as ex:  # noqa: BLE001
-            raise ModelLoadError(f"model directory {path}: cannot load its processor (tokenizer and image "
-                                 f"processor): {ex}") from ex
+            processor = _image_only(path, config, ex)
     tokenizer = getattr(processor, "tokenizer", None)
     if tokenizer is None or getattr(processor, "image_processor", None) is None:
         raise ModelLoadError(f"model directory {path}: its processor ({type(processor).__name__}) has no "
@@ -76,3 +77,19 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
                              f"tokenizer's {len(tokenizer)} ids")
     token = tokenizer.convert_ids_to_tokens(token_id)
     return LoadedVision(VisionLanguage.of(vlm), processor, (token_id, token))
+
+
+def _image_only(path: Path, config: Any, why: Exception) -> TokenRepeat:
+    """Qwen2-VL's processor also wants a video processor, which needs
+    torchvision; its image part is the image processor and the image token
+    once per feature."""
+    if config.model_type not in MROPE:
+        raise ModelLoadError(f"model directory {path}: cannot load its processor (tokenizer and image "
+                             f"processor): {why}") from why
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        images = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    except Exception as ex:  # noqa: BLE001
+        raise ModelLoadError(f"model directory {path}: cannot load its tokenizer and image processor: "
+                             f"{ex}") from ex
+    return TokenRepeat(images, tokenizer, functools.partial(feature_count, config))

@@ -11,11 +11,13 @@ the image's size, its features unpadded with a newline feature a row),
 Idefics3 (SmolVLM: tiles whose count follows the image's size, each with
 its row and column tokens), PaliGemma
 (the image, then BOS, before the text; the prompt attends both ways,
-``PREFIX_LM``). The others are refused with what they would need.
+``PREFIX_LM``), Qwen2-VL (3-D rotary positions over the image, ``MROPE``).
+The others are refused with what they would need.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import attrs
@@ -26,14 +28,15 @@ from bubblefree.cuda_backend.errors import UnsupportedModel
 
 # model_type -> why it is not served here (the rest of issue 13's list).
 NOT_YET = {
-    "qwen2_vl": "its rotary positions are 3-D (time, height, width) over the image, so after it a "
-                "row's rotary position is not its KV position",
-    "qwen2_5_vl": "its rotary positions are 3-D (time, height, width) over the image, so after it a "
-                  "row's rotary position is not its KV position",
+    "qwen2_5_vl": "its vision tower's window attention and its positions' time scale are not checked "
+                  "against transformers here (Qwen2-VL's 3-D rotary is served)",
     "smolvlm": "its processor needs num2words and a video processor (SmolVLM checkpoints of model "
                "type idefics3 are served)",
 }
-SUPPORTED = ("llava", "llava_next", "idefics3", "paligemma")
+SUPPORTED = ("llava", "llava_next", "idefics3", "paligemma", "qwen2_vl")
+# Whose rotary positions are 3-D over the image (mrope.py), and whose
+# processor gives one image's patches as rows to concatenate, not a batch.
+MROPE = ("qwen2_vl",)
 # Whose prompt attends both ways (a prefix LM): the image and the question
 # see each other; what the model writes after them is causal.
 PREFIX_LM = ("paligemma",)
@@ -62,6 +65,7 @@ class VisionLanguage:
     text: torch.nn.Module  # its decoder as a *ForCausalLM, weights shared
     image_token_id: int
     prefix_lm: bool = False  # the prompt attends both ways (PREFIX_LM)
+    mrope: bool = False  # 3-D rotary positions over the image (MROPE)
 
     @classmethod
     def of(cls, vlm: torch.nn.Module) -> VisionLanguage:
@@ -70,14 +74,17 @@ class VisionLanguage:
         if why:
             raise UnsupportedModel(f"{type(vlm).__name__}: {why}")
         language = _language_model(vlm.model)
-        with torch.device("meta"):  # no weights of its own: they are the VLM's
-            text = AutoModelForCausalLM.from_config(config.text_config)
+        try:
+            with torch.device("meta"):  # no weights of its own: they are the VLM's
+                text = AutoModelForCausalLM.from_config(config.text_config)
+        except ValueError:  # no *ForCausalLM for this text config (Qwen2-VL's)
+            text = TextLM(language, vlm.lm_head)
         text.model = language
         text.lm_head = vlm.lm_head
         text.config = language.config
         text.generation_config = vlm.generation_config
         return cls(vlm=vlm.eval(), text=text.eval(), image_token_id=int(config.image_token_id),
-                   prefix_lm=config.model_type in PREFIX_LM)
+                   prefix_lm=config.model_type in PREFIX_LM, mrope=config.model_type in MROPE)
 
     @property
     def vision_parts(self) -> tuple[torch.nn.Module, ...]:
@@ -94,6 +101,41 @@ class VisionLanguage:
         out: Any = self.vlm.model.get_image_features(**pixels)
         features = getattr(out, "pooler_output", out)
         return [f.reshape(-1, f.shape[-1]) for f in features]
+
+
+class TextLM(torch.nn.Module):
+    """A language model and its head as a causal LM, where the text config
+    has no *ForCausalLM class: transformers' call (``input_ids`` or
+    ``inputs_embeds``, ``position_ids``, ``logits_to_keep``) to ``.logits``."""
+
+    causal_decoder = True  # loader.use_paged_attention takes it as one
+
+    def __init__(self, language: torch.nn.Module, lm_head: torch.nn.Module):
+        super().__init__()
+        self.model, self.lm_head = language, lm_head
+
+    def set_attn_implementation(self, name: str) -> None:
+        self.model.set_attn_implementation(name)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    def forward(self, input_ids=None, inputs_embeds=None, position_ids=None, logits_to_keep=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
+                            **kwargs).last_hidden_state
+        if logits_to_keep is not None:  # the rows' last positions
+            hidden = hidden[:, logits_to_keep]
+        return types.SimpleNamespace(logits=self.lm_head(hidden))
+
+
+def feature_count(config: Any, tensors: dict[str, torch.Tensor]) -> int:
+    """How many features an image's tensors give (``pixels.TokenRepeat``):
+    Qwen2-VL's, one per merged patch of its grid."""
+    merge = config.vision_config.spatial_merge_size
+    return int(tensors["image_grid_thw"].prod()) // merge ** 2
 
 
 def _language_model(inner: torch.nn.Module) -> torch.nn.Module:

@@ -26,7 +26,7 @@ import torch
 from bubblefree.core.values import InvalidRequest
 
 # What of a processor's output the vision tower takes, beside the input ids.
-TOWER_INPUTS = ("pixel_values", "pixel_attention_mask", "image_sizes")
+TOWER_INPUTS = ("pixel_values", "pixel_attention_mask", "image_sizes", "image_grid_thw")
 
 
 @attrs.define(eq=False)
@@ -45,9 +45,26 @@ class VlmPixels:
         return tuple((k, tuple(v.shape)) for k, v in sorted(self.tensors.items()))
 
 
-def expand(processor: Any, image: Any, token: str) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
+class TokenRepeat:
+    """A processor made of the image processor and the tokenizer, for a
+    checkpoint whose own cannot load here (Qwen2-VL's wants a video
+    processor, which needs torchvision): the image token once per feature,
+    ``count(tensors)`` of them, as the model's processor expands it."""
+
+    def __init__(self, image_processor: Any, tokenizer: Any, count: Any):
+        self.image_processor, self.tokenizer, self.count = image_processor, tokenizer, count
+
+    def __call__(self, text: str, images: list, **_: Any) -> dict:
+        out = dict(self.image_processor(images=images, return_tensors="pt"))
+        token = self.tokenizer.convert_tokens_to_ids(text)
+        return {**out, "input_ids": torch.tensor([[token] * self.count(out)])}
+
+
+def expand(processor: Any, image: Any, token: str,
+           rows: bool = False) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
     """One RGB PIL image through ``processor`` with the text ``token`` ->
-    (block ids, the tower's tensors without their batch dim)."""
+    (block ids, the tower's tensors without their batch dim; with ``rows``,
+    as they are: the image's patches as rows, Qwen2-VL's)."""
     if type(processor).__name__ == "PaliGemmaProcessor":
         # Its processor writes BOS and a newline around any text: the block
         # is the image's placeholders and the BOS after them.
@@ -63,6 +80,9 @@ def expand(processor: Any, image: Any, token: str) -> tuple[tuple[int, ...], dic
     for name in TOWER_INPUTS:
         if name in out:
             value = torch.as_tensor(out[name])
+            if rows:
+                tensors[name] = value.contiguous()
+                continue
             if value.shape[0] != 1:
                 raise InvalidRequest(f"image: the model's processor gave {name} of shape {tuple(value.shape)} "
                                      "for one image")
@@ -73,8 +93,9 @@ def expand(processor: Any, image: Any, token: str) -> tuple[tuple[int, ...], dic
     return tuple(int(t) for t in ids[0].tolist()), tensors
 
 
-def prepare(processor: Any, image: Any, token: str, pin: bool, owner: Any, keep: bool = False) -> VlmPixels:
-    block, tensors = expand(processor, image, token)
+def prepare(processor: Any, image: Any, token: str, pin: bool, owner: Any, keep: bool = False,
+            rows: bool = False) -> VlmPixels:
+    block, tensors = expand(processor, image, token, rows)
     if pin:
         tensors = {k: v.pin_memory() for k, v in tensors.items()}
     return VlmPixels(block, tensors, owner=owner, keep=keep)
