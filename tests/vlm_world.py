@@ -4,7 +4,9 @@ image token, the architecture's style of chat template, and its processor.
 
 ``llava``: a CLIP tower, one 28-px image of 16 features. ``llava_next``:
 the same tower over a grid of 28-px crops the image's shape chooses (1 x 2,
-2 x 1 or 2 x 2) and the whole, with a newline feature a row. ``idefics3``
+2 x 1 or 2 x 2) and the whole, with a newline feature a row. ``qwen2_vl``
+and ``qwen2_5_vl``: 14-px patches merged 2 x 2, a grid by the image's size,
+3-D rotary positions. ``idefics3``
 (SmolVLM's architecture): a SigLIP-style tower over 56-px tiles, 4 features
 a tile after the pixel shuffle, an image split into up to 2 x 2 tiles by
 its size plus the whole, each tile's block wrapped in its row and column
@@ -122,6 +124,23 @@ def qwen2_vl_config():
     return Qwen2VLConfig(vision_config=vision, text_config=text, initializer_range=0.5, **ids)
 
 
+def qwen2_5_vl_config():
+    """Qwen2-VL's text and ids, Qwen2.5-VL's tower: window attention over
+    56-px windows in its first block, full attention in its second."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLTextConfig, Qwen2_5_VLVisionConfig
+
+    base = qwen2_vl_config()
+    vision = Qwen2_5_VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                                    window_size=56, fullatt_block_indexes=[1])
+    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "max_position_embeddings", "eos_token_id", "rope_parameters", "initializer_range")
+    text = Qwen2_5_VLTextConfig(**{k: v for k, v in base.text_config.to_dict().items() if k in keep})
+    ids = {k: getattr(base, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                         "vision_end_token_id")}
+    return Qwen2_5_VLConfig(vision_config=vision, text_config=text, initializer_range=0.5, **ids)
+
+
 def qwen2_vl_images():
     from transformers import Qwen2VLImageProcessor
 
@@ -175,14 +194,15 @@ def checkpoint(path: Path, seed: int = 0, text_type: str = "llama", arch: str = 
     """A tiny ``arch`` model with random weights from ``seed``, saved to ``path``."""
     from transformers import (Idefics3ForConditionalGeneration, LlavaForConditionalGeneration,
                               LlavaNextForConditionalGeneration, PaliGemmaForConditionalGeneration,
-                              Qwen2VLForConditionalGeneration)
+                              Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration)
 
     torch.manual_seed(seed)
-    if arch == "qwen2_vl":  # its processor needs torchvision (a video processor): its parts
-        model = Qwen2VLForConditionalGeneration(qwen2_vl_config()).eval()
+    if arch in ("qwen2_vl", "qwen2_5_vl"):  # its processor needs torchvision (a video processor): its parts
+        model = (Qwen2VLForConditionalGeneration(qwen2_vl_config()) if arch == "qwen2_vl"
+                 else Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config())).eval()
         model.generation_config.eos_token_id = QWEN_WORDS.index("<|im_end|>")
         model.save_pretrained(path)
-        tokenizer(arch).save_pretrained(path)
+        tokenizer("qwen2_vl").save_pretrained(path)
         qwen2_vl_images().save_pretrained(path)
         return path
     made = processor(arch)
@@ -259,7 +279,7 @@ def reference(path: Path, arch: str = "llava"):
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    return model, QwenReference() if arch == "qwen2_vl" else processor(arch)
+    return model, QwenReference() if arch.startswith("qwen") else processor(arch)
 
 
 def generate(model, processor, image, question: str, max_new_tokens: int) -> list[int]:

@@ -11,7 +11,8 @@ the image's size, its features unpadded with a newline feature a row),
 Idefics3 (SmolVLM: tiles whose count follows the image's size, each with
 its row and column tokens), PaliGemma
 (the image, then BOS, before the text; the prompt attends both ways,
-``PREFIX_LM``), Qwen2-VL (3-D rotary positions over the image, ``MROPE``).
+``PREFIX_LM``), Qwen2-VL and Qwen2.5-VL (3-D rotary positions over the
+image, ``MROPE``).
 The others are refused with what they would need.
 """
 
@@ -28,15 +29,13 @@ from bubblefree.cuda_backend.errors import UnsupportedModel
 
 # model_type -> why it is not served here (the rest of issue 13's list).
 NOT_YET = {
-    "qwen2_5_vl": "its vision tower's window attention and its positions' time scale are not checked "
-                  "against transformers here (Qwen2-VL's 3-D rotary is served)",
     "smolvlm": "its processor needs num2words and a video processor (SmolVLM checkpoints of model "
                "type idefics3 are served)",
 }
-SUPPORTED = ("llava", "llava_next", "idefics3", "paligemma", "qwen2_vl")
+SUPPORTED = ("llava", "llava_next", "idefics3", "paligemma", "qwen2_vl", "qwen2_5_vl")
 # Whose rotary positions are 3-D over the image (mrope.py), and whose
 # processor gives one image's patches as rows to concatenate, not a batch.
-MROPE = ("qwen2_vl",)
+MROPE = ("qwen2_vl", "qwen2_5_vl")
 # Whose prompt attends both ways (a prefix LM): the image and the question
 # see each other; what the model writes after them is causal.
 PREFIX_LM = ("paligemma",)
@@ -55,7 +54,7 @@ def supported(model_type: str) -> str | None:
     """None if ``model_type`` is served, else why not."""
     if model_type in SUPPORTED:
         return None
-    why = NOT_YET.get(model_type, "it is not a LLaVA-shaped vision-language model")
+    why = NOT_YET.get(model_type, f"no vision-language path here for it (served: {', '.join(SUPPORTED)})")
     return f"model type '{model_type}' is not supported: {why}"
 
 

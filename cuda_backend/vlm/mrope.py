@@ -1,4 +1,4 @@
-"""Qwen2-VL's 3-D rotary positions on the paged pipeline.
+"""Qwen2-VL's and Qwen2.5-VL's 3-D rotary positions on the paged pipeline.
 
 Over an image the model's rotary positions are (time, height, width) of
 each feature; text before it counts 0, 1, 2... in all three, text after it
