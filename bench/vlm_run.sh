@@ -22,10 +22,10 @@ day="$(date -u +%Y-%m-%d)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__, '| transformers', transformers.__version__)"
 } 2>&1 | tee "$out/env.txt"
-if [ -n "${VLM_TESTS-tests/test_moondream_gpu.py tests/test_resample.py tests/test_moondream_crops.py}" ]; then
+if [ -n "${VLM_TESTS-tests/test_moondream_gpu.py tests/test_resample.py tests/test_moondream_crops.py tests/test_vlm_gpu.py}" ]; then
   echo "== GPU tests of the image path"
   timeout -k 10 "${TEST_SECONDS:-240}" python3 -m pytest -p no:cacheprovider -q -rs \
-    ${VLM_TESTS-tests/test_moondream_gpu.py tests/test_resample.py tests/test_moondream_crops.py} 2>&1 \
+    ${VLM_TESTS-tests/test_moondream_gpu.py tests/test_resample.py tests/test_moondream_crops.py tests/test_vlm_gpu.py} 2>&1 \
     | grep -v -i warn | tee "$out/gpu-tests.txt"
 fi
 for mode in ${PROFILE_MODES:-graphs}; do  # graphs, eager (the prefill before its graphs)
