@@ -70,7 +70,7 @@ class Load:
     leave_after_s: float = 0.02
     max_tokens: int = 32
     request_timeout_s: float = 60.0
-    settle_s: float = 10.0
+    settle_s: float = 15.0  # above load_checks.ROUND_S: a round may outlast Ray's cached queue lengths
     ready_s: float = 120.0  # bound on waiting for every replica to answer before the load
     seed: int = 0
     start_at: float | None = None  # time.time() at which the clients start; None: at once
