@@ -155,10 +155,17 @@ def test_the_prefix_is_the_head_and_the_processors_block(world):
 
 
 def test_an_encoded_image_is_encoded_once_and_answers_as_the_image_does(world):
+    """The tower runs once for an encoded image; after its first step, a
+    row about it prefills its prompt alone over the kept prefix KV (but on
+    a prefix LM, PaliGemma, whose image attends to the question)."""
     engine, model, _ = world
-    tower = engine.backend.vl.vision_parts[0]
+    tower, text = engine.backend.vl.vision_parts[0], engine.backend.vl.text
     images_seen: list[int] = []
-    hook = tower.register_forward_hook(lambda mod, args, kwargs_or_out: images_seen.append(1))
+    prefilled: list[int] = []  # tokens each image prefill's text forward ran over
+    hooks = [tower.register_forward_hook(lambda mod, args, out: images_seen.append(1)),
+             text.register_forward_pre_hook(lambda mod, args, kwargs: prefilled.append(
+                 kwargs["inputs_embeds"].shape[1]) if kwargs.get("inputs_embeds") is not None else None,
+                 with_kwargs=True)]
     try:
         encoded = engine.encode_image(IMAGES[1])
         calls = [("query", dict(image=image, question=q, max_tokens=8))
@@ -167,12 +174,21 @@ def test_an_encoded_image_is_encoded_once_and_answers_as_the_image_does(world):
         assert len(images_seen) == 1  # three rows, one batch through the tower
         first = [h.result(WAIT).tokens for h in engine.submit_many(calls[3:])]
         assert len(images_seen) == 2  # the encoded image, once for its three rows
+        prefilled.clear()
         again = [engine.submit(skill, **args).result(WAIT).tokens for skill, args in calls[3:]]
+        prompts = [len(engine.skills.request(skill, **dict(args, image=engine.images.ref(encoded))).prompt)
+                   for skill, args in calls[3:]]
+        prefix = engine.images.ref(encoded).length
         mixed = [h.result(WAIT).tokens for h in engine.submit_many([calls[3], calls[0], calls[4]])]
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     assert first == direct and again == direct and mixed == [direct[0], direct[0], direct[1]]
     assert len(images_seen) == 3  # only the mixed step's plain image ran the tower again
+    if engine.backend.vl.prefix_lm:
+        assert prefilled[:3] == [prefix + n for n in prompts]
+    else:
+        assert prefilled[:3] == prompts  # the prompt alone: its prefix's KV was kept
     assert engine.encode_image(encoded) is encoded
     other = Engine.from_pretrained(model.name_or_path, **OPTIONS)  # the same checkpoint
     try:

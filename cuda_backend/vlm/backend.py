@@ -4,18 +4,18 @@ The text decoder is served as any transformers decoder (``CudaBackend``:
 decode steps in graphs, fused where the architecture has it, text-only
 prefills as before). On top of it, ``Capacity.images``:
 
-    launch    IMAGE_PREFILL: the tensors of the images not encoded yet
-              copied from pinned host memory, through the model's vision
-              tower and projector, one call per shape (LLaVA's images all
-              share one; an encoded image keeps its features on the device
-              after its first step, ``encode_image``); one packed prefill
-              over [head, the image's block, prompt] per row (the block:
-              the processor's expansion of the image token, a placeholder
-              per feature), the features written over the placeholders'
-              embeddings in order, attention causal throughout (as the
-              model's own forward; a prefix LM's prompt, PaliGemma's, both
-              ways, as its text-only prefills). Eager: its shapes follow
-              the prompts.
+    launch    IMAGE_PREFILL (``image_prefill``): the tensors of the images
+              not encoded yet copied from pinned host memory, through the
+              model's vision tower and projector, one call per shape; one
+              packed prefill over [head, the image's block, prompt] per row
+              (the block: the processor's expansion of the image token, a
+              placeholder per feature), the features written over the
+              placeholders' embeddings in order, attention causal
+              throughout (as the model's own forward; a prefix LM's prompt,
+              PaliGemma's, both ways, as its text-only prefills). An
+              encoded image keeps its features and prefix KV on the device
+              after its first step (``encode_image``). Eager: its shapes
+              follow the prompts.
     finalize, wait    the CudaBackend's.
 
 ``image_ref`` and ``encode_image`` are the host side, for callers' threads:
@@ -33,13 +33,13 @@ import torch
 from PIL import Image
 
 from bubblefree.core.values import ImageRef, InvalidRequest, StepKind, StepPlan
-from bubblefree.cuda_backend.attention import CONTEXT_KWARG
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.graphs import bucket
+from bubblefree.cuda_backend.vlm import image_prefill
 from bubblefree.cuda_backend.slots import DecodeSlot
 from bubblefree.cuda_backend.vlm.model import VisionLanguage
-from bubblefree.cuda_backend.vlm.mrope import MropeRunner, rope_positions
+from bubblefree.cuda_backend.vlm.mrope import MropeRunner
 from bubblefree.cuda_backend.vlm.pixels import VlmPixels, prepare
 
 
@@ -66,16 +66,17 @@ class VlmBackend(CudaBackend):
         # One blank image: the processor's block must hold a placeholder per feature.
         probe = self._prepare(Image.new("RGB", (64, 48)), keep=False)
         with torch.no_grad():
-            features = self._encode([probe])[0]
+            features = image_prefill.encode(self, [probe])[0]
         dim = model.text.get_input_embeddings().weight.shape[1]
         places = probe.block.count(model.image_token_id)
         if features.shape != (places, dim):
             raise InvalidRequest(f"model: its processor expands an image to {places} placeholders and its "
                                  f"tower gives features {tuple(features.shape)}; the text takes width {dim}")
         pin = self.device.type == "cuda"
-        # Per slot (I4): the placeholders' packed indices, then with 3-D
-        # rotary the rows' slots, deltas and positions [3, T].
-        size = self._cap.max_prefill_tokens * (4 if model.mrope else 1) + 2 * self._cap.max_rows
+        # Per slot (I4): image_prefill.Staging's parts: placeholders' indices
+        # and KV slots (each at most a prefill's tokens), row slots and
+        # deltas, 3-D rotary positions.
+        size = self._cap.max_prefill_tokens * (5 if model.mrope else 2) + 2 * self._cap.max_rows
         self._where = [torch.zeros(size, dtype=torch.long, pin_memory=pin) for _ in (0, 1)]
         self._kept: list[list[VlmPixels]] = [[], []]  # per slot: pixels a copy may read (I4)
         self._sync()
@@ -102,7 +103,7 @@ class VlmBackend(CudaBackend):
     def encode_image(self, image: Image.Image) -> VlmPixels:
         """An image to ask several questions of: processed now (thread
         safe); the first image prefill that uses it encodes it, and its
-        features stay on the device for the next ones."""
+        features and prefix KV stay on the device for the next ones."""
         return self._prepare(image, keep=True)
 
     def _prepare(self, image: Any, keep: bool) -> VlmPixels:
@@ -141,80 +142,18 @@ class VlmBackend(CudaBackend):
             return self._runner.prefill_forward(meta, shape), bucket(len(plan.rows), self._rows)
         if plan.kind is not StepKind.IMAGE_PREFILL:
             if plan.kind is StepKind.PREFILL and self.vl.mrope:  # text only: no rotary delta
-                self._set_deltas(s, plan, np.zeros(len(plan.rows), dtype=np.int64), 0)
+                image_prefill.set_deltas(self, image_prefill.Staging(self._where[s.index], self.device),
+                                         plan, np.zeros(len(plan.rows), dtype=np.int64))
             return super()._forward(s, plan)
-        rows, runner, n = plan.rows, self._runner, len(plan.rows)
-        sources = [r.image.source for r in rows]
-        blocks = [np.asarray(src.block, dtype=np.int64) for src in sources]
-        inputs = [np.concatenate((self.head, block, np.asarray(r.tokens, dtype=np.int64)))
-                  for r, block in zip(rows, blocks)]
-        k, shape = runner.pack_prefill(plan, s.staging_np, inputs, self._prefix(inputs))
-        meta = s.staging[:k].to(self.device, non_blocking=True)
-        # The placeholders' packed indices, row by row, in the features' order.
-        starts = np.cumsum([0] + [len(x) for x in inputs[:-1]]) + len(self.head)
-        where = np.concatenate([q + np.flatnonzero(block == self.vl.image_token_id)
-                                for q, block in zip(starts, blocks)])
-        staged = self._where[s.index]
-        staged.numpy()[:len(where)] = where
-        where_dev = staged[:len(where)].to(self.device, non_blocking=True)
-        features = self._features(s, sources)  # [placeholders, D]
-        input_ids, positions, last, ctx = runner.prefill_inputs(meta, shape)
-        if self.vl.mrope:
-            positions = self._rope_positions(s, plan, inputs, sources, len(where))
-        embeds = self.vl.text.get_input_embeddings()(input_ids)  # [1, T, D]
-        embeds[0].index_copy_(0, where_dev, features.to(embeds.dtype))
-        out = self.vl.text(inputs_embeds=embeds, position_ids=positions, use_cache=False,
-                           logits_to_keep=last, **{CONTEXT_KWARG: ctx})
-        return out.logits[0], bucket(n, self._rows)  # [n, V]
-
-    def _rope_positions(self, s: DecodeSlot, plan: StepPlan, inputs: list, sources: list,
-                        used: int) -> torch.Tensor:
-        """The rows' 3-D rotary positions ``[3, 1, T]`` on the device, and
-        their deltas left at their row slots (``mrope``)."""
-        starts = np.array([r.position for r in plan.rows], dtype=np.int64)
-        grids = [src.tensors["image_grid_thw"] for src in sources]
-        pos, deltas = rope_positions(self.vl.vlm, inputs, grids, starts, self.vl.image_token_id)
-        at = self._set_deltas(s, plan, deltas, used)
-        staged = self._where[s.index]
-        staged.numpy()[at:at + pos.size] = pos.reshape(-1)
-        return staged[at:at + pos.size].to(self.device, non_blocking=True).view(3, 1, -1)
-
-    def _set_deltas(self, s: DecodeSlot, plan: StepPlan, deltas: np.ndarray, at: int) -> int:
-        """The rows' rotary deltas into their row slots, staged from ``at``
-        in the slot's pinned buffer; returns where the staging ends."""
-        n = len(plan.rows)
-        staged = self._where[s.index]
-        view = staged.numpy()
-        view[at:at + n] = [r.row_slot for r in plan.rows]
-        view[at + n:at + 2 * n] = deltas
-        both = staged[at:at + 2 * n].to(self.device, non_blocking=True)
-        self._runner.rope_delta.index_copy_(0, both[:n], both[n:])
-        return at + 2 * n
-
-    def _encode(self, sources: list[VlmPixels]) -> list[torch.Tensor]:
-        """Each source's features ``[tokens, D]``: one tower call for images
-        whose tensors have the same shapes (LLaVA's always do; Idefics3's
-        when their tiles do), copied from pinned memory without a wait."""
-        groups: dict[tuple, list[int]] = {}
-        for i, src in enumerate(sources):  # rows (Qwen2-VL's patches) concatenate whatever their count
-            groups.setdefault(() if self.vl.mrope else src.shapes, []).append(i)
-        join = torch.cat if self.vl.mrope else torch.stack
-        out: list[torch.Tensor | None] = [None] * len(sources)
-        for members in groups.values():
-            batch = {name: join([sources[i].tensors[name].to(self.device, non_blocking=True)
-                                 for i in members]) for name in sources[members[0]].tensors}
-            batch["pixel_values"] = batch["pixel_values"].to(self.dtype)
-            for i, features in zip(members, self.vl.image_features(**batch)):
-                out[i] = features
-        return out
+        return image_prefill.launch(self, s, plan)
 
     def _features(self, s: DecodeSlot, sources: list[VlmPixels]) -> torch.Tensor:
-        """The rows' image features, concatenated ``[placeholders, D]``: the
-        tower and projector over the images without features yet; an
+        """These rows' image features, concatenated ``[placeholders, D]``:
+        the tower and projector over the images without features yet; an
         encoded image keeps what it got."""
         fresh = [i for i, src in enumerate(sources) if src.features is None]
-        self._kept[s.index] = [sources[i] for i in fresh]
-        computed = dict(zip(fresh, self._encode([sources[i] for i in fresh]))) if fresh else {}
+        self._kept[s.index] = list(sources)
+        computed = dict(zip(fresh, image_prefill.encode(self, [sources[i] for i in fresh]))) if fresh else {}
         for i, features in computed.items():
             if sources[i].keep and sources[i].features is None:  # twice in a step: the first
                 sources[i].features = features
@@ -222,10 +161,11 @@ class VlmBackend(CudaBackend):
 
     def _settle(self, s: DecodeSlot, failed: bool) -> None:
         """A step's end: a failed one's encoded images forget the features
-        it meant to compute (the next step encodes them again)."""
+        and the prefix KV it meant to make (the next step encodes them
+        again)."""
         if failed:
             for source in self._kept[s.index]:
-                source.features = None
+                source.features = source.kv = None
         self._kept[s.index] = []
 
     def _forward_failed(self, s: DecodeSlot) -> None:

@@ -32,10 +32,10 @@ class MropeRunner(ModelRunner):
 
 
 def rope_positions(vlm: torch.nn.Module, inputs: list[np.ndarray], grids: list[torch.Tensor],
-                   starts: np.ndarray, image_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+                   starts: np.ndarray, image_token_id: int) -> tuple[list[np.ndarray], np.ndarray]:
     """Each row's ids ``inputs`` (head, block, prompt), its image's grid
-    ``[1, 3]`` and first position -> the packed rotary positions ``[3, T]``
-    and each row's delta ``[R]``, computed on the host by the model's own
+    ``[1, 3]`` and first position -> each row's rotary positions ``[3, L]``
+    and delta ``[R]``, computed on the host by the model's own
     ``get_rope_index``."""
     positions, deltas = [], []
     for ids, grid, start in zip(inputs, grids, starts):
@@ -44,4 +44,4 @@ def rope_positions(vlm: torch.nn.Module, inputs: list[np.ndarray], grids: list[t
         pos, delta = vlm.model.get_rope_index(row, kinds, image_grid_thw=grid.cpu())
         positions.append(pos[:, 0].numpy() + int(start))
         deltas.append(int(delta.reshape(-1)[0]))
-    return np.concatenate(positions, axis=1), np.array(deltas, dtype=np.int64)
+    return positions, np.array(deltas, dtype=np.int64)

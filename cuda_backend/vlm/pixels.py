@@ -9,9 +9,10 @@ source: those, the tensors in pinned memory on CUDA so the image prefill
 copies them without waiting, and ``owner``, the backend that made it.
 
 An encoded image (``keep``: meant for several questions) also keeps its
-features on the device: the first image prefill that uses it sets them at
-launch (later steps read them in stream order), and a step that fails
-forgets them, so the next one encodes again. Only the decode thread sets or
+features and its prefix's KV on the device (``image_prefill``): the first
+image prefill that uses it sets them at launch (later steps read them in
+stream order), and a step that fails forgets them, so the next one encodes
+again. Only the decode thread sets or
 reads them once the image is handed to the engine.
 """
 
@@ -36,6 +37,7 @@ class VlmPixels:
     _owner: Any = attrs.field(repr=False, alias="owner", converter=weakref.ref)
     keep: bool = False  # an encoded image: its features stay on the device
     features: torch.Tensor | None = attrs.field(default=None, repr=False)  # [tokens, D] device
+    kv: torch.Tensor | None = attrs.field(default=None, repr=False)  # its prefix's [L, 2, m, KVH, D] device
 
     def made_by(self, backend: Any) -> bool:
         return self._owner() is backend
