@@ -62,7 +62,7 @@ class Engine(SkillCalls):
         GPU), compile the skills. A local moondream2 checkpoint directory
         (config.json, .safetensors, tokenizer.json) gives an engine that
         answers about images, with its region head and prompt templates; a
-        transformers LLaVA, LLaVA-NeXT, Idefics3 (SmolVLM), PaliGemma,
+        transformers LLaVA, LLaVA-NeXT, Idefics3, SmolVLM2, PaliGemma,
         Qwen2-VL or Qwen2.5-VL checkpoint one that captions and answers about them
         (``docs/vlm.md``). ``location_tokens=True`` adds the spatial skills'
         location tokens to a text model (point, detect and segment need

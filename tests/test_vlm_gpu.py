@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 OPTIONS = dict(device="cuda", page_size=16, num_pages=64, max_rows=4, max_seqs=8, compile_decode=False)
 ARCHS = [("llava", "llama"), ("llava", "qwen2"), ("llava_next", "llama"), ("idefics3", "llama"),
-         ("paligemma", "gemma"), ("qwen2_vl", "qwen2"), ("qwen2_5_vl", "qwen2")]
+         ("smolvlm", "llama"), ("paligemma", "gemma"), ("qwen2_vl", "qwen2"), ("qwen2_5_vl", "qwen2")]
 
 
 @pytest.mark.parametrize("arch, text", ARCHS, ids=lambda p: p)

@@ -183,6 +183,25 @@ def paligemma_config(vocab: int):
                            image_token_index=PALI_WORDS.index("<image>"), initializer_range=0.5)
 
 
+def smolvlm_config():
+    """Idefics3's tiny shapes as SmolVLM2's classes."""
+    from transformers import SmolVLMConfig, SmolVLMVisionConfig
+
+    base = idefics3_config()
+    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+            "patch_size")
+    vision = SmolVLMVisionConfig(**{k: v for k, v in base.vision_config.to_dict().items() if k in keep})
+    return SmolVLMConfig(vision_config=vision, text_config=base.text_config, scale_factor=2,
+                         image_token_id=base.image_token_id)
+
+
+def smolvlm_images():
+    from transformers import SmolVLMImageProcessor
+
+    return SmolVLMImageProcessor(size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE},
+                                 do_image_splitting=True)
+
+
 def image_processor():
     from transformers import CLIPImageProcessor
 
@@ -194,7 +213,8 @@ def checkpoint(path: Path, seed: int = 0, text_type: str = "llama", arch: str = 
     """A tiny ``arch`` model with random weights from ``seed``, saved to ``path``."""
     from transformers import (Idefics3ForConditionalGeneration, LlavaForConditionalGeneration,
                               LlavaNextForConditionalGeneration, PaliGemmaForConditionalGeneration,
-                              Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration)
+                              Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration,
+                              SmolVLMForConditionalGeneration)
 
     torch.manual_seed(seed)
     if arch in ("qwen2_vl", "qwen2_5_vl"):  # its processor needs torchvision (a video processor): its parts
@@ -204,6 +224,13 @@ def checkpoint(path: Path, seed: int = 0, text_type: str = "llama", arch: str = 
         model.save_pretrained(path)
         tokenizer("qwen2_vl").save_pretrained(path)
         qwen2_vl_images().save_pretrained(path)
+        return path
+    if arch == "smolvlm":  # its processor needs num2words and torchvision (a video processor): its parts
+        model = SmolVLMForConditionalGeneration(smolvlm_config()).eval()
+        model.generation_config.eos_token_id = IDEFICS_WORDS.index("<end_of_utterance>")
+        model.save_pretrained(path)
+        tokenizer("idefics3").save_pretrained(path)
+        smolvlm_images().save_pretrained(path)
         return path
     made = processor(arch)
     if arch == "llava":
@@ -274,11 +301,42 @@ class QwenReference:
                 "mm_token_type_ids": kinds}
 
 
+class SmolReference:
+    """SmolVLM2's processor, as transformers' would expand a turn (it cannot
+    be built without num2words and torchvision): its image processor's
+    tiles and SmolVLM's own prompt string for their rows and columns."""
+
+    def __init__(self):
+        self.tokenizer, self.image_processor = tokenizer("idefics3"), smolvlm_images()
+        self.chat_template = IDEFICS_TEMPLATE
+
+    def apply_chat_template(self, turn, add_generation_prompt=True):
+        return self.tokenizer.apply_chat_template(turn, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+    def __call__(self, images=None, text="", return_tensors="pt", add_special_tokens=False):
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        if isinstance(text, list):
+            text = text[0]
+        out = {}
+        if images is not None:
+            images = images if isinstance(images, list) else [images]
+            out = dict(self.image_processor(images=[images], return_tensors="pt", return_row_col_info=True))
+            rows, cols = out.pop("rows")[0][0], out.pop("cols")[0][0]
+            text = text.replace("<image>", get_image_prompt_string(rows, cols, 4, "<fake_token_around_image>",
+                                                                   "<image>", "<global-img>"))
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")
+        return {**out, "input_ids": ids["input_ids"], "attention_mask": ids["attention_mask"]}
+
+
 def reference(path: Path, arch: str = "llava"):
     """transformers' own model and processor for ``path``."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    if arch == "smolvlm":
+        return model, SmolReference()
     return model, QwenReference() if arch.startswith("qwen") else processor(arch)
 
 

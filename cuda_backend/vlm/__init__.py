@@ -1,4 +1,4 @@
-"""Transformers VLMs (LLaVA, LLaVA-NeXT, Idefics3, PaliGemma, Qwen2(.5)-VL) on the two slots.
+"""Transformers VLMs (LLaVA(-NeXT), Idefics3, SmolVLM2, PaliGemma, Qwen2(.5)-VL) on two slots.
 
 The model's own processor expands an image's token into a block (a
 placeholder per feature, and the tokens around them); its vision tower and

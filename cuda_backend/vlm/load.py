@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextTo
 from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
 from bubblefree.cuda_backend.loader import default_device, default_dtype
 from bubblefree.cuda_backend.quiet import quiet_transformers
-from bubblefree.cuda_backend.vlm.model import MROPE, TEMPLATES, VisionLanguage, feature_count, supported
+from bubblefree.cuda_backend.vlm.model import (MROPE, TEMPLATES, VisionLanguage, feature_count, supported,
+                                               tile_features)
 from bubblefree.cuda_backend.vlm.pixels import TokenRepeat
 
 
@@ -79,11 +80,14 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
     return LoadedVision(VisionLanguage.of(vlm), processor, (token_id, token))
 
 
-def _image_only(path: Path, config: Any, why: Exception) -> TokenRepeat:
-    """Qwen2-VL's processor also wants a video processor, which needs
-    torchvision; its image part is the image processor and the image token
-    once per feature."""
-    if config.model_type not in MROPE:
+def _image_only(path: Path, config: Any, why: Exception) -> Any:
+    """A processor's image part, where the processor itself cannot load here:
+    Qwen2-VL's, Qwen2.5-VL's and SmolVLM2's also want a video processor,
+    which needs torchvision (and SmolVLM2's num2words). The Qwens' is the
+    image processor and the image token once per feature; SmolVLM2 expands
+    an image exactly as Idefics3 does (the same row, column and wrapper
+    tokens), so Idefics3's processor around its image processor."""
+    if config.model_type not in (*MROPE, "smolvlm"):
         raise ModelLoadError(f"model directory {path}: cannot load its processor (tokenizer and image "
                              f"processor): {why}") from why
     try:
@@ -92,4 +96,20 @@ def _image_only(path: Path, config: Any, why: Exception) -> TokenRepeat:
     except Exception as ex:  # noqa: BLE001
         raise ModelLoadError(f"model directory {path}: cannot load its tokenizer and image processor: "
                              f"{ex}") from ex
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = _template_file(path)
+    if config.model_type == "smolvlm":
+        from transformers import Idefics3Processor
+
+        return Idefics3Processor(image_processor=images, tokenizer=tokenizer,
+                                 image_seq_len=tile_features(config), chat_template=tokenizer.chat_template)
     return TokenRepeat(images, tokenizer, functools.partial(feature_count, config))
+
+
+def _template_file(path: Path) -> str | None:
+    """The processor's chat template, read from its file."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    if (path / "chat_template.json").is_file():
+        return json.loads((path / "chat_template.json").read_text()).get("chat_template")
+    return None

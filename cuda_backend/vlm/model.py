@@ -8,12 +8,11 @@ a block of ids holding one placeholder per feature, the features scattered
 there in order (transformers' ``masked_scatter``), and 1-D rotary
 positions: LLaVA (a fixed block), LLaVA-NeXT (a grid of crops chosen by
 the image's size, its features unpadded with a newline feature a row),
-Idefics3 (SmolVLM: tiles whose count follows the image's size, each with
-its row and column tokens), PaliGemma
+Idefics3 and SmolVLM2 (tiles whose count follows the image's size, each
+with its row and column tokens), PaliGemma
 (the image, then BOS, before the text; the prompt attends both ways,
 ``PREFIX_LM``), Qwen2-VL and Qwen2.5-VL (3-D rotary positions over the
-image, ``MROPE``).
-The others are refused with what they would need.
+image, ``MROPE``). The others are refused, naming those served.
 """
 
 from __future__ import annotations
@@ -27,12 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from bubblefree.cuda_backend.errors import UnsupportedModel
 
-# model_type -> why it is not served here (the rest of issue 13's list).
-NOT_YET = {
-    "smolvlm": "its processor needs num2words and a video processor (SmolVLM checkpoints of model "
-               "type idefics3 are served)",
-}
-SUPPORTED = ("llava", "llava_next", "idefics3", "paligemma", "qwen2_vl", "qwen2_5_vl")
+SUPPORTED = ("llava", "llava_next", "idefics3", "smolvlm", "paligemma", "qwen2_vl", "qwen2_5_vl")
 # Whose rotary positions are 3-D over the image (mrope.py), and whose
 # processor gives one image's patches as rows to concatenate, not a batch.
 MROPE = ("qwen2_vl", "qwen2_5_vl")
@@ -54,8 +48,8 @@ def supported(model_type: str) -> str | None:
     """None if ``model_type`` is served, else why not."""
     if model_type in SUPPORTED:
         return None
-    why = NOT_YET.get(model_type, f"no vision-language path here for it (served: {', '.join(SUPPORTED)})")
-    return f"model type '{model_type}' is not supported: {why}"
+    return (f"model type '{model_type}' is not supported: no vision-language path here for it "
+            f"(served: {', '.join(SUPPORTED)})")
 
 
 @attrs.define(eq=False)
@@ -128,6 +122,12 @@ class TextLM(torch.nn.Module):
         if logits_to_keep is not None:  # the rows' last positions
             hidden = hidden[:, logits_to_keep]
         return types.SimpleNamespace(logits=self.lm_head(hidden))
+
+
+def tile_features(config: Any) -> int:
+    """Idefics3's and SmolVLM's features a tile: its patches, pixel-shuffled."""
+    vision = config.vision_config
+    return int((vision.image_size // vision.patch_size) ** 2 / config.scale_factor ** 2)
 
 
 def feature_count(config: Any, tensors: dict[str, torch.Tensor]) -> int:
