@@ -272,19 +272,25 @@ def processor(arch: str = "llava"):
                              chat_template=IDEFICS_TEMPLATE)
 
 
-class QwenReference:
+class Rendered:
+    """A stand-in processor's chat side: the tokenizer's template, as text."""
+
+    def __init__(self, tokenizer_of: str, images, template: str):
+        self.tokenizer, self.image_processor, self.chat_template = tokenizer(tokenizer_of), images, template
+
+    def apply_chat_template(self, turn, add_generation_prompt=True):
+        return self.tokenizer.apply_chat_template(turn, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+
+class QwenReference(Rendered):
     """Qwen2-VL's processor, as transformers' would expand a turn (it cannot
     be built without torchvision): the image processor's patches, the
     single image token repeated once per merged patch, and the token types
     (1 for the image's) from which the model computes its 3-D positions."""
 
     def __init__(self):
-        self.tokenizer, self.image_processor = tokenizer("qwen2_vl"), qwen2_vl_images()
-        self.chat_template = QWEN_TEMPLATE
-
-    def apply_chat_template(self, turn, add_generation_prompt=True):
-        return self.tokenizer.apply_chat_template(turn, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+        super().__init__("qwen2_vl", qwen2_vl_images(), QWEN_TEMPLATE)
 
     def __call__(self, images=None, text="", return_tensors="pt", add_special_tokens=False):
         if images is not None and not isinstance(images, list):
@@ -301,18 +307,13 @@ class QwenReference:
                 "mm_token_type_ids": kinds}
 
 
-class SmolReference:
+class SmolReference(Rendered):
     """SmolVLM2's processor, as transformers' would expand a turn (it cannot
     be built without num2words and torchvision): its image processor's
     tiles and SmolVLM's own prompt string for their rows and columns."""
 
     def __init__(self):
-        self.tokenizer, self.image_processor = tokenizer("idefics3"), smolvlm_images()
-        self.chat_template = IDEFICS_TEMPLATE
-
-    def apply_chat_template(self, turn, add_generation_prompt=True):
-        return self.tokenizer.apply_chat_template(turn, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+        super().__init__("idefics3", smolvlm_images(), IDEFICS_TEMPLATE)
 
     def __call__(self, images=None, text="", return_tensors="pt", add_special_tokens=False):
         from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
