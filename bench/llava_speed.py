@@ -42,27 +42,19 @@ MODES = {"pipelined": True, "blocking": False, "auto": "auto"}
 ORDER = ("pipelined", "blocking", "auto", "auto", "blocking", "pipelined")
 
 
-class FixedBlock:
-    """A processor for a model without a tokenizer: the image's block is
-    ``count`` placeholders (LLaVA's expansion), its pixels SigLIP's."""
-
-    def __init__(self, side: int, token_id: int, count: int):
-        from transformers import SiglipImageProcessor
-
-        self.images = SiglipImageProcessor(size={"height": side, "width": side})
-        self.block = [[token_id] * count]
-
-    def __call__(self, text: str, images: list, **_: object) -> dict:
-        return {"input_ids": torch.tensor(self.block),
-                "pixel_values": self.images(images=images, return_tensors="pt")["pixel_values"]}
-
-
 def make_backend(model, device: torch.device, quick: bool):
+    """The peer's model served; no tokenizer: the image's block is LLaVA's
+    expansion, its pixels SigLIP's."""
+    from transformers import SiglipImageProcessor
+
     from bubblefree.cuda_backend.vlm.backend import VlmBackend
     from bubblefree.cuda_backend.vlm.model import VisionLanguage
+    from bubblefree.cuda_backend.vlm.pixels import TokenRepeat
 
     config = model.config
-    processor = FixedBlock(config.vision_config.image_size, config.image_token_id, config.image_seq_length)
+    side = config.vision_config.image_size
+    processor = TokenRepeat(SiglipImageProcessor(size={"height": side, "width": side}), None,
+                            config.image_token_id, lambda _, n=config.image_seq_length: n)
     options = dict(max_rows=8, max_seqs=16, num_pages=256) if quick else dict(max_rows=64, max_seqs=128)
     return VlmBackend(VisionLanguage.of(model), processor, [BOS], "<image>",
                       max_prefill_tokens=8192 if not quick else 2048, **options)

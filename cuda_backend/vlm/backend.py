@@ -13,9 +13,9 @@ prefills as before). On top of it, ``Capacity.images``:
               placeholders' embeddings in order, attention causal
               throughout (as the model's own forward; a prefix LM's prompt,
               PaliGemma's, both ways, as its text-only prefills). An
-              encoded image keeps its features and prefix KV on the device
-              after its first step (``encode_image``). Eager: its shapes
-              follow the prompts.
+              encoded image keeps its prefix KV (a prefix LM's: its
+              features) on the device after its first step
+              (``encode_image``). Eager: its shapes follow the prompts.
     finalize, wait    the CudaBackend's.
 
 ``image_ref`` and ``encode_image`` are the host side, for callers' threads:
@@ -103,7 +103,8 @@ class VlmBackend(CudaBackend):
     def encode_image(self, image: Image.Image) -> VlmPixels:
         """An image to ask several questions of: processed now (thread
         safe); the first image prefill that uses it encodes it, and its
-        features and prefix KV stay on the device for the next ones."""
+        prefix KV (a prefix LM's: its features) stays on the device for the
+        next ones."""
         return self._prepare(image, keep=True)
 
     def _prepare(self, image: Any, keep: bool) -> VlmPixels:
@@ -150,12 +151,13 @@ class VlmBackend(CudaBackend):
     def _features(self, s: DecodeSlot, sources: list[VlmPixels]) -> torch.Tensor:
         """These rows' image features, concatenated ``[placeholders, D]``:
         the tower and projector over the images without features yet; an
-        encoded image keeps what it got."""
+        encoded image on a prefix LM keeps what it got (elsewhere it keeps
+        its prefix's KV instead, ``image_prefill``)."""
         fresh = [i for i, src in enumerate(sources) if src.features is None]
         self._kept[s.index] = list(sources)
         computed = dict(zip(fresh, image_prefill.encode(self, [sources[i] for i in fresh]))) if fresh else {}
         for i, features in computed.items():
-            if sources[i].keep and sources[i].features is None:  # twice in a step: the first
+            if sources[i].keep and self.vl.prefix_lm and sources[i].features is None:  # twice: the first
                 sources[i].features = features
         return torch.cat([computed[i] if i in computed else src.features for i, src in enumerate(sources)])
 

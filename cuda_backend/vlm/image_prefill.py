@@ -3,11 +3,11 @@
 Per row: ``[head, the image's block, prompt]``. The images without features
 yet go through the tower and projector (one call per shape of input); the
 features are written over the placeholders' embeddings, in order. An
-encoded image (``keep``) keeps what its first step made on the device: its
-features, and where the prompt cannot change them (every model but a prefix
-LM, PaliGemma, whose image attends to the question) the KV of its whole
-prefix, so a later row copies that KV into its pages and prefills its
-prompt alone. With 3-D rotary (``mrope``) the rows' positions come from the
+encoded image (``keep``) keeps what its first step made on the device:
+where the prompt cannot change it (every model but a prefix LM, PaliGemma,
+whose image attends to the question) the KV of its whole prefix, so a later
+row copies that KV into its pages and prefills its prompt alone; on a
+prefix LM its features. With 3-D rotary (``mrope``) the rows' positions come from the
 model on the host and each row's delta lands at its row slot.
 
 Host values travel through the slot's pinned buffer (``VlmBackend._where``,
@@ -68,7 +68,9 @@ def launch(be, s: DecodeSlot, plan: StepPlan) -> tuple[torch.Tensor, int]:
     where = np.concatenate([q[i] + len(be.head) + np.flatnonzero(np.asarray(sources[i].block) == vl.image_token_id)
                             for i in fresh]) if fresh else np.zeros(0, dtype=np.int64)
     where = staging.put(where)
-    slots = [staging.put(kv_slots(r, r.position, m, ps)) for r, m in zip(rows, prefix)]
+    # The prefix's KV slots of the rows that copy a kept prefix in or keep theirs.
+    keeps = [c or (not vl.prefix_lm and src.keep) for c, src in zip(cached, sources)]
+    slots = {i: staging.put(kv_slots(rows[i], rows[i].position, prefix[i], ps)) for i, k in enumerate(keeps) if k}
     features = be._features(s, [sources[i] for i in fresh]) if fresh else None  # [placeholders, D]
     input_ids, positions, last, ctx = runner.prefill_inputs(meta, shape)
     for i in (i for i, c in enumerate(cached) if c):  # the kept prefix, before the prompt reads it
@@ -80,10 +82,9 @@ def launch(be, s: DecodeSlot, plan: StepPlan) -> tuple[torch.Tensor, int]:
         embeds[0].index_copy_(0, where, features.to(embeds.dtype))
     out = vl.text(inputs_embeds=embeds, position_ids=positions, use_cache=False, logits_to_keep=last,
                   **{CONTEXT_KWARG: ctx})
-    if not vl.prefix_lm:
-        for i in fresh:  # an encoded image keeps its prefix's KV (in stream order, after the forward)
-            if sources[i].keep and sources[i].kv is None:
-                sources[i].kv = be.cache.gather(slots[i])
+    for i in fresh:  # an encoded image keeps its prefix's KV (in stream order, after the forward)
+        if keeps[i] and sources[i].kv is None:
+            sources[i].kv = be.cache.gather(slots[i])
     return out.logits[0], bucket(len(rows), be._rows)
 
 

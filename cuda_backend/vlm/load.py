@@ -77,6 +77,9 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
         raise ModelLoadError(f"model directory {path}: image_token_id {token_id} is not one of the "
                              f"tokenizer's {len(tokenizer)} ids")
     token = tokenizer.convert_ids_to_tokens(token_id)
+    if config.model_type == "paligemma":  # the block: its placeholders, then the BOS it writes after them
+        processor = TokenRepeat(processor.image_processor, tokenizer, token_id,
+                                lambda _, n=processor.image_seq_length: n, after=(tokenizer.bos_token_id,))
     return LoadedVision(VisionLanguage.of(vlm), processor, (token_id, token))
 
 
@@ -103,7 +106,7 @@ def _image_only(path: Path, config: Any, why: Exception) -> Any:
 
         return Idefics3Processor(image_processor=images, tokenizer=tokenizer,
                                  image_seq_len=tile_features(config), chat_template=tokenizer.chat_template)
-    return TokenRepeat(images, tokenizer, functools.partial(feature_count, config))
+    return TokenRepeat(images, tokenizer, int(config.image_token_id), functools.partial(feature_count, config))
 
 
 def _template_file(path: Path) -> str | None:

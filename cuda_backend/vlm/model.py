@@ -70,10 +70,9 @@ class VisionLanguage:
         try:
             with torch.device("meta"):  # no weights of its own: they are the VLM's
                 text = AutoModelForCausalLM.from_config(config.text_config)
+            text.model, text.lm_head = language, vlm.lm_head
         except ValueError:  # no *ForCausalLM for this text config (Qwen2-VL's)
             text = TextLM(language, vlm.lm_head)
-        text.model = language
-        text.lm_head = vlm.lm_head
         text.config = language.config
         text.generation_config = vlm.generation_config
         return cls(vlm=vlm.eval(), text=text.eval(), image_token_id=int(config.image_token_id),

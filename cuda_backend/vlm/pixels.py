@@ -8,12 +8,12 @@ the tensors the vision tower takes. ``VlmPixels`` is an ``ImageRef``'s
 source: those, the tensors in pinned memory on CUDA so the image prefill
 copies them without waiting, and ``owner``, the backend that made it.
 
-An encoded image (``keep``: meant for several questions) also keeps its
-features and its prefix's KV on the device (``image_prefill``): the first
-image prefill that uses it sets them at launch (later steps read them in
-stream order), and a step that fails forgets them, so the next one encodes
-again. Only the decode thread sets or
-reads them once the image is handed to the engine.
+An encoded image (``keep``: meant for several questions) also keeps, on
+the device, its prefix's KV (``image_prefill``), or on a prefix LM, whose
+image attends to the question, its features: the first image prefill that
+uses it sets them at launch (later steps read them in stream order), and a
+step that fails forgets them, so the next one encodes again. Only the
+decode thread sets or reads them once the image is handed to the engine.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class VlmPixels:
     block: tuple[int, ...]  # the image's ids: placeholders and the tokens around them
     tensors: dict[str, torch.Tensor]  # TOWER_INPUTS of one image (no batch dim), pinned on CUDA
     _owner: Any = attrs.field(repr=False, alias="owner", converter=weakref.ref)
-    keep: bool = False  # an encoded image: its features stay on the device
+    keep: bool = False  # an encoded image: its prefix KV (a prefix LM's: features) stays on the device
     features: torch.Tensor | None = attrs.field(default=None, repr=False)  # [tokens, D] device
     kv: torch.Tensor | None = attrs.field(default=None, repr=False)  # its prefix's [L, 2, m, KVH, D] device
 
@@ -48,18 +48,21 @@ class VlmPixels:
 
 
 class TokenRepeat:
-    """A processor made of the image processor and the tokenizer, for a
-    checkpoint whose own cannot load here (Qwen2-VL's wants a video
-    processor, which needs torchvision): the image token once per feature,
-    ``count(tensors)`` of them, as the model's processor expands it."""
+    """A processor made of an image processor: an image's block is the image
+    token ``token_id`` once per feature, ``count(tensors)`` of them, then
+    ``after``, as the model's own processor expands it. For checkpoints
+    whose processor cannot load here (Qwen2-VL's wants a video processor,
+    which needs torchvision), or writes more than the image around any text
+    (PaliGemma's: BOS after the image, a newline after the text)."""
 
-    def __init__(self, image_processor: Any, tokenizer: Any, count: Any):
-        self.image_processor, self.tokenizer, self.count = image_processor, tokenizer, count
+    def __init__(self, image_processor: Any, tokenizer: Any, token_id: int, count: Any,
+                 after: tuple[int, ...] = ()):
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.token_id, self.count, self.after = token_id, count, after
 
     def __call__(self, text: str, images: list, **_: Any) -> dict:
         out = dict(self.image_processor(images=images, return_tensors="pt"))
-        token = self.tokenizer.convert_tokens_to_ids(text)
-        return {**out, "input_ids": torch.tensor([[token] * self.count(out)])}
+        return {**out, "input_ids": torch.tensor([[self.token_id] * self.count(out) + list(self.after)])}
 
 
 def expand(processor: Any, image: Any, token: str,
@@ -67,14 +70,7 @@ def expand(processor: Any, image: Any, token: str,
     """One RGB PIL image through ``processor`` with the text ``token`` ->
     (block ids, the tower's tensors without their batch dim; with ``rows``,
     as they are: the image's patches as rows, Qwen2-VL's)."""
-    if type(processor).__name__ == "PaliGemmaProcessor":
-        # Its processor writes BOS and a newline around any text: the block
-        # is the image's placeholders and the BOS after them.
-        ids = processor.tokenizer.convert_tokens_to_ids(token)
-        out = dict(processor.image_processor(images=[image], return_tensors="pt"),
-                   input_ids=[[ids] * processor.image_seq_length + [processor.tokenizer.bos_token_id]])
-    else:
-        out = processor(text=token, images=[image], return_tensors="pt", add_special_tokens=False)
+    out = processor(text=token, images=[image], return_tensors="pt", add_special_tokens=False)
     ids = torch.as_tensor(out["input_ids"])
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise InvalidRequest(f"image: the model's processor gave input ids of shape {tuple(ids.shape)}")
