@@ -16,10 +16,9 @@ import json
 import re
 
 import moondream
-import numpy as np
 import openai
 import pytest
-from PIL import Image
+import torch
 
 from bubblefree import Engine, InvalidRequest, Status
 from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
@@ -30,14 +29,7 @@ from tests.serving_world import WAIT, wait_idle
 from tests.test_images import BAD
 
 OPTIONS = dict(device="cpu", page_size=16, num_pages=64, max_rows=4, max_seqs=8)
-QUESTIONS = ("what is in this image ?", "how many cat are there ?", "is the sky blue ?")
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-IMAGES = (picture(40, 60, 0), picture(90, 30, 1), picture(28, 28, 2))
+IMAGES, QUESTIONS = vlm_world.IMAGES, vlm_world.QUESTIONS
 
 
 @pytest.fixture(scope="module", params=[("llava", "llama"), ("llava", "qwen2"), ("llava_next", "llama"),
@@ -152,6 +144,41 @@ def test_the_prefix_is_the_head_and_the_processors_block(world):
         if model.config.model_type in ("idefics3", "smolvlm"):
             assert "<row_2_col_2>" in tokenizer.convert_ids_to_tokens(engine.images.ref(IMAGES[0]).source.block)
     assert engine.takes_images
+
+
+@pytest.mark.parametrize("arch", ["idefics3", "smolvlm"])
+def test_tiles_as_rows_as_older_transformers_give_them_answer_as_images(tmp_path, monkeypatch, arch):
+    """transformers 5.17's Idefics3 returns an image call's features as one
+    row per tile, ``[tiles, tokens, D]``, where later ones split them per
+    image: the engine splits them itself, so answers, batched images of
+    the same shape included, still equal ``generate``."""
+    from bubblefree.cuda_backend.vlm.model import tile_features
+
+    path = vlm_world.checkpoint(tmp_path, seed=3, text_type="llama", arch=arch)
+    model, processor = vlm_world.reference(path, arch)
+    engine = Engine.from_pretrained(str(path), **OPTIONS)
+    inner = engine.backend.vl.vlm.model
+    own, calls = inner.get_image_features, []
+
+    def as_rows(**pixels):
+        out = own(**pixels)
+        assert isinstance(out.pooler_output, (list, tuple))  # this transformers splits them
+        calls.append(pixels["pixel_values"].shape[0])
+        rows = torch.cat(list(out.pooler_output))
+        out.pooler_output = rows.view(-1, tile_features(model.config), rows.shape[-1])
+        return out
+
+    monkeypatch.setattr(inner, "get_image_features", as_rows)
+    try:
+        cases = [(image, q) for image in IMAGES for q in QUESTIONS[:2]]
+        expected = [vlm_world.generate(model, processor, image, q, 8) for image, q in cases]
+        got = [h.result(WAIT).tokens for h in engine.submit_many(
+            [("query", dict(image=image, question=q, max_tokens=8)) for image, q in cases])]
+        assert [list(t) for t in got] == expected
+        assert max(calls) == 2  # the same image twice in one tower call
+        wait_idle(engine)
+    finally:
+        engine.close()
 
 
 def test_an_encoded_image_is_encoded_once_and_answers_as_the_image_does(world):

@@ -11,7 +11,7 @@ import torch
 from bubblefree import Engine
 from tests import vlm_world
 from tests.serving_world import WAIT, wait_idle
-from tests.test_vlm import IMAGES, QUESTIONS
+from tests.vlm_world import IMAGES, QUESTIONS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs CUDA: streams, pinned memory and graphs")

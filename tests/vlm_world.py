@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 WORDS = ("<unk>", "<s>", "</s>", "<image>", "USER", "ASSISTANT", ":", "?", ".", ",", "what", "is",
          "in", "this", "image", "the", "a", "cat", "dog", "sky", "red", "blue", "describe", "Describe",
@@ -29,6 +31,15 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'].upper() }}: "
             "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
             "{% endif %} {% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 IMAGE_SIZE, PATCH = 28, 7  # 16 patches, 16 features per image (the CLS is dropped)
+QUESTIONS = ("what is in this image ?", "how many cat are there ?", "is the sky blue ?")
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+# Three shapes: tall, wide and square, each choosing another grid or tiling.
+IMAGES = (picture(40, 60, 0), picture(90, 30, 1), picture(28, 28, 2))
 
 
 # SmolVLM's: "<|im_start|>User:<image>question<end_of_utterance>\nAssistant:".
@@ -272,6 +283,13 @@ def processor(arch: str = "llava"):
                              chat_template=IDEFICS_TEMPLATE)
 
 
+def saved_images(path: Path):
+    """The checkpoint's image processor, loaded as the engine loads it."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path, local_files_only=True)
+
+
 class Rendered:
     """A stand-in processor's chat side: the tokenizer's template, as text."""
 
@@ -289,8 +307,8 @@ class QwenReference(Rendered):
     single image token repeated once per merged patch, and the token types
     (1 for the image's) from which the model computes its 3-D positions."""
 
-    def __init__(self):
-        super().__init__("qwen2_vl", qwen2_vl_images(), QWEN_TEMPLATE)
+    def __init__(self, path: Path):
+        super().__init__("qwen2_vl", saved_images(path), QWEN_TEMPLATE)
 
     def __call__(self, images=None, text="", return_tensors="pt", add_special_tokens=False):
         if images is not None and not isinstance(images, list):
@@ -312,8 +330,8 @@ class SmolReference(Rendered):
     be built without num2words and torchvision): its image processor's
     tiles and SmolVLM's own prompt string for their rows and columns."""
 
-    def __init__(self):
-        super().__init__("idefics3", smolvlm_images(), IDEFICS_TEMPLATE)
+    def __init__(self, path: Path):
+        super().__init__("idefics3", saved_images(path), IDEFICS_TEMPLATE)
 
     def __call__(self, images=None, text="", return_tensors="pt", add_special_tokens=False):
         from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
@@ -332,13 +350,19 @@ class SmolReference(Rendered):
 
 
 def reference(path: Path, arch: str = "llava"):
-    """transformers' own model and processor for ``path``."""
-    from transformers import AutoModelForImageTextToText
+    """transformers' own model and processor for ``path``, both loaded from
+    it as a user's ``generate`` would (a processor class can pick another
+    image backend than the one it was saved from: with torchvision,
+    transformers 5.17's Idefics3 resizes by another filter); the stand-ins
+    where the processor cannot load here."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     if arch == "smolvlm":
-        return model, SmolReference()
-    return model, QwenReference() if arch.startswith("qwen") else processor(arch)
+        return model, SmolReference(path)
+    if arch.startswith("qwen"):
+        return model, QwenReference(path)
+    return model, AutoProcessor.from_pretrained(path, local_files_only=True)
 
 
 def generate(model, processor, image, question: str, max_new_tokens: int) -> list[int]:

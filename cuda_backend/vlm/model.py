@@ -24,6 +24,7 @@ import attrs
 import torch
 from transformers import AutoModelForCausalLM
 
+from bubblefree.core.values import InvalidRequest
 from bubblefree.cuda_backend.errors import UnsupportedModel
 
 SUPPORTED = ("llava", "llava_next", "idefics3", "smolvlm", "paligemma", "qwen2_vl", "qwen2_5_vl")
@@ -92,6 +93,15 @@ class VisionLanguage:
         ``get_image_features``)."""
         out: Any = self.vlm.model.get_image_features(**pixels)
         features = getattr(out, "pooler_output", out)
+        images = pixels["pixel_values"].shape[0]
+        if not self.mrope and isinstance(features, torch.Tensor) and features.shape[0] != images:
+            # Idefics3's before transformers split them per image (5.17
+            # does not): its tiles as rows, [tiles, tokens, D]. The images
+            # of one call have the same shapes, so the same tile count.
+            if features.shape[0] % images:
+                raise InvalidRequest(f"image: the vision tower gave {features.shape[0]} tiles for {images} "
+                                     "images of the same shape")
+            features = features.view(images, -1, features.shape[-1])
         return [f.reshape(-1, f.shape[-1]) for f in features]
 
 
