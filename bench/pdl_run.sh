@@ -3,8 +3,8 @@
 # Its GPU tests, then for each shape (MODELS: phi llama1b qwen05b) the GEMM
 # tiles (bench.pdl_tune, saved as JSON) and whole steps without and with it
 # at 1, 8 and 32 rows, built in the same process (bench.profile_step --pdl
-# 0,8 with those tiles); then Phi's step with the split attention kernel
-# reading its keys before the wait (Dispatch.prefetch) against without.
+# 0,8 with those tiles); then each shape's step with the split attention
+# kernel reading its keys before the wait (Dispatch.prefetch) against without.
 # Everything printed is also written under $OUT: a
 # text file and the tiles per shape, eight files for the three shapes.
 #
@@ -33,8 +33,10 @@ for m in ${MODELS:-phi llama1b qwen05b}; do
     --paths fused+compile --pdl "0,${PDL_ROWS:-8}" $tiles --kernels-at 1 2>&1 \
     | grep -v -i -e warn -e USDT | tee -a "$out/$m.txt"
 done
-echo "== bench.profile_step --model phi --attention default,prefetch (keys read before the wait)"
-timeout -k 10 "${PROFILE_SECONDS:-95}" python3 -m bubblefree.bench.profile_step --model phi --rows 1,8 \
-  --paths fused+compile --attention default,prefetch 2>&1 | grep -v -i -e warn -e USDT \
-  | tee -a "$out/phi.txt"
+for m in ${MODELS:-phi llama1b qwen05b}; do
+  echo "== bench.profile_step --model $m --attention no-prefetch,prefetch (keys read before the wait)"
+  timeout -k 10 "${PROFILE_SECONDS:-95}" python3 -m bubblefree.bench.profile_step --model "$m" --rows 1,8 \
+    --paths fused+compile --attention no-prefetch,prefetch 2>&1 | grep -v -i -e warn -e USDT \
+    | tee -a "$out/$m.txt"
+done
 exit 0

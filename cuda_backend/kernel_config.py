@@ -80,12 +80,14 @@ class Dispatch:
     (docs/performance.md, "The attention kernels: measured per bucket").
     ``prefetch``: in a step of dependent launches (``pdl_step``), the split
     kernel reads its first keys and values before it waits for the q/k/v
-    projection (earlier steps wrote them); not yet measured, so off."""
+    projection (earlier steps wrote them): on the H200 a Phi-1.5-shaped step
+    went from 1.03 to 0.95 ms at one row, 1.11 to 1.08 at eight
+    (docs/performance.md, "Dependent launches")."""
     split_below: int = 512
     pipelined_below: int = 2048
     pipelined: Launch = Launch(stages=3)
     plain: Launch = Launch()
-    prefetch: bool = False
+    prefetch: bool = True
 
     def choose(self, rows: int, heads: int, length: int) -> Launch | None:
         """The one-pass launch for a bucket, or None for the split kernel."""
@@ -114,7 +116,7 @@ class Dispatch:
 
     def __str__(self) -> str:
         split = f"split below {self.split_below} programs, " if self.split_below > 0 else ""
-        early = "; under dependent launches, keys read before the wait" if self.prefetch else ""
+        early = "" if self.prefetch else "; under dependent launches, keys read after the wait"
         if self.pipelined == self.plain:
             return f"{split}one-pass {self.plain}{early}"
         return (f"{split}one-pass {self.pipelined} below {self.pipelined_below} "
@@ -251,17 +253,31 @@ MEASURED: Mapping[str, TileTable] = types.MappingProxyType({
 # Where the dependent-launch step (``pdl_step``) was measured faster, per
 # GPU and architecture: the buckets of rows that run it and its GEMM tiles
 # (``bench.pdl_tune``; docs/performance.md, "Dependent launches"). On the
-# H200 it took a Phi-1.5-shaped step from 1.18 to 1.03 ms at one row and
-# 1.21 to 1.11 at eight; Llama-3.2-1B's moved 1%, and Qwen2-0.5B's was 34%
-# slower (its down projection then computed silu(gate) * up itself, at half
-# cuBLAS' speed; the gate and up GEMM writes it now, not yet measured), so
-# they keep it off by default.
+# H200, at one row: a Phi-1.5-shaped step from 1.18 to 1.03 ms (0.95 with
+# the split kernel's keys read before the wait, ``Dispatch.prefetch``),
+# Llama-3.2-1B's from 1.13 to 0.99 and Qwen2-0.5B's from 1.03 to 0.86 once
+# the gate and up GEMM wrote silu(gate) * up itself
+# (docs/runs/pdl-run-2026-12-01b.txt).
 MEASURED_PDL: Mapping[str, Mapping[str, tuple[int, TileTable]]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
         "phi": (8, TileTable({
             (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
             (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
+        })),
+        "llama": (8, TileTable({
+            (2048, 3072): ((8, Tile(32, 256, 1, 4, 3)),),  # q, k, v
+            (2048, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # o, sums
+            (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
+            (8192, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # down, sums
+            (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
+        })),
+        "qwen2": (8, TileTable({
+            (896, 1152): ((1, Tile(32, 128, 1, 4, 3)), (8, Tile(16, 128, 1, 4, 3))),  # q, k, v
+            (896, 896): ((8, Tile(32, 64, 14, 4, 3)),),  # o, sums
+            (896, 9728): ((8, Tile(32, 128, 1, 4, 3)),),  # gate and up, silu(gate) * up
+            (4864, 896): ((8, Tile(32, 64, 4, 4, 3)),),  # down, sums
+            (896, 151936): ((8, Tile(64, 128, 1, 4, 3)),),  # head
         })),
     }),
 })

@@ -223,7 +223,7 @@ def test_the_dependent_step_in_bf16_keeps_the_phi15_shapes_tokens():
 
 def test_the_measured_defaults_name_their_architecture():
     """The dependent step is on by default only where it was measured faster
-    (MEASURED_PDL: the H200, Phi's architecture), never on the CPU."""
+    (MEASURED_PDL: the H200; Phi, Llama and Qwen2), never on the CPU."""
     from bubblefree.cuda_backend.kernel_config import MEASURED_PDL
     assert KernelConfig.measured("cpu", "phi").pdl_rows == 0
     for gpu, archs in MEASURED_PDL.items():
