@@ -1,13 +1,14 @@
 """A transformers LLaVA served by bubblefree against the same model's ``generate``.
 
     python -m bubblefree.bench.llava_speed [--streams 1,8,32] [--tokens 3,10]
-        [--reps 5] [--quick] [--out docs/benchmarks.md]
+        [--reps 5] [--quick] [--eager-prefill] [--out docs/benchmarks.md]
 
 One model, both sides: the peer's LLaVA of moondream2's shape
 (``vlm_peer.make_peer``: SigLIP 27 x 1152 at 378 px, 729 features, Phi-1.5
 text, random bf16), built once. bubblefree serves it through
 ``cuda_backend/vlm`` (its vision tower and projector in the image prefill,
-the text decoder on the two slots); transformers runs ``generate`` on it.
+replayed from graphs per image count unless ``--eager-prefill``; the text
+decoder on the two slots); transformers runs ``generate`` on it.
 Each cell is ``streams`` requests of the same shape submitted at once
 (``[BOS, 729 image positions, 12 prompt tokens]``, a fresh image each, no
 stop token, ``tokens`` new tokens), timed from submit to the last answer,
@@ -42,7 +43,7 @@ MODES = {"pipelined": True, "blocking": False, "auto": "auto"}
 ORDER = ("pipelined", "blocking", "auto", "auto", "blocking", "pipelined")
 
 
-def make_backend(model, device: torch.device, quick: bool):
+def make_backend(model, device: torch.device, quick: bool, prefill_graphs: bool = True):
     """The peer's model served; no tokenizer: the image's block is LLaVA's
     expansion, its pixels SigLIP's."""
     from transformers import SiglipImageProcessor
@@ -57,7 +58,8 @@ def make_backend(model, device: torch.device, quick: bool):
                             config.image_token_id, lambda _, n=config.image_seq_length: n)
     options = dict(max_rows=8, max_seqs=16, num_pages=256) if quick else dict(max_rows=64, max_seqs=128)
     return VlmBackend(VisionLanguage.of(model), processor, [BOS], "<image>",
-                      max_prefill_tokens=8192 if not quick else 2048, **options)
+                      max_prefill_tokens=8192 if not quick else 2048, prefill_graphs=prefill_graphs,
+                      **options)
 
 
 @contextlib.contextmanager
@@ -156,13 +158,15 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="a markdown file to write the table into")
     ap.add_argument("--record", type=Path, default=None, help="a JSON file for the raw numbers")
+    ap.add_argument("--eager-prefill", action="store_true",
+                    help="the vision tower and the prefills without graphs (prefill_graphs=False)")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     import transformers
 
     model = make_peer(device, dtype, tiny=args.quick)
-    backend = make_backend(model, device, args.quick)
+    backend = make_backend(model, device, args.quick, prefill_graphs=not args.eager_prefill)
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         for streams in (int(s) for s in args.streams.split(",")):
@@ -180,7 +184,8 @@ def main(argv: list[str] | None = None) -> str:
                   model=(f"LLaVA, SigLIP {vision.num_hidden_layers} x {vision.hidden_size} at "
                          f"{vision.image_size} px ({model.config.image_seq_length} features), "
                          f"Phi {model.config.text_config.num_hidden_layers} x {model.config.text_config.hidden_size}, "
-                         f"{str(dtype).removeprefix('torch.')}, served {backend.decode_path}"),
+                         f"{str(dtype).removeprefix('torch.')}, served {backend.decode_path}; "
+                         f"{backend.prefill_path}"),
                   rows=rows)
     if args.record is not None:
         args.record.write_text(json.dumps(record, indent=1))

@@ -138,3 +138,4 @@ def test_llava_speed_serves_the_peers_model_against_its_generate_and_writes_its_
     assert [r["streams"] for r in rec["rows"]] == [1, 3]
     assert all(r["same_tokens"] for r in rec["rows"])
     assert all(r["peer"]["req_s"] > 0 for r in rec["rows"])
+    assert "vision tower in eager buckets by image count, up to 8 a replay" in rec["model"]  # no CUDA

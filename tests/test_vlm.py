@@ -105,6 +105,50 @@ def test_a_text_question_on_the_vision_model_equals_generate_without_an_image(wo
     assert list(engine.submit("query", question=QUESTIONS[2], max_tokens=8).result(WAIT).tokens) == expected
 
 
+def test_the_tower_runs_by_image_count_where_its_input_has_one_shape(world):
+    """LLaVA's and PaliGemma's images all have one shape: their tower runs as
+    a graph per image count (here eagerly, the same buckets), up to the
+    rows a step can hold; the others' shapes follow the image, so theirs
+    runs eagerly. The parity tests above then prove the bucketed path."""
+    from bubblefree.cuda_backend.vlm.tower_graphs import FIXED
+
+    engine, model, _ = world
+    tower = engine.backend._tower
+    if model.config.model_type in FIXED:
+        assert tower is not None and tower.chunk == OPTIONS["max_rows"]
+        assert str(tower) in engine.backend.prefill_path
+        assert tower.takes(engine.images.ref(IMAGES[1]).source.tensors)
+    else:
+        assert tower is None and "vision tower eager" in engine.backend.prefill_path
+
+
+@pytest.mark.parametrize("arch, text", [("llava", "llama"), ("paligemma", "gemma")])
+def test_more_images_than_a_replay_holds_run_in_chunks_in_order(tmp_path, arch, text):
+    """Five images through a tower of two images a replay (2, 2, 1): each
+    image's features equal the tower's on that image alone, in order."""
+    from bubblefree.cuda_backend.graphs import GraphSet
+    from bubblefree.cuda_backend.vlm.tower_graphs import TowerGraphs
+
+    path = vlm_world.checkpoint(tmp_path, seed=5, text_type=text, arch=arch)
+    engine = Engine.from_pretrained(str(path), **OPTIONS)
+    try:
+        vl = engine.backend.vl
+        pixels = [engine.images.ref(vlm_world.picture(20 + 9 * i, 50 - 5 * i, i)).source.tensors
+                  for i in range(5)]
+        tower = TowerGraphs.make(vl, pixels[0], 2, GraphSet(engine.backend.device, False),
+                                 engine.backend.device, engine.backend.dtype)
+        assert tower is not None and tower.chunk == 2
+        with torch.no_grad():
+            got = tower.features(pixels)
+            alone = [vl.image_features(pixel_values=t["pixel_values"][None])[0] for t in pixels]
+        assert len(got) == 5
+        for g, a in zip(got, alone):
+            torch.testing.assert_close(g, a, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got[0], got[1])  # five images, five answers
+    finally:
+        engine.close()
+
+
 def test_the_prefix_is_the_head_and_the_processors_block(world):
     """The chat template's ids before the image, then what the model's
     processor expands the image token into: LLaVA's a placeholder per

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bubblefree import Engine
+from bubblefree.cuda_backend.vlm.tower_graphs import FIXED
 from tests import vlm_world
 from tests.serving_world import WAIT, wait_idle
 from tests.vlm_world import IMAGES, QUESTIONS
@@ -30,6 +31,8 @@ def test_answers_on_the_gpu_equal_generate(tmp_path, arch, text):
     engine = Engine.from_pretrained(str(path), dtype=torch.float32, **OPTIONS)
     try:
         assert engine.backend.device.type == "cuda"
+        if arch in FIXED:  # its tower replays graphs, captured at build
+            assert engine.backend._tower.graphs.enabled and len(engine.backend._tower.graphs) == 4
         ref = engine.images.ref(IMAGES[0])
         assert all(t.is_pinned() for t in ref.source.tensors.values())
         for pipelined in (False, True):

@@ -15,7 +15,9 @@ prefills as before). On top of it, ``Capacity.images``:
               PaliGemma's, both ways, as its text-only prefills). An
               encoded image keeps its prefix KV (a prefix LM's: its
               features) on the device after its first step
-              (``encode_image``). Eager: its shapes follow the prompts.
+              (``encode_image``). The tower replays graphs where its
+              input has one shape (``tower_graphs``: LLaVA, PaliGemma);
+              the rest is eager: its shapes follow the prompts.
     finalize, wait    the CudaBackend's.
 
 ``image_ref`` and ``encode_image`` are the host side, for callers' threads:
@@ -35,12 +37,13 @@ from PIL import Image
 from bubblefree.core.values import ImageRef, InvalidRequest, StepKind, StepPlan
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.errors import PlanRejected
-from bubblefree.cuda_backend.graphs import bucket
+from bubblefree.cuda_backend.graphs import GraphSet, bucket
 from bubblefree.cuda_backend.vlm import image_prefill
 from bubblefree.cuda_backend.slots import DecodeSlot
 from bubblefree.cuda_backend.vlm.model import VisionLanguage
 from bubblefree.cuda_backend.vlm.mrope import MropeRunner
 from bubblefree.cuda_backend.vlm.pixels import VlmPixels, prepare
+from bubblefree.cuda_backend.vlm.tower_graphs import TowerGraphs
 
 
 class VlmBackend(CudaBackend):
@@ -57,6 +60,7 @@ class VlmBackend(CudaBackend):
         self.head = np.asarray([int(t) for t in head], dtype=np.int64)
         if model.mrope:  # its decode steps add each row's rotary delta
             self.runner_class = MropeRunner
+        self._tower: TowerGraphs | None = None
         super().__init__(model.text, **options)
         for part in model.vision_parts:
             param = next(part.parameters())
@@ -65,6 +69,14 @@ class VlmBackend(CudaBackend):
                                      f"in {self.dtype} like the text, got {param.device} {param.dtype}")
         # One blank image: the processor's block must hold a placeholder per feature.
         probe = self._prepare(Image.new("RGB", (64, 48)), keep=False)
+        if self.prefill_graphs:  # the tower as graphs where its input has one shape (tower_graphs)
+            self._tower = TowerGraphs.make(model, probe.tensors, self._cap.max_rows,
+                                           GraphSet(self.device, True, share_pool_of=self._decode_graphs),
+                                           self.device, self.dtype)
+            if self._tower is not None:
+                with self._on(self._compute):
+                    self._tower.capture()
+                self._sync()
         with torch.no_grad():
             features = image_prefill.encode(self, [probe])[0]
         dim = model.text.get_input_embeddings().weight.shape[1]
@@ -83,7 +95,8 @@ class VlmBackend(CudaBackend):
 
     @property
     def prefill_path(self) -> str:
-        return f"images: vision tower and packed prefill, eager; text: {super().prefill_path}"
+        tower = self._tower or "vision tower eager"
+        return f"images: {tower}, packed prefill eager; text: {super().prefill_path}"
 
     # -- host side: callers' threads ---------------------------------------------------
 

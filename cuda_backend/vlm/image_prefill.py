@@ -111,13 +111,18 @@ def encode(be, sources: list[VlmPixels]) -> list[torch.Tensor]:
     """Each source's features ``[tokens, D]``: one tower call for images
     whose tensors have the same shapes (LLaVA's always do; LLaVA-NeXT's and
     Idefics3's when their grids do; Qwen's patches, rows, concatenate
-    whatever their count), copied from pinned memory without a wait."""
+    whatever their count), copied from pinned memory without a wait; a
+    graph replay per chunk where the backend has them (``tower_graphs``)."""
     groups: dict[tuple, list[int]] = {}
     for i, src in enumerate(sources):
         groups.setdefault(() if be.vl.mrope else src.shapes, []).append(i)
     join = torch.cat if be.vl.mrope else torch.stack
     out: list = [None] * len(sources)
     for members in groups.values():
+        if be._tower is not None and be._tower.takes(sources[members[0]].tensors):
+            for i, features in zip(members, be._tower.features([sources[i].tensors for i in members])):
+                out[i] = features
+            continue
         batch = {name: join([sources[i].tensors[name].to(be.device, non_blocking=True) for i in members])
                  for name in sources[members[0]].tensors}
         batch["pixel_values"] = batch["pixel_values"].to(be.dtype)
