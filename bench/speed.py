@@ -211,8 +211,8 @@ def main(argv: list[str] | None = None) -> str:
         torch.set_num_threads(threads)
 
 
-def decode_options(args, device, model_type: str | None) -> dict:
-    kernels = KernelConfig.measured(device, model_type)
+def decode_options(args, device, config) -> dict:
+    kernels = KernelConfig.measured(device, config)
     if args.pdl_rows is not None:
         kernels = attrs.evolve(kernels, pdl_rows=args.pdl_rows)
     kernels = attrs.evolve(kernels, dispatch=kernels.dispatch.forced(args.split_below,
@@ -253,7 +253,7 @@ def run(args, command: str) -> str:
                                max_rows=top, max_seqs=max(256, 2 * top),
                                max_prefill_tokens=max(2048, PROMPT * top), max_context=CONTEXT,
                                use_graphs=device.type == "cuda",
-                               **decode_options(args, device, model.config.model_type))
+                               **decode_options(args, device, model.config))
         env["decode"] = backend.decode_path + kernels_note(backend)
         env["prefill"] = backend.prefill_path
         args.clock.say(f"backend built in {time.perf_counter() - t:.1f} s (graphs captured); "

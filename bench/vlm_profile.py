@@ -115,11 +115,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="a prefill's rotary, KV write and activation in torch, not rope_store")
     args = ap.parse_args(argv)
     from bubblefree import Engine
+    from bubblefree.build import random_config
     from bubblefree.cuda_backend.kernel_config import KernelConfig
+    from bubblefree.cuda_backend.moondream.text import phi_config
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kernels = KernelConfig.measured(device, "phi")  # moondream2's decoder is Phi-shaped
-    engine = Engine.moondream_random("tiny" if args.tiny else "full", device=device,
+    config = random_config("tiny" if args.tiny else "full")
+    kernels = KernelConfig.measured(device, phi_config(config.text))  # its decoder is a Phi
+    engine = Engine.moondream_random(config, device=device,
                                      prefill_graphs=not args.eager_prefill,
                                      kernels=attrs.evolve(kernels,
                                                           prefill_store=not args.torch_prefill_store))

@@ -93,8 +93,8 @@ class CudaBackend:
         # Off: every prefill eager, decode steps still in graphs (a baseline).
         self.prefill_graphs = use_graphs and prefill_graphs
         # Which kernels a step runs, chosen once: every graph captures this.
-        model_type = getattr(getattr(module, "config", None), "model_type", None)
-        self.kernels = KernelConfig.measured(self.device, model_type) if kernels is None else kernels
+        measured = KernelConfig.measured(self.device, getattr(module, "config", None))
+        self.kernels = measured if kernels is None else kernels
         self._runner = self.runner_class(module, self.cache, self._cap, self.device,
                                          self.kernels, compile_decode=compile_decode,
                                          fused_decode=fused_decode, token_prefill=token_prefill)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import types
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -250,29 +251,48 @@ MEASURED: Mapping[str, TileTable] = types.MappingProxyType({
 })
 
 
+def model_shape(config: Any) -> tuple | None:
+    """What a measured decode step is keyed by: the architecture and the
+    widths that fix its GEMMs (transformers' config names): model type,
+    hidden size, MLP width, heads, KV heads, vocabulary. None without a
+    config."""
+    if config is None:
+        return None
+    heads = getattr(config, "num_attention_heads", None)
+    return (getattr(config, "model_type", None), getattr(config, "hidden_size", None),
+            getattr(config, "intermediate_size", None), heads,
+            getattr(config, "num_key_value_heads", None) or heads, getattr(config, "vocab_size", None))
+
+
+PHI_15 = ("phi", 2048, 8192, 32, 32, 51200)  # Phi-1.5, moondream2's text decoder
+LLAMA_32_1B = ("llama", 2048, 8192, 32, 8, 128256)
+QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
+
 # Where the dependent-launch step (``pdl_step``) was measured faster, per
-# GPU and architecture: the buckets of rows that run it and its GEMM tiles
-# (``bench.pdl_tune``; docs/performance.md, "Dependent launches"). On the
-# H200, at one row: a Phi-1.5-shaped step from 1.18 to 1.03 ms (0.95 with
-# the split kernel's keys read before the wait, ``Dispatch.prefetch``),
+# GPU and model shape (``model_shape``: its GEMMs' shapes, which its tiles
+# were tuned for; another shape of the same architecture is unmeasured and
+# keeps the compiled step): the buckets of rows that run it and its GEMM
+# tiles (``bench.pdl_tune``; docs/performance.md, "Dependent launches"). On
+# the H200, at one row: a Phi-1.5-shaped step from 1.18 to 1.03 ms (0.95
+# with the split kernel's keys read before the wait, ``Dispatch.prefetch``),
 # Llama-3.2-1B's from 1.13 to 0.99 and Qwen2-0.5B's from 1.03 to 0.86 once
 # the gate and up GEMM wrote silu(gate) * up itself
 # (docs/runs/pdl-run-2026-12-01b.txt).
-MEASURED_PDL: Mapping[str, Mapping[str, tuple[int, TileTable]]] = types.MappingProxyType({
+MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable]]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
-        "phi": (8, TileTable({
+        PHI_15: (8, TileTable({
             (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
             (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
         })),
-        "llama": (8, TileTable({
+        LLAMA_32_1B: (8, TileTable({
             (2048, 3072): ((8, Tile(32, 256, 1, 4, 3)),),  # q, k, v
             (2048, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # o, sums
             (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (8192, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # down, sums
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
         })),
-        "qwen2": (8, TileTable({
+        QWEN2_05B: (8, TileTable({
             (896, 1152): ((1, Tile(32, 128, 1, 4, 3)), (8, Tile(16, 128, 1, 4, 3))),  # q, k, v
             (896, 896): ((8, Tile(32, 64, 14, 4, 3)),),  # o, sums
             (896, 9728): ((8, Tile(32, 128, 1, 4, 3)),),  # gate and up, silu(gate) * up
@@ -311,14 +331,19 @@ class KernelConfig:
     pdl_tiles: TileTable = TileTable()
 
     @classmethod
-    def measured(cls, device: torch.device | str, model_type: str | None = None) -> "KernelConfig":
-        """The defaults, with the GEMM tiles measured for ``device``'s GPU
-        (none elsewhere, so cuBLAS, until it is measured) and, for a model
-        of ``model_type`` (transformers' name), the dependent-launch step
-        where it was measured faster on that GPU (``MEASURED_PDL``)."""
+    def measured(cls, device: torch.device | str, config: Any = None) -> "KernelConfig":
+        """The defaults measured for ``device``'s GPU (``for_gpu``), for a
+        model of transformers ``config``."""
         device = torch.device(device)
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        pdl_rows, pdl_tiles = MEASURED_PDL.get(name, {}).get(model_type, (0, TileTable()))
+        return cls.for_gpu(torch.cuda.get_device_name(device) if device.type == "cuda" else "", config)
+
+    @classmethod
+    def for_gpu(cls, name: str, config: Any = None) -> "KernelConfig":
+        """The defaults, with the GEMM tiles measured for the GPU ``name``
+        (none elsewhere, so cuBLAS, until it is measured) and, for a model
+        of ``config``'s shape, the dependent-launch step where it was
+        measured faster on that GPU (``MEASURED_PDL``)."""
+        pdl_rows, pdl_tiles = MEASURED_PDL.get(name, {}).get(model_shape(config), (0, TileTable()))
         return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles)
 
     def __str__(self) -> str:

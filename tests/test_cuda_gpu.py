@@ -32,13 +32,14 @@ def small(model, **kw):
     return CudaBackend(model, **args)
 
 
-def default_path(arch: str) -> str:
-    """The fused step's name for ``arch`` with this GPU's measured defaults:
-    with the dependent launches where they are on for it (kernel_config.MEASURED_PDL)."""
+def default_path(model) -> str:
+    """The fused step's name for ``model`` with this GPU's measured defaults:
+    with the dependent launches where they are on for its shape
+    (kernel_config.MEASURED_PDL)."""
     from bubblefree.cuda_backend.kernel_config import KernelConfig
     from bubblefree.cuda_backend.pdl import supported
-    rows = KernelConfig.measured("cuda", arch).pdl_rows if supported("cuda") else 0
-    return f"fused {arch}" + (f", dependent launches up to {rows} rows" if rows else "")
+    rows = KernelConfig.measured("cuda", model.config).pdl_rows if supported("cuda") else 0
+    return f"fused {model.config.model_type}" + (f", dependent launches up to {rows} rows" if rows else "")
 
 
 def reference(model, prompts, new):
@@ -156,7 +157,7 @@ def test_phi15_shape_bf16_agrees_with_transformers():
     prompts = [list(range(100, 132)), list(range(7000, 7011))]
     be = CudaBackend(model, page_size=16, num_pages=256, max_rows=4, max_seqs=4,
                      max_prefill_tokens=128, max_context=512)
-    assert be.decode_path == default_path("phi") + ", compiled"  # the default is what is checked
+    assert be.decode_path == default_path(model) + ", compiled"  # the default is what is checked
     got = generate(be, prompts, 24)
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
@@ -368,7 +369,7 @@ def test_compiled_decode_agrees_with_the_eager_graphs(arch, fused):
     model = tiny_model(arch, device="cuda", seed=4)
     want = generate(small(model, fused_decode=False), PROMPTS, 10)
     be = small(model, compile_decode=True, fused_decode=fused)
-    path = default_path(arch) if fused else "transformers"
+    path = default_path(model) if fused else "transformers"
     assert be.decode_path == f"{path}, compiled", "the compiled step failed to capture"
     assert generate(be, PROMPTS, 10) == want
 
@@ -391,7 +392,8 @@ def test_token_prefill_graphs_match_the_padded_prefill(arch):
 
 
 def test_the_default_on_cuda_is_the_fused_compiled_step():
-    be = CudaBackend(tiny_model("llama", device="cuda"), page_size=16, num_pages=64, max_rows=4,
-                     max_seqs=4, max_prefill_tokens=128, max_context=128)
-    assert be.decode_path == default_path("llama") + ", compiled"
+    model = tiny_model("llama", device="cuda")
+    be = CudaBackend(model, page_size=16, num_pages=64, max_rows=4, max_seqs=4, max_prefill_tokens=128,
+                     max_context=128)
+    assert be.decode_path == default_path(model) + ", compiled"
     assert be.prefill_path == "token rows in graphs up to 128 tokens, else transformers"

@@ -214,23 +214,43 @@ def test_the_dependent_step_in_bf16_keeps_the_phi15_shapes_tokens():
     prompts = [[5, 9, 17, 33, 4], [7, 8, 1000, 2000]]
     want = generate(_small(model, max_rows=4, compile_decode=True,
                            kernels=KernelConfig.measured("cuda")), prompts, 16)
-    be = _small(model, max_rows=4, kernels=attrs.evolve(KernelConfig.measured("cuda", "phi"),
+    be = _small(model, max_rows=4, kernels=attrs.evolve(KernelConfig.measured("cuda", model.config),
                                                         pdl_rows=4))
     got = generate(be, prompts, 16)
     # bf16 sums in another order may flip a near tie late; the first tokens agree.
     assert [g[:8] for g in got] == [w[:8] for w in want]
 
 
-def test_the_measured_defaults_name_their_architecture():
+def test_the_measured_defaults_name_their_shape():
     """The dependent step is on by default only where it was measured faster
-    (MEASURED_PDL: the H200; Phi, Llama and Qwen2), never on the CPU."""
-    from bubblefree.cuda_backend.kernel_config import MEASURED_PDL
-    assert KernelConfig.measured("cpu", "phi").pdl_rows == 0
-    for gpu, archs in MEASURED_PDL.items():
-        for arch, (rows, tiles) in archs.items():
-            assert rows > 0 and tiles.shapes(), (gpu, arch)
-            assert all(t is not None and t.fits(k) for (k, _), entries in tiles.entries
-                       for _, t in entries)
+    (MEASURED_PDL: the H200; the Phi-1.5, Llama-3.2-1B and Qwen2-0.5B
+    shapes), never on the CPU, nor for another shape of the same
+    architecture: its tiles were tuned for that shape's GEMMs, and each
+    measured shape's GEMMs all have one."""
+    from transformers import LlamaConfig
+
+    from bubblefree.bench.speed_setup import SHAPES
+    from bubblefree.cuda_backend.kernel_config import MEASURED_PDL, model_shape
+
+    assert set(MEASURED_PDL["NVIDIA H200"]) == {model_shape(s["config"]()) for s in SHAPES.values()}
+    for name, spec in SHAPES.items():
+        config = spec["config"]()
+        h200 = KernelConfig.for_gpu("NVIDIA H200", config)
+        assert h200.pdl_rows == 8, name
+        assert KernelConfig.measured("cpu", config).pdl_rows == 0
+        assert KernelConfig.for_gpu("NVIDIA H100 80GB HBM3", config).pdl_rows == 0
+        d, inter = config.hidden_size, config.intermediate_size
+        qkv = d + 2 * config.num_key_value_heads * (d // config.num_attention_heads)
+        shapes = {(d, qkv), (d, d), (d, 2 * inter), (inter, d), (d, config.vocab_size)}
+        if config.model_type == "phi":  # q, k, v and fc1 fused; dense and fc2 fused
+            shapes = {(d, 3 * d + inter), (d + inter, d), (d, config.vocab_size)}
+        assert set(h200.pdl_tiles.shapes()) == shapes, name
+        for (k, _), entries in h200.pdl_tiles.entries:
+            assert all(t is not None and t.fits(k) for _, t in entries)
+    other = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256)  # Llama-3-8B's widths
+    assert KernelConfig.for_gpu("NVIDIA H200", other).pdl_rows == 0
+    assert KernelConfig.for_gpu("NVIDIA H200", None).pdl_rows == 0
 
 
 @pytest.mark.parametrize("arch", ["phi", "llama", "qwen2"])
