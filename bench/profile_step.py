@@ -18,8 +18,9 @@ bucket), ``separate`` (rotary and the KV write as compiled kernels before
 attention, not inside it), ``act-separate`` (only Phi's MLP activation as a
 kernel of its own), ``prefetch`` and ``no-prefetch`` (under dependent
 launches, the split kernel's first keys read before it waits, or not:
-``Dispatch.prefetch``), or a one-pass launch such as ``1x16w1s1`` (in every
-bucket).
+``Dispatch.prefetch``), ``last-combines`` (under dependent launches, the
+split kernel's last programs combine: ``KernelConfig.last_combines``), or a
+one-pass launch such as ``1x16w1s1`` (in every bucket).
 ``--gemm`` builds it once more per GEMM choice listed, with the default
 attention: ``cublas`` everywhere, or a table of our kernel's tiles (JSON,
 from ``bench.gemm_tune --save``). Otherwise the step's GEMMs are the
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
     ap.add_argument("--attention", default="",
                     help="attention choices for the last path: default, split, separate, "
-                    "act-separate, prefetch, no-prefetch, or launches")
+                    "act-separate, prefetch, no-prefetch, last-combines, or launches")
     ap.add_argument("--gemm", default="", help="GEMM choices for the last path: cublas, or "
                     "JSON files of tiles")
     ap.add_argument("--pdl", default="", help="KernelConfig.pdl_rows values for the last path")
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                  "split": attrs.evolve(default, dispatch=default.dispatch.forced(1 << 30)),
                  "separate": attrs.evolve(default, new_token=False),
                  "act-separate": attrs.evolve(default, mlp_act=False),
+                 "last-combines": attrs.evolve(default, last_combines=True),
                  **{name: attrs.evolve(default, dispatch=attrs.evolve(default.dispatch, prefetch=on))
                     for name, on in (("prefetch", True), ("no-prefetch", False))}}
     for x in args.attention.split(","):

@@ -321,7 +321,11 @@ class KernelConfig:
     whose kernels are all ours, each launched dependent on the one before
     (``pdl_step``; Hopper and later, with ``new_token``); 0: none. Their
     GEMMs take ``pdl_tiles``' tile for a shape and row count where it has
-    one (``bench.pdl_tune``), else ``step_tile``'s."""
+    one (``bench.pdl_tune``), else ``step_tile``'s. ``last_combines``: in
+    that step the split attention kernel's last program of each (row,
+    head) combines the partial states, instead of a second kernel (one
+    launch fewer a layer); checked bit for bit on the CPU (Triton's
+    interpreter), not yet measured, so off."""
     dispatch: Dispatch = Dispatch()
     new_token: bool = True
     mlp_act: bool = True
@@ -329,6 +333,7 @@ class KernelConfig:
     tiles: TileTable = TileTable()
     pdl_rows: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     pdl_tiles: TileTable = TileTable()
+    last_combines: bool = False
 
     @classmethod
     def measured(cls, device: torch.device | str, config: Any = None) -> "KernelConfig":
@@ -356,4 +361,6 @@ class KernelConfig:
             where += "; prefill's rotary and KV write in torch"
         if self.pdl_rows:
             where += f"; dependent launches up to {self.pdl_rows} rows"
+            if self.last_combines:
+                where += ", the split kernel's last programs combining"
         return f"attention: {self.dispatch}{where}; GEMM: {self.tiles}"

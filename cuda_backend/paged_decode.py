@@ -136,11 +136,15 @@ def one_pass(q, keys, values, page_table, positions, page_size: int, scale: floa
 def split_attention(q, keys, values, page_table, positions, page_size: int, scale: float,
                     window: int, out: torch.Tensor | None = None,
                     new: NewToken | None = None, act: Activation | None = None,
-                    pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
+                    pdl: bool = False, prefetch: bool = False,
+                    counters: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-decoding: each (row, head) spread over programs of ``chunk``
     keys, then one combining pass (why: docs/performance.md). ``new`` and
     ``act`` as in ``one_pass``: the combining pass writes and adds the
-    step's own key, and applies the activation."""
+    step's own key, and applies the activation. With ``counters`` (int32,
+    at least ``[B * H]``, zero, and left zero) the last program of each
+    (row, head) combines instead of a second kernel (``split_kernel``'s
+    LAST_COMBINES)."""
     b, h, d = q.shape
     length = page_table.shape[1] * page_size
     chunk = split_chunk(length)
@@ -150,29 +154,37 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
     acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty((b, h, values.shape[2]), dtype=q.dtype, device=q.device)
+    if counters is not None and (counters.dtype != torch.int32 or counters.numel() < b * h):
+        raise ValueError(f"split_attention: counters must be int32 with at least {b * h} entries")
     group = h // keys.shape[1]
     rotary = _rotary_args(new, q)
+    combine = dict(out_ptr=out, so_b=out.stride(0), so_h=out.stride(1), **_token_args(new, q),
+                   **_act_args(act, q, h), BLOCK_S=_next_power_of_2(splits))
     kernels.split_kernel[(b, h, splits)](
         q, keys, values, page_table, positions, m, l, acc,
         **_cache_args(q, keys, values), spt_b=page_table.stride(0), scale=scale, window=window,
         chunk=chunk, splits=splits, heads=h, **rotary,
+        cnt_ptr=counters if counters is not None else m, **combine,
         GROUP=group, PS=page_size, D=d, BLOCK_D=_next_power_of_2(d), BLOCK_N=32, num_warps=2,
-        PDL=pdl, PREFETCH=pdl and prefetch, **launch_options(pdl))
-    kernels.combine_kernel[(b, h)](
-        m, l, acc, out, splits=splits, heads=h, so_b=out.stride(0), so_h=out.stride(1),
-        q_ptr=q, k_ptr=keys, v_ptr=values, **_cache_args(q, keys, values), scale=scale,
-        **rotary, **_token_args(new, q), **_act_args(act, q, h),
-        D=d, BLOCK_D=_next_power_of_2(d), BLOCK_S=_next_power_of_2(splits), GROUP=group,
-        num_warps=2, PDL=pdl, **launch_options(pdl))
+        PDL=pdl, PREFETCH=pdl and prefetch, LAST_COMBINES=counters is not None,
+        **launch_options(pdl))
+    if counters is None:
+        kernels.combine_kernel[(b, h)](
+            m, l, acc, splits=splits, heads=h, q_ptr=q, k_ptr=keys, v_ptr=values,
+            **_cache_args(q, keys, values), scale=scale, **rotary, **combine,
+            D=d, BLOCK_D=_next_power_of_2(d), GROUP=group, num_warps=2, PDL=pdl,
+            **launch_options(pdl))
     return out
 
 
 def run(q, keys, values, page_table, positions, page_size: int, scale: float, window: int,
         dispatch: Dispatch, new: NewToken | None = None, out: torch.Tensor | None = None,
-        act: Activation | None = None, pdl: bool = False) -> torch.Tensor:
+        act: Activation | None = None, pdl: bool = False,
+        counters: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel ``dispatch`` picks for these shapes, into ``out`` ``[B, H,
     Dv]`` (a new one by default); ``pdl``: launched dependent on the kernel
-    before (``cuda_backend.pdl``)."""
+    before (``cuda_backend.pdl``); ``counters``: the split kernel's last
+    programs combine (``split_attention``)."""
     b, h, d = q.shape
     if out is None:
         out = torch.empty((b, h, values.shape[2]), dtype=q.dtype, device=q.device)
@@ -181,7 +193,7 @@ def run(q, keys, values, page_table, positions, page_size: int, scale: float, wi
     launch = dispatch.choose(b, h, length)
     if launch is None:
         split_attention(q, keys, values, page_table, positions, page_size, scale, window, out,
-                        new, act, pdl, dispatch.prefetch)
+                        new, act, pdl, dispatch.prefetch, counters)
     else:
         one_pass(q, keys, values, page_table, positions, page_size, scale, window, out, launch,
                  new, act, pdl)

@@ -8,7 +8,8 @@ once, with an online softmax in float32:
   few of its heads, walks the whole context, BLOCK_N keys per iteration;
 - ``split_kernel`` then ``combine_kernel`` (flash-decoding): each (row,
   head) is spread over programs of ``chunk`` keys, whose partial softmax
-  states the second pass combines.
+  states the second pass combines; or, with LAST_COMBINES, the last of
+  those programs to finish combines them (one launch fewer).
 
 With NEW (a compile-time flag) q arrives before its rotary embedding and the
 step's own key and value come raw: rotary, the KV write and attention run as
@@ -182,16 +183,29 @@ if triton is not None:
                       cs_ptr, sn_ptr,
                       sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, spt_b, scs_b,
                       scale, window, chunk, splits, heads,
+                      cnt_ptr, out_ptr, so_b, so_h, kn_ptr, vn_ptr, slot_ptr, f_ptr, fo_ptr,
+                      skn_b, skn_h, svn_b, svn_h, sf_b, sfo_b, f_per, f_n,
                       GROUP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
-                      ROT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                      ROT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                      LAST_COMBINES: tl.constexpr, BLOCK_S: tl.constexpr, ACT: tl.constexpr,
+                      BLOCK_F: tl.constexpr):
         """Keys ``s * chunk ..`` of one (row, head): the partial softmax state
         (max, sum, unnormalised output) for ``combine_kernel``. With NEW, q
         arrives before its rotary embedding and the step's own key (position
         pos) is left to the combining pass, which writes it. With PREFETCH
         (under PDL) the first block's keys and values are read before the
         wait: they are earlier steps' (positions before pos), and the
-        positions and page table were copied in before the step began."""
+        positions and page table were copied in before the step began.
+
+        With LAST_COMBINES the combining pass is this kernel's: each program
+        counts itself in at ``cnt_ptr[b * heads + h]`` once its state is
+        stored (a barrier, then an acquire-release add: every earlier
+        program's stores are visible to the one that counts last), and the
+        last of the (row, head) resets the count to 0 for the next launch
+        and runs ``_combine`` (the arguments after ``cnt_ptr`` are
+        ``combine_kernel``'s). The step's own key is written there as
+        before: no program of this kernel reads position pos."""
         if not PREFETCH:
             enter(PDL)
         b = tl.program_id(0)
@@ -257,32 +271,40 @@ if triton is not None:
         tl.store(m_ptr + at, m_i)
         tl.store(l_ptr + at, l_i)
         tl.store(acc_ptr + at * D + d, acc, mask=dmask)
+        if LAST_COMBINES:
+            tl.debug_barrier()  # the program's stores all made before it counts itself in
+            arrived = tl.atomic_add(cnt_ptr + b * heads + h, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                tl.atomic_xchg(cnt_ptr + b * heads + h, 0, sem="relaxed", scope="gpu")
+                _combine(b, h, m_ptr, l_ptr, acc_ptr, out_ptr, splits, heads, so_b, so_h,
+                         q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr,
+                         fo_ptr, sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h, svn_b, svn_h,
+                         scs_b, sf_b, sfo_b, f_per, f_n, scale,
+                         D, BLOCK_D, BLOCK_S, GROUP, NEW, ROT, ACT, BLOCK_F)
 
     @triton.jit
-    def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, splits, heads, so_b, so_h,
-                        q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr,
-                        fo_ptr,
-                        sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h, svn_b, svn_h, scs_b,
-                        sf_b, sfo_b, f_per, f_n, scale,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                        GROUP: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
-                        ACT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
+    def _combine(b, h, m_ptr, l_ptr, acc_ptr, out_ptr, splits, heads, so_b, so_h,
+                 q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr, fo_ptr,
+                 sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h, svn_b, svn_h, scs_b,
+                 sf_b, sfo_b, f_per, f_n, scale,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                 GROUP: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
+                 ACT: tl.constexpr, BLOCK_F: tl.constexpr):
         """One (row, head): its splits' partial states into the output. An
         empty split (max -inf) weighs exp(-inf) = 0. With NEW the step's own
         key and value join here as one more state (``_new_token``); with ACT
-        the row's programs write act(f) as ``one_pass_kernel``'s do."""
-        enter(PDL)
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+        the row's programs write act(f) as ``one_pass_kernel``'s do. The
+        partial states are read past L1 (``.cg``): in ``split_kernel``'s
+        last program they are other programs' stores."""
         first = (b * heads + h) * splits
         si = tl.arange(0, BLOCK_S)
         smask = si < splits
-        m = tl.load(m_ptr + first + si, mask=smask, other=-float("inf"))
-        l = tl.load(l_ptr + first + si, mask=smask, other=0.0)
+        m = tl.load(m_ptr + first + si, mask=smask, other=-float("inf"), cache_modifier=".cg")
+        l = tl.load(l_ptr + first + si, mask=smask, other=0.0, cache_modifier=".cg")
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
         acc = tl.load(acc_ptr + (first + si)[:, None] * D + d[None, :],
-                      mask=smask[:, None] & dmask[None, :], other=0.0)
+                      mask=smask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
         if NEW:
             q = _rope(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
                       dmask, ROT)
@@ -300,3 +322,20 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
         if ACT != 0:
             _activate(f_ptr + b * sf_b, fo_ptr + b * sfo_b, h, f_per, f_n, ACT, BLOCK_F)
+
+    @triton.jit
+    def combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, splits, heads, so_b, so_h,
+                        q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr,
+                        fo_ptr,
+                        sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h, svn_b, svn_h, scs_b,
+                        sf_b, sfo_b, f_per, f_n, scale,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                        GROUP: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
+                        ACT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
+        """One program per (row, head): ``_combine``."""
+        enter(PDL)
+        _combine(tl.program_id(0), tl.program_id(1), m_ptr, l_ptr, acc_ptr, out_ptr, splits,
+                 heads, so_b, so_h, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr,
+                 slot_ptr, f_ptr, fo_ptr, sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h,
+                 svn_b, svn_h, scs_b, sf_b, sfo_b, f_per, f_n, scale,
+                 D, BLOCK_D, BLOCK_S, GROUP, NEW, ROT, ACT, BLOCK_F)

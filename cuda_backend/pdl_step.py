@@ -15,7 +15,9 @@ each takes to get going. Here:
   itself (``skinny_gemm``'s GLU: each program owns the same columns of
   both), so the down projection reads it as is;
 - the attention kernels (rotary, the KV write, and Phi's activation inside
-  them) launch dependent too.
+  them) launch dependent too; with ``KernelConfig.last_combines`` the
+  split kernel's last programs combine its states, without a second
+  kernel.
 
 A Phi layer is four kernels (five with the split attention kernel at few
 rows); a Llama or Qwen2 layer six (seven). The layer functions take and
@@ -75,7 +77,7 @@ def attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, mlp=None) -> torch
         k = F.layer_norm(k, (dims.head_dim,), qk_norm[2], qk_norm[3], dims.eps)
     out = rope_attend(q, k, v, cos, sin, kv, ctx.slot_mapping, ctx.page_table, ctx.q_pos[:, 0],
                       ctx.cache.page_size, dims.scaling, window, mlp, dims.act,
-                      dispatch=ctx.dispatch, pdl=True)
+                      dispatch=ctx.dispatch, pdl=True, counters=dims.counters)
     return out if mlp is not None else out.reshape(b, -1)
 
 

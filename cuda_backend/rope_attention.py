@@ -49,13 +49,16 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
                 sin: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor,
                 page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                 scaling: float | None, window: int | None, mlp: torch.Tensor | None = None,
-                act: int = 0, *, dispatch: Dispatch, pdl: bool = False) -> torch.Tensor:
+                act: int = 0, *, dispatch: Dispatch, pdl: bool = False,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
     """One decode query per row. q ``[B, H, D]``, k and v ``[B, KVH, D]``
     before rotary; cos, sin ``[B, ROT]``; kv the layer's cache ``[2, N *
     page_size, KVH, D]``, written at ``slot`` ``[B]``; page table ``[B, P]``;
     positions ``[B]`` (the query's, and the new key's). Returns ``[B, H, Dv]``
     in q's dtype. ``dispatch`` picks the attention kernel on CUDA; ``pdl``
-    launches it dependent on the kernel before (``cuda_backend.pdl``).
+    launches it dependent on the kernel before (``cuda_backend.pdl``);
+    ``counters`` (int32, zero, one per (row, head) at least): the split
+    kernel's last programs combine (``paged_decode.split_attention``).
 
     Every row is its own sequence: it sees the cache as it was before the
     op, plus its own new key. Rows never see each other's (the token rows of
@@ -89,16 +92,17 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     scale = scaling if scaling is not None else d ** -0.5
     return _rope_attend(q, k, v, cos, sin, kv, slot, page_table, positions, page_size,
                         float(scale), int(window) if window is not None else paged_decode.NO_WINDOW,
-                        mlp, act if mlp is not None else 0, dispatch.scalars(), pdl)
+                        mlp, act if mlp is not None else 0, dispatch.scalars(), pdl, counters)
 
 
 # Takes the dispatch as integers (Dispatch.scalars), as paged_decode's op does.
-@torch.library.custom_op("bubblefree::rope_attend", mutates_args=("kv",))
+@torch.library.custom_op("bubblefree::rope_attend", mutates_args=("kv", "counters"))
 def _rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor,
                  page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                  scale: float, window: int, mlp: torch.Tensor | None,
-                 act: int, dispatch: list[int], pdl: bool = False) -> torch.Tensor:
+                 act: int, dispatch: list[int], pdl: bool = False,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
     b, h, _ = q.shape
     dv = kv.shape[3]
     if not paged_decode.available(q):
@@ -111,18 +115,18 @@ def _rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     chosen = Dispatch.from_scalars(dispatch)
     if mlp is None:
         return paged_decode.run(q, kv[0], kv[1], page_table, positions, page_size, scale,
-                                window, chosen, new=new, pdl=pdl)
+                                window, chosen, new=new, pdl=pdl, counters=counters)
     row = q.new_empty((b, h * dv + mlp.shape[1]))  # [attention | act(mlp)]
     attention = row[:, :h * dv].view(b, h, dv)
     rider = paged_decode.Activation(mlp, row[:, h * dv:], act)
     paged_decode.run(q, kv[0], kv[1], page_table, positions, page_size, scale, window, chosen,
-                     new=new, out=attention, act=rider, pdl=pdl)
+                     new=new, out=attention, act=rider, pdl=pdl, counters=counters)
     return row
 
 
 @_rope_attend.register_fake
 def _(q, k, v, cos, sin, kv, slot, page_table, positions, page_size, scale, window, mlp, act,
-      dispatch, pdl=False):
+      dispatch, pdl=False, counters=None):
     if mlp is None:
         return q.new_empty((q.shape[0], q.shape[1], kv.shape[3]))
     return q.new_empty((q.shape[0], q.shape[1] * kv.shape[3] + mlp.shape[1]))

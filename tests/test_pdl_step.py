@@ -80,6 +80,8 @@ def test_add_norm_names_mismatched_inputs():
 def test_pdl_rows_is_a_count_and_says_itself():
     assert "dependent launches up to 8 rows" in str(KernelConfig(pdl_rows=8))
     assert "dependent" not in str(KernelConfig())
+    assert "last programs combining" in str(KernelConfig(pdl_rows=8, last_combines=True))
+    assert "combining" not in str(KernelConfig(last_combines=True))  # no dependent step: no effect
     with pytest.raises(ValueError):
         KernelConfig(pdl_rows=-1)
 
@@ -89,9 +91,9 @@ def test_where_it_cannot_launch_dependent_the_step_is_the_usual_one():
     from tests.test_cuda_fused import backend, decode_logits
     model = tiny_model("llama", seed=7)
     plain = backend(model)
-    asked = backend(model, kernels=KernelConfig(pdl_rows=64))
+    asked = backend(model, kernels=KernelConfig(pdl_rows=64, last_combines=True))
     decoder = asked._runner.decoder
-    assert not pdl.supported("cpu") and decoder.dims.pdl_rows == 0
+    assert not pdl.supported("cpu") and decoder.dims.pdl_rows == 0 and decoder.dims.counters is None
     assert asked.decode_path == plain.decode_path == "fused llama"
     torch.manual_seed(0)
     plain.cache.data.normal_()
@@ -279,6 +281,30 @@ def test_the_dependent_steps_layers_compute_the_usual_step(arch):
     assert torch.equal(be.cache.data, plain.cache.data)  # the same keys and values written
 
 
+def _split_case(pages: int, seed: int):
+    """Three rows over ``pages`` pages of 4 each (the last one's query near
+    its end), four query heads over two KV heads of 64, on the GPU: q, keys,
+    values, the page table and the positions."""
+    torch.manual_seed(seed)
+    b, h, kvh, d, ps, n = 3, 4, 2, 64, 4, pages + 64
+    dev = dict(device="cuda")
+    keys, values = torch.randn(n * ps, kvh, d, **dev), torch.randn(n * ps, kvh, d, **dev)
+    table = torch.stack([torch.randperm(n - 1, **dev)[:pages] + 1 for _ in range(b)])
+    positions = torch.tensor([5, 17, pages * ps - 9], **dev)
+    return torch.randn(b, h, d, **dev), keys, values, table, positions
+
+
+def _own_token(on: bool):
+    """The step's own keys and values for ``_split_case``'s rows, or None."""
+    from bubblefree.cuda_backend import paged_decode as pd
+    if not on:
+        return None
+    g, dev = torch.Generator(device="cuda").manual_seed(1), dict(device="cuda")
+    return pd.NewToken(torch.randn(3, 2, 64, generator=g, **dev), torch.randn(3, 2, 64, generator=g, **dev),
+                       torch.randn(3, 32, generator=g, **dev), torch.randn(3, 32, generator=g, **dev),
+                       torch.arange(3, **dev))
+
+
 @PDL
 @pytest.mark.parametrize("new_token", [False, True])
 @pytest.mark.parametrize("window", [None, 9])
@@ -289,29 +315,63 @@ def test_keys_read_before_the_wait_change_nothing(new_token, window, pages):
     one block per program and with several (600 pages of 4: 64-key chunks)."""
     from bubblefree.cuda_backend import paged_decode as pd
     from bubblefree.cuda_backend.kernel_config import Dispatch
-    torch.manual_seed(pages)
-    b, h, kvh, d, ps, n = 3, 4, 2, 64, 4, pages + 64
-    dev = dict(device="cuda")
-    keys, values = torch.randn(n * ps, kvh, d, **dev), torch.randn(n * ps, kvh, d, **dev)
-    table = torch.stack([torch.randperm(n - 1, **dev)[:pages] + 1 for _ in range(b)])
-    positions = torch.tensor([5, 17, pages * ps - 9], **dev)
-    q = torch.randn(b, h, d, **dev)
+    q, keys, values, table, positions = _split_case(pages, pages)
     outs = []
     for prefetch in (False, True):
         kc, vc = keys.clone(), values.clone()
-        new = None
-        if new_token:
-            g = torch.Generator(device="cuda").manual_seed(1)
-            new = pd.NewToken(torch.randn(b, kvh, d, generator=g, **dev),
-                              torch.randn(b, kvh, d, generator=g, **dev),
-                              torch.randn(b, 32, generator=g, **dev),
-                              torch.randn(b, 32, generator=g, **dev), torch.arange(b, **dev))
         dispatch = Dispatch(split_below=1 << 30, prefetch=prefetch)
-        out = pd.run(q, kc, vc, table, positions, ps, 0.125,
-                     window if window is not None else pd.NO_WINDOW, dispatch, new=new, pdl=True)
+        out = pd.run(q, kc, vc, table, positions, 4, 0.125,
+                     window if window is not None else pd.NO_WINDOW, dispatch,
+                     new=_own_token(new_token), pdl=True)
         outs.append((out, kc, vc))
     (a, ka, va), (c, kc, vc) = outs
     assert torch.equal(a, c) and torch.equal(ka, kc) and torch.equal(va, vc)
+
+
+@PDL
+@pytest.mark.parametrize("new_token", [False, True])
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("pages", [12, 600])
+@pytest.mark.parametrize("act", [0, 1])
+def test_the_last_programs_combining_changes_nothing(new_token, window, pages, act):
+    """KernelConfig.last_combines: the split kernel's last program of each
+    (row, head) combines, instead of combine_kernel. Same outputs, cache
+    and activation, bit for bit, whichever program finishes last (600
+    pages of 4: 38 programs a (row, head)); the counters are left zero.
+    Each case runs eight times: a race would show as a difference."""
+    from bubblefree.cuda_backend import paged_decode as pd
+    q, keys, values, table, positions = _split_case(pages, pages + act)
+    f = torch.randn(3, 40, device="cuda")
+    counters = torch.zeros(3 * 4, dtype=torch.int32, device="cuda")
+    outs = []
+    for last in [False] + [True] * 8:
+        kc, vc = keys.clone(), values.clone()
+        rider = pd.Activation(f, torch.empty_like(f), act) if act else None
+        out = torch.empty_like(q)
+        pd.split_attention(q, kc, vc, table, positions, 4, 0.125,
+                           window if window is not None else pd.NO_WINDOW, out,
+                           _own_token(new_token), rider, pdl=True,
+                           counters=counters if last else None)
+        outs.append((out, kc, vc, rider.dst if rider else out))
+    torch.cuda.synchronize()
+    want = outs[0]
+    for got in outs[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(want, got))
+    assert not counters.any()
+
+
+@PDL
+@pytest.mark.parametrize("arch", ["phi", "llama", "qwen2"])
+def test_the_dependent_step_with_the_last_programs_combining_decodes_the_same_tokens(arch):
+    from bubblefree.cuda_backend.kernel_config import Dispatch
+    model = tiny_model(arch, device="cuda", seed=4)
+    want = generate(_small(model, kernels=KernelConfig.measured("cuda")), PROMPTS, 10)
+    kernels = attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8, last_combines=True,
+                           dispatch=Dispatch(split_below=1 << 30))  # the split kernel everywhere
+    be = _small(model, kernels=kernels)
+    assert "dependent launches up to 8 rows" in be.decode_path
+    assert "last programs combining" in str(be.kernels)
+    assert generate(be, PROMPTS, 10) == want
 
 
 @PDL
