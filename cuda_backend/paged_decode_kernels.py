@@ -280,7 +280,7 @@ if triton is not None:
                          q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr,
                          fo_ptr, sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h, svn_b, svn_h,
                          scs_b, sf_b, sfo_b, f_per, f_n, scale,
-                         D, BLOCK_D, BLOCK_S, GROUP, NEW, ROT, ACT, BLOCK_F)
+                         D, BLOCK_D, BLOCK_S, GROUP, NEW, ROT, ACT, BLOCK_F, True)
 
     @triton.jit
     def _combine(b, h, m_ptr, l_ptr, acc_ptr, out_ptr, splits, heads, so_b, so_h,
@@ -289,22 +289,28 @@ if triton is not None:
                  sf_b, sfo_b, f_per, f_n, scale,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                  GROUP: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
-                 ACT: tl.constexpr, BLOCK_F: tl.constexpr):
+                 ACT: tl.constexpr, BLOCK_F: tl.constexpr, PAST_L1: tl.constexpr):
         """One (row, head): its splits' partial states into the output. An
         empty split (max -inf) weighs exp(-inf) = 0. With NEW the step's own
         key and value join here as one more state (``_new_token``); with ACT
-        the row's programs write act(f) as ``one_pass_kernel``'s do. The
-        partial states are read past L1 (``.cg``): in ``split_kernel``'s
-        last program they are other programs' stores."""
+        the row's programs write act(f) as ``one_pass_kernel``'s do. With
+        PAST_L1 the partial states are read past L1 (``.cg``): in
+        ``split_kernel``'s last program they are other programs' stores."""
         first = (b * heads + h) * splits
         si = tl.arange(0, BLOCK_S)
         smask = si < splits
-        m = tl.load(m_ptr + first + si, mask=smask, other=-float("inf"), cache_modifier=".cg")
-        l = tl.load(l_ptr + first + si, mask=smask, other=0.0, cache_modifier=".cg")
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
-        acc = tl.load(acc_ptr + (first + si)[:, None] * D + d[None, :],
-                      mask=smask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+        states = acc_ptr + (first + si)[:, None] * D + d[None, :]
+        if PAST_L1:
+            m = tl.load(m_ptr + first + si, mask=smask, other=-float("inf"), cache_modifier=".cg")
+            l = tl.load(l_ptr + first + si, mask=smask, other=0.0, cache_modifier=".cg")
+            acc = tl.load(states, mask=smask[:, None] & dmask[None, :], other=0.0,
+                          cache_modifier=".cg")
+        else:
+            m = tl.load(m_ptr + first + si, mask=smask, other=-float("inf"))
+            l = tl.load(l_ptr + first + si, mask=smask, other=0.0)
+            acc = tl.load(states, mask=smask[:, None] & dmask[None, :], other=0.0)
         if NEW:
             q = _rope(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
                       dmask, ROT)
@@ -338,4 +344,4 @@ if triton is not None:
                  heads, so_b, so_h, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr,
                  slot_ptr, f_ptr, fo_ptr, sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h,
                  svn_b, svn_h, scs_b, sf_b, sfo_b, f_per, f_n, scale,
-                 D, BLOCK_D, BLOCK_S, GROUP, NEW, ROT, ACT, BLOCK_F)
+                 D, BLOCK_D, BLOCK_S, GROUP, NEW, ROT, ACT, BLOCK_F, False)
