@@ -2,8 +2,9 @@
 
 The picture is encoded once (``encode_image``); a caption (streamed as it is
 decoded), a question, and point and detect where the model has a region
-head (moondream2), are submitted together and share their steps. Then the same four requests are timed in both modes
-(pipelined and blocking: one engine, one flag), alternating after a warm-up.
+head (moondream2), are submitted together and share their steps. Then the
+same requests are timed in both modes (pipelined and blocking: one engine,
+one flag), alternating after a warm-up.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def calls(engine: Engine, image: Any, max_tokens: int, show=None) -> list[tuple[
 
 
 def ask_all(engine: Engine, image: Any, max_tokens: int, stream_caption: bool) -> tuple[list, float]:
-    """The four requests submitted together; (results, seconds)."""
+    """``calls``' requests submitted together; (results, seconds)."""
     return submit_timed(engine, calls(engine, image, max_tokens, printer(engine) if stream_caption else None))
 
 

@@ -234,7 +234,10 @@ def test_an_encoded_image_is_encoded_once_and_answers_as_the_image_does(world):
     tower, text = engine.backend.vl.vision_parts[0], engine.backend.vl.text
     images_seen: list[int] = []
     prefilled: list[int] = []  # tokens each image prefill's text forward ran over
-    hooks = [tower.register_forward_hook(lambda mod, args, out: images_seen.append(1)),
+    def seen(mod, args, kwargs, out):  # the first dimension of the tower's pixels, per call
+        images_seen.append((args[0] if args else kwargs["pixel_values"]).shape[0])
+
+    hooks = [tower.register_forward_hook(seen, with_kwargs=True),
              text.register_forward_pre_hook(lambda mod, args, kwargs: prefilled.append(
                  kwargs["inputs_embeds"].shape[1]) if kwargs.get("inputs_embeds") is not None else None,
                  with_kwargs=True)]
@@ -246,6 +249,7 @@ def test_an_encoded_image_is_encoded_once_and_answers_as_the_image_does(world):
         assert len(images_seen) == 1  # three rows, one batch through the tower
         first = [h.result(WAIT).tokens for h in engine.submit_many(calls[3:])]
         assert len(images_seen) == 2  # the encoded image, once for its three rows
+        assert images_seen[0] == 3 * images_seen[1]  # and one image's pixels, not three copies
         prefilled.clear()
         again = [engine.submit(skill, **args).result(WAIT).tokens for skill, args in calls[3:]]
         prompts = [len(engine.skills.request(skill, **dict(args, image=engine.images.ref(encoded))).prompt)

@@ -163,16 +163,17 @@ class VlmBackend(CudaBackend):
 
     def _features(self, s: DecodeSlot, sources: list[VlmPixels]) -> torch.Tensor:
         """These rows' image features, concatenated ``[placeholders, D]``:
-        the tower and projector over the images without features yet; an
-        encoded image on a prefix LM keeps what it got (elsewhere it keeps
-        its prefix's KV instead, ``image_prefill``)."""
-        fresh = [i for i, src in enumerate(sources) if src.features is None]
+        the tower and projector over the images without features yet, each
+        once however many rows share it (an encoded image); an encoded
+        image on a prefix LM keeps what it got (elsewhere it keeps its
+        prefix's KV instead, ``image_prefill``)."""
         self._kept[s.index] = list(sources)
-        computed = dict(zip(fresh, image_prefill.encode(self, [sources[i] for i in fresh]))) if fresh else {}
-        for i, features in computed.items():
-            if sources[i].keep and self.vl.prefix_lm and sources[i].features is None:  # twice: the first
-                sources[i].features = features
-        return torch.cat([computed[i] if i in computed else src.features for i, src in enumerate(sources)])
+        todo = list({id(src): src for src in sources if src.features is None}.values())
+        computed = dict(zip(map(id, todo), image_prefill.encode(self, todo))) if todo else {}
+        for src in todo:
+            if src.keep and self.vl.prefix_lm:
+                src.features = computed[id(src)]
+        return torch.cat([computed.get(id(src), src.features) for src in sources])
 
     def _settle(self, s: DecodeSlot, failed: bool) -> None:
         """A step's end: a failed one's encoded images forget the features
