@@ -96,13 +96,16 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
 
 
 # Takes the dispatch as integers (Dispatch.scalars), as paged_decode's op does.
+# No argument has a default: torch 2.11 drops trailing arguments equal to
+# their defaults before it bumps the mutated ones' versions, so a defaulted
+# ``counters=None`` raised IndexError in every eager call.
 @torch.library.custom_op("bubblefree::rope_attend", mutates_args=("kv", "counters"))
 def _rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, kv: torch.Tensor, slot: torch.Tensor,
                  page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                  scale: float, window: int, mlp: torch.Tensor | None,
-                 act: int, dispatch: list[int], pdl: bool = False,
-                 counters: torch.Tensor | None = None) -> torch.Tensor:
+                 act: int, dispatch: list[int], pdl: bool,
+                 counters: torch.Tensor | None) -> torch.Tensor:
     b, h, _ = q.shape
     dv = kv.shape[3]
     if not paged_decode.available(q):
@@ -126,7 +129,7 @@ def _rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
 
 @_rope_attend.register_fake
 def _(q, k, v, cos, sin, kv, slot, page_table, positions, page_size, scale, window, mlp, act,
-      dispatch, pdl=False, counters=None):
+      dispatch, pdl, counters):
     if mlp is None:
         return q.new_empty((q.shape[0], q.shape[1], kv.shape[3]))
     return q.new_empty((q.shape[0], q.shape[1] * kv.shape[3] + mlp.shape[1]))
