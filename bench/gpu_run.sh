@@ -16,7 +16,7 @@ mkdir -p "$out"
 } 2>&1 | tee "$out/env.txt"
 # The GGUF loader tests need the embedded model's package, which this machine
 # lacks; they run in CI on the CPU.
-timeout "${TEST_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -rs -q -s \
+timeout "${TEST_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -p no:warnings -rs -s \
   --junitxml="$out/gpu_tests.xml" -k "${GPU_TESTS:-}" \
   tests/test_cuda_gpu.py tests/test_cuda_fused.py tests/test_cuda_parity.py \
   tests/test_cuda_attention.py tests/test_cuda_sampling.py tests/test_cuda_backend.py \

@@ -23,7 +23,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OF
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__)"
 } 2>&1 | tee "$out/env.txt"
 echo "== GPU tests of the dependent-launch step"
-timeout -k 10 "${TEST_SECONDS:-150}" python3 -m pytest -p no:cacheprovider -q -rs tests/test_pdl_step.py 2>&1 \
+timeout -k 10 "${TEST_SECONDS:-150}" python3 -m pytest -p no:cacheprovider -p no:warnings -rs tests/test_pdl_step.py 2>&1 \
   | grep -v -i warn | tee "$out/gpu-tests.txt"
 for m in ${MODELS:-phi llama1b qwen05b}; do
   [ "${TUNE:-1}" = 0 ] && break  # the attention comparison alone

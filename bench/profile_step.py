@@ -19,8 +19,12 @@ attention, not inside it), ``act-separate`` (only Phi's MLP activation as a
 kernel of its own), ``prefetch`` and ``no-prefetch`` (under dependent
 launches, the split kernel's first keys read before it waits, or not:
 ``Dispatch.prefetch``), ``last-combines`` (under dependent launches, the
-split kernel's last programs combine: ``KernelConfig.last_combines``), or a
-one-pass launch such as ``1x16w1s1`` (in every bucket).
+split kernel's last programs combine: ``KernelConfig.last_combines``),
+``splitsN`` (the split kernel's programs per (row, head) at most N:
+``Dispatch.max_splits``), or a one-pass launch such as ``1x16w1s1`` (in
+every bucket). ``--context`` sets the step's position, and the page bucket
+the graphs are timed in is the one a sequence that long decodes in (a
+moondream2 query, its 730-position image prefix and prompt, is about 760).
 ``--gemm`` builds it once more per GEMM choice listed, with the default
 attention: ``cublas`` everywhere, or a table of our kernel's tiles (JSON,
 from ``bench.gemm_tune --save``). Otherwise the step's GEMMs are the
@@ -43,6 +47,7 @@ import torch
 from bubblefree.bench.speed_setup import DECODE_PATHS as PATHS
 from bubblefree.bench.speed_setup import SHAPES, build_model
 from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.graphs import bucket
 from bubblefree.cuda_backend.kernel_config import KernelConfig, Launch, TileTable
 
 
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
     ap.add_argument("--attention", default="",
                     help="attention choices for the last path: default, split, separate, "
-                    "act-separate, prefetch, no-prefetch, last-combines, or launches")
+                    "act-separate, prefetch, no-prefetch, last-combines, splitsN, or launches")
     ap.add_argument("--gemm", default="", help="GEMM choices for the last path: cublas, or "
                     "JSON files of tiles")
     ap.add_argument("--pdl", default="", help="KernelConfig.pdl_rows values for the last path")
@@ -111,7 +116,10 @@ def main(argv: list[str] | None = None) -> None:
                  **{name: attrs.evolve(default, dispatch=attrs.evolve(default.dispatch, prefetch=on))
                     for name, on in (("prefetch", True), ("no-prefetch", False))}}
     for x in args.attention.split(","):
-        if x and x not in attention:
+        if x.startswith("splits") and x[6:].isdigit():
+            attention[x] = attrs.evolve(default, dispatch=attrs.evolve(
+                default.dispatch, max_splits=int(x[6:])))
+        elif x and x not in attention:
             dispatch = default.dispatch.forced(split_below=0, launch=Launch.parse(x))
             attention[x] = attrs.evolve(default, dispatch=dispatch)
     gemms = {"default": default.tiles, "cublas": TileTable()}
@@ -127,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
             else runs + [(paths[-1], "default", "default", None)])
     results: dict[str, list[float]] = {}
     be = None
+    if args.context < 1:
+        ap.error(f"--context must be at least 1, not {args.context}")
+    # Buckets as a server's: powers of two of pages from 256 positions.
+    max_context = max(256, 1 << args.context.bit_length())
     for i, (path, chosen, gemm, pdl_rows) in enumerate(runs):
         kernels = attrs.evolve(attention[chosen], tiles=gemms[gemm])
         if pdl_rows is not None:
@@ -140,9 +152,9 @@ def main(argv: list[str] | None = None) -> None:
         name = f"{path} [{', '.join(choice)}]" if choice else path
         t = time.perf_counter()
         be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=64, max_seqs=64,
-                         max_prefill_tokens=2048, max_context=256, kernels=kernels,
+                         max_prefill_tokens=2048, max_context=max_context, kernels=kernels,
                          **PATHS[path])
-        p = be._pages[0]
+        p = bucket(args.context // be.capacity.page_size + 1, be._pages)
         print(f"{name}: runs as '{be.decode_path}', built in {time.perf_counter() - t:.1f} s; "
               f"page bucket {p}", flush=True)
         results[name] = [time_graph(be, b, p, args.context) for b in rows]
@@ -158,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, ms in results.items():
         print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in ms) + " |")
     print(f"\nkernels of '{be.decode_path}':")
-    print(top_kernels(be, args.kernels_at, be._pages[0]))
+    print(top_kernels(be, args.kernels_at, p))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ day="$(date -u +%Y-%m-%d)"
 } 2>&1 | tee "$out/env.txt"
 if [ -n "${VLM_TESTS-tests/test_moondream_gpu.py tests/test_resample.py tests/test_moondream_crops.py tests/test_vlm_gpu.py}" ]; then
   echo "== GPU tests of the image path"
-  timeout -k 10 "${TEST_SECONDS:-240}" python3 -m pytest -p no:cacheprovider -q -rs \
+  timeout -k 10 "${TEST_SECONDS:-240}" python3 -m pytest -p no:cacheprovider -p no:warnings -rs \
     ${VLM_TESTS-tests/test_moondream_gpu.py tests/test_resample.py tests/test_moondream_crops.py tests/test_vlm_gpu.py} 2>&1 \
     | grep -v -i warn | tee "$out/gpu-tests.txt"
 fi

@@ -63,10 +63,12 @@ class Launch:
         return launch
 
 
-def split_chunk(length: int) -> int:
+def split_chunk(length: int, max_splits: int = 64) -> int:
     """Keys per program of the split kernel: 32, or more so that a bucket of
-    ``length`` keys needs at most 64 programs per (row, head)."""
-    per = -(-length // 64)
+    ``length`` keys needs at most ``max_splits`` programs per (row, head)."""
+    if max_splits < 1:
+        raise ValueError(f"split_chunk: max_splits must be at least 1, not {max_splits}")
+    per = -(-length // max_splits)
     return max(32, 1 << (per - 1).bit_length())
 
 
@@ -83,31 +85,43 @@ class Dispatch:
     kernel reads its first keys and values before it waits for the q/k/v
     projection (earlier steps wrote them): on the H200 a Phi-1.5-shaped step
     went from 1.03 to 0.95 ms at one row, 1.11 to 1.08 at eight
-    (docs/performance.md, "Dependent launches")."""
+    (docs/performance.md, "Dependent launches"). ``max_splits``: the split
+    kernel's programs per (row, head) at most (``split_chunk``); more keys
+    per program past that."""
     split_below: int = 512
     pipelined_below: int = 2048
     pipelined: Launch = Launch(stages=3)
     plain: Launch = Launch()
     prefetch: bool = True
+    max_splits: int = attrs.field(default=64)
+
+    @max_splits.validator
+    def _positive(self, _, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"Dispatch.max_splits must be a positive int, not {value!r}")
+
+    def chunk(self, length: int) -> int:
+        """The split kernel's keys per program for a bucket of ``length``."""
+        return split_chunk(length, self.max_splits)
 
     def choose(self, rows: int, heads: int, length: int) -> Launch | None:
         """The one-pass launch for a bucket, or None for the split kernel."""
         programs = rows * heads
-        if programs < self.split_below and length > split_chunk(length):
+        if programs < self.split_below and length > self.chunk(length):
             return None
         return self.pipelined if programs < self.pipelined_below else self.plain
 
     def scalars(self) -> list[int]:
         """The dispatch as the custom ops take it (``from_scalars``)."""
         return [self.split_below, self.pipelined_below, *attrs.astuple(self.pipelined),
-                *attrs.astuple(self.plain), int(self.prefetch)]
+                *attrs.astuple(self.plain), int(self.prefetch), self.max_splits]
 
     @classmethod
     def from_scalars(cls, values: list[int]) -> "Dispatch":
-        if len(values) != 11:
-            raise ValueError(f"a dispatch is 11 integers, not {len(values)}")
+        if len(values) != 12:
+            raise ValueError(f"a dispatch is 12 integers, not {len(values)}")
         return cls(values[0], values[1], Launch(*values[2:6]), Launch(*values[6:10]),
-                   bool(values[10]))
+                   bool(values[10]), values[11])
 
     def forced(self, split_below: int | None = None, launch: Launch | None = None) -> "Dispatch":
         """This dispatch with a split threshold and/or one launch for every
@@ -118,6 +132,8 @@ class Dispatch:
     def __str__(self) -> str:
         split = f"split below {self.split_below} programs, " if self.split_below > 0 else ""
         early = "" if self.prefetch else "; under dependent launches, keys read after the wait"
+        if self.max_splits != Dispatch.__attrs_attrs__.max_splits.default:
+            early += f"; at most {self.max_splits} split programs per (row, head)"
         if self.pipelined == self.plain:
             return f"{split}one-pass {self.plain}{early}"
         return (f"{split}one-pass {self.pipelined} below {self.pipelined_below} "

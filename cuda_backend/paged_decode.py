@@ -137,9 +137,10 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
                     window: int, out: torch.Tensor | None = None,
                     new: NewToken | None = None, act: Activation | None = None,
                     pdl: bool = False, prefetch: bool = False,
-                    counters: torch.Tensor | None = None) -> torch.Tensor:
+                    counters: torch.Tensor | None = None, max_splits: int = 64) -> torch.Tensor:
     """Flash-decoding: each (row, head) spread over programs of ``chunk``
-    keys, then one combining pass (why: docs/performance.md). ``new`` and
+    keys (``split_chunk``: at most ``max_splits`` programs), then one
+    combining pass (why: docs/performance.md). ``new`` and
     ``act`` as in ``one_pass``: the combining pass writes and adds the
     step's own key, and applies the activation. With ``counters`` (int32,
     at least ``[B * H]``, zero, and left zero) the last program of each
@@ -147,7 +148,7 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
     LAST_COMBINES)."""
     b, h, d = q.shape
     length = page_table.shape[1] * page_size
-    chunk = split_chunk(length)
+    chunk = split_chunk(length, max_splits)
     splits = -(-length // chunk)
     m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
@@ -193,7 +194,7 @@ def run(q, keys, values, page_table, positions, page_size: int, scale: float, wi
     launch = dispatch.choose(b, h, length)
     if launch is None:
         split_attention(q, keys, values, page_table, positions, page_size, scale, window, out,
-                        new, act, pdl, dispatch.prefetch, counters)
+                        new, act, pdl, dispatch.prefetch, counters, dispatch.max_splits)
     else:
         one_pass(q, keys, values, page_table, positions, page_size, scale, window, out, launch,
                  new, act, pdl)

@@ -60,18 +60,36 @@ def test_where_the_new_token_and_the_activation_run_is_named():
 
 
 @pytest.mark.parametrize("dispatch", [Dispatch(), Dispatch().forced(0, Launch(4, 32, 2, 3)),
-                                      Dispatch(7, 9, Launch(2, 64, 4, 1), Launch(8, 16, 1, 2))])
+                                      Dispatch(7, 9, Launch(2, 64, 4, 1), Launch(8, 16, 1, 2)),
+                                      Dispatch(prefetch=False, max_splits=16)])
 def test_the_ops_read_back_the_dispatch_they_are_given(dispatch):
     """The custom ops take the dispatch as integers; every field survives."""
     scalars = dispatch.scalars()
     assert all(type(x) is int for x in scalars)
     assert Dispatch.from_scalars(scalars) == dispatch
-    with pytest.raises(ValueError, match="11 integers, not 10"):
-        Dispatch.from_scalars(scalars[:10])
+    with pytest.raises(ValueError, match="12 integers, not 11"):
+        Dispatch.from_scalars(scalars[:11])
 
 
-def test_split_chunks_cap_the_programs_per_row_and_head():
-    for length in (16, 32, 144, 2048, 2049, 32768):
-        chunk = split_chunk(length)
-        assert chunk >= 32 and chunk & (chunk - 1) == 0 and -(-length // chunk) <= 64
-        assert chunk == 32 or -(-length // (chunk // 2)) > 64  # the least such power of two
+@pytest.mark.parametrize("cap", [64, 16, 5, 1])
+def test_split_chunks_cap_the_programs_per_row_and_head(cap):
+    for length in (16, 32, 144, 1024, 2048, 2049, 32768):
+        chunk = split_chunk(length, cap)
+        assert chunk >= 32 and chunk & (chunk - 1) == 0 and -(-length // chunk) <= cap
+        assert chunk == 32 or -(-length // (chunk // 2)) > cap  # the least such power of two
+        assert Dispatch(max_splits=cap).chunk(length) == chunk
+    assert split_chunk(1024) == 32 and split_chunk(1024, 16) == 64
+
+
+def test_a_split_cap_other_than_the_default_says_itself():
+    assert "split programs" not in str(Dispatch())
+    assert str(Dispatch(max_splits=16)).endswith("; at most 16 split programs per (row, head)")
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True, "16", None])
+def test_a_split_cap_that_is_not_a_positive_int_is_refused(bad):
+    with pytest.raises(ValueError, match="max_splits"):
+        Dispatch(max_splits=bad)
+    if isinstance(bad, int) and not isinstance(bad, bool):
+        with pytest.raises(ValueError, match="max_splits must be at least 1"):
+            split_chunk(64, bad)
