@@ -86,6 +86,8 @@ CASES = [
      {"model": "m", "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
      422, "messages[0].content[0].type"),
     ("five stop strings", "POST", "/v1/completions", {"prompt": "a", "stop": list("abcde")}, 422, "stop"),
+    ("a stop string of 1,001 characters", "POST", "/v1/completions", {"prompt": "a", "stop": "s" * 1001},
+     422, "stop"),
     ("n = 2", "POST", "/v1/chat/completions", chat(n=2), 422, "n"),
     ("empty prompt", "POST", "/v1/completions", {"prompt": ""}, 422, "prompt"),
     ("unknown route", "GET", "/v1/nothing", None, 404, None),

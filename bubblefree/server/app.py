@@ -11,13 +11,13 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from bubblefree.core import InvalidRequest
 from bubblefree.engine import Engine
 from bubblefree.server import moondream_api, openai_api
 from bubblefree.server.admission import Admission
-from bubblefree.server.errors import ApiError, error_body, field_of, on_api_error, on_http_error
+from bubblefree.server.errors import ApiError, ErrorJSON, error_json, field_of, on_api_error, on_http_error
 from bubblefree.server.flow import Served
 from bubblefree.server.guard import Guard
 from bubblefree.server.observe import Observer
@@ -54,11 +54,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     return app
 
 
-async def _on_invalid(request: Request, err: InvalidRequest) -> JSONResponse:
-    return JSONResponse(error_body(422, str(err), field_of(str(err))), 422)
+async def _on_invalid(request: Request, err: InvalidRequest) -> ErrorJSON:
+    return error_json(422, str(err), field_of(str(err)))
 
 
-async def _on_validation(request: Request, err: RequestValidationError) -> JSONResponse:
+async def _on_validation(request: Request, err: RequestValidationError) -> ErrorJSON:
     first = err.errors()[0] if err.errors() else {}
     field = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
-    return JSONResponse(error_body(422, f"{field}: {first.get('msg', 'invalid')}", field), 422)
+    return error_json(422, f"{field}: {first.get('msg', 'invalid')}", field)

@@ -8,6 +8,7 @@ reading the server's logs.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from starlette.requests import Request
@@ -31,8 +32,23 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
                       "param": param, "code": status}}
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param), err.status, err.headers)
+class ErrorJSON(JSONResponse):
+    """A refusal's body, escaped to ASCII: its message quotes what the
+    client sent, and a field name holding a lone surrogate (valid JSON,
+    ``"\\ud800"``) has no UTF-8 form; rendered raw it failed inside the
+    error handler and the client got a plain-text 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
+def error_json(status: int, message: str, param: str | None = None,
+               headers: dict[str, str] | None = None) -> ErrorJSON:
+    return ErrorJSON(error_body(status, message, param), status, headers)
+
+
+def error_response(err: ApiError) -> ErrorJSON:
+    return error_json(err.status, err.message, err.param, err.headers)
 
 
 def field_of(message: str) -> str | None:
@@ -41,13 +57,13 @@ def field_of(message: str) -> str | None:
     return head if sep and head and " " not in head else None
 
 
-async def on_api_error(request: Request, err: ApiError) -> JSONResponse:
+async def on_api_error(request: Request, err: ApiError) -> ErrorJSON:
     return error_response(err)
 
 
-async def on_http_error(request: Request, err: Any) -> JSONResponse:
+async def on_http_error(request: Request, err: Any) -> ErrorJSON:
     """Starlette's own refusals (no such route, wrong method) in the same shape."""
     status = getattr(err, "status_code", 500)
     message = {404: f"no route {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(status, str(err.detail))
-    return JSONResponse(error_body(status, message), status, getattr(err, "headers", None))
+    return error_json(status, message, None, getattr(err, "headers", None))

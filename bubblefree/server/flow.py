@@ -11,7 +11,7 @@ import attrs
 from starlette.requests import Request
 from starlette.responses import Response
 
-from bubblefree.core import InvalidRequest
+from bubblefree.core import InvalidRequest, Status
 from bubblefree.engine import Engine, EngineStopped, RequestFailed
 from bubblefree.server.admission import Admission, Ticket
 from bubblefree.server.errors import ApiError, field_of
@@ -78,7 +78,7 @@ async def _collect(run: Run, stops: tuple[str, ...]) -> Text:
             if stop.stopped:
                 break
     except RequestFailed as err:
-        raise ApiError(500, f"request: {err.result.finish_reason}", "request") from None
+        raise failure(err) from None
     finally:
         await run.pieces.aclose()  # type: ignore[attr-defined]  # a stop cancels the rest
     parts.append(stop.flush())
@@ -86,13 +86,26 @@ async def _collect(run: Run, stops: tuple[str, ...]) -> Text:
 
 
 def stream(served: Served, run: Run, ticket: Ticket, events: AsyncIterator[Any],
-           on_timeout: Callable[[], list[Any]]) -> EventStream:
+           ending: Callable[[ApiError], list[Any]]) -> EventStream:
+    """``ending``: the API's last events for a stream the deadline (504) or
+    the server's shutdown (503) ends."""
     def on_end() -> None:
         ticket.leave()
         if not run.handle.done:
             run.handle.cancel()
         served.observer.tokens(run.prompt_tokens, run.completion_tokens)
-    return EventStream(events, served.settings.request_timeout_s, on_timeout, on_end)
+    return EventStream(events, served.settings.request_timeout_s, ending, on_end)
+
+
+def failure(err: RequestFailed) -> ApiError:
+    """A request that ended without completing, as the client's error: a
+    503 if it was cancelled (the server cancels only for a client that
+    left, the deadline or a stop string, which never get here: so the
+    engine closed under it), else a 500 with the reason."""
+    if err.result.status is Status.CANCELLED:
+        return ApiError(503, f"engine: stopping; the request was cancelled before it ended "
+                             f"({err.result.finish_reason})", "engine", headers={"Retry-After": "1"})
+    return ApiError(500, f"request: {err.result.finish_reason}", "request")
 
 
 def gone() -> Response:
@@ -100,4 +113,4 @@ def gone() -> Response:
     return Response(status_code=499)
 
 
-__all__ = ["ClientGone", "Served", "Text", "complete", "gone", "start", "stream"]
+__all__ = ["ClientGone", "Served", "Text", "complete", "failure", "gone", "start", "stream"]

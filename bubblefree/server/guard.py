@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import json
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bubblefree.server.errors import ApiError, error_body
@@ -19,6 +20,7 @@ from bubblefree.server.settings import ServerSettings
 
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe carries no key
 CLIENT_GONE = 499  # recorded for a request whose client left before its answer
+SERVER_ERROR = 500  # recorded for one whose route raised before answering
 
 
 class Guard:
@@ -43,6 +45,14 @@ class Guard:
             return
         try:
             await self.app(scope, self._limited(receive), counted_send)
+        except Exception as err:
+            # Raised before an answer: the server failed (the error
+            # middleware outside answers 500), unless the client went away.
+            if not answered:
+                gone = isinstance(err, (OSError, ClientDisconnect))
+                answered.append(CLIENT_GONE if gone else SERVER_ERROR)
+                self.observer.answered(path, answered[0])
+            raise
         finally:
             if not answered:
                 self.observer.answered(path, CLIENT_GONE)
@@ -51,7 +61,7 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         key = self.settings.api_key
         if key is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get("x-moondream-auth") or headers.get("authorization", "").removeprefix("Bearer ")
+            given = headers.get("x-moondream-auth") or _credentials(headers.get("authorization", ""))
             if not hmac.compare_digest(given.strip().encode(), key.encode()):
                 return ApiError(401, "api key: missing or wrong; send Authorization: Bearer <key>",
                                 "authorization", headers={"WWW-Authenticate": "Bearer"})
@@ -71,6 +81,13 @@ class Guard:
                     raise _too_large(limit)  # raised inside the route's body read: answered as 413
             return message
         return limited
+
+
+def _credentials(authorization: str) -> str:
+    """The key in an Authorization header: after the Bearer scheme, whose
+    name is case-insensitive (RFC 9110, 11.1), or the whole value."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token if scheme.lower() == "bearer" else authorization
 
 
 def _too_large(limit: int) -> ApiError:

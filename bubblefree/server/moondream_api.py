@@ -30,6 +30,8 @@ from bubblefree.server.runs import Run, run_skill
 
 # The engine's field names, and the client's.
 NAMES = {"max_tokens": "settings.max_tokens", "max_objects": "settings.max_objects", "image": "image_url"}
+# The client's field the engine's "prompt" was made from, by skill.
+PROMPTS = {"query": "question", "point": "object", "detect": "object", "segment": "object"}
 RESULT = {"query": ("answer",), "caption": ("caption",), "point": ("points",), "detect": ("objects",),
           "segment": ("path", "bbox")}
 
@@ -89,13 +91,12 @@ async def _skill(served: Served, request: Request, body: Fields, skill: str, arg
     def begin() -> Run:
         return run_skill(served.engine, skill, **args)
 
+    names = {**NAMES, "prompt": PROMPTS[skill]} if skill in PROMPTS else NAMES
     if stream:
-        run, ticket = flow.start(served, begin, NAMES)
-        return flow.stream(served, run, ticket, _chunks(run),
-                           lambda: [_failure(504, f"request: not finished within "
-                                                  f"{served.settings.request_timeout_s:g} s; cancelled")])
+        run, ticket = flow.start(served, begin, names)
+        return flow.stream(served, run, ticket, _chunks(run), lambda err: [_failure(err)])
     try:
-        done = await flow.complete(served, request, begin, names=NAMES)
+        done = await flow.complete(served, request, begin, names=names)
     except ClientGone:
         return flow.gone()
     output = done.run.handle.output(0)
@@ -108,13 +109,13 @@ async def _chunks(run: Run) -> AsyncIterator[dict]:
         async for piece in run.pieces:
             yield {"chunk": piece, "completed": False}
     except RequestFailed as err:
-        yield _failure(500, f"request: {err.result.finish_reason}")
+        yield _failure(flow.failure(err))
         return
     yield {"chunk": "", "completed": True}
 
 
-def _failure(status: int, message: str) -> dict:
-    return {**error_body(status, message, "request"), "completed": True}
+def _failure(err: ApiError) -> dict:
+    return {**error_body(err.status, err.message, err.param), "completed": True}
 
 
 def _settings(body: Fields, spatial: bool) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from bubblefree.server.errors import ApiError, error_body
 from bubblefree.server.flow import ClientGone, Served
 from bubblefree.server.images import read_image
 from bubblefree.server.runs import Run, chat_prompt, finish_reason, run_prompt
-from bubblefree.server.stops import StopText
+from bubblefree.server.stops import MAX_STOP_CHARS, StopText
 
 ROLES = ("system", "user", "assistant")
 
@@ -110,12 +110,14 @@ def _content(content: Any, where: str, images: list[tuple[str, Any]]) -> str:
         kind = fields.text("type")
         if kind == "text":
             texts.append(fields.text("text"))
+            fields.done()
         elif kind == "image_url":
             image = fields.nested("image_url")
             url = image.raw("url") if image is not None else None
             if image is not None:
                 image.text("detail", None)  # OpenAI's resolution hint: the model sees the image as it is
                 image.done()
+            fields.done()
             images.append((f"{at}.image_url.url", url))
         else:
             raise fields.refuse("type", f"must be text or image_url, got {kind!r}")
@@ -153,6 +155,9 @@ def _stops(body: Fields) -> tuple[str, ...]:
     if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(
             isinstance(s, str) and s for s in stops):
         raise body.refuse("stop", "must be a non-empty string or an array of 1 to 4 of them")
+    if max(map(len, stops)) > MAX_STOP_CHARS:
+        raise body.refuse("stop", f"each must be at most {MAX_STOP_CHARS} characters, got one of "
+                          f"{max(map(len, stops))}")
     return tuple(stops)
 
 
@@ -173,14 +178,15 @@ async def _answer(served: Served, request: Request, ask: Ask, kind: str, choice:
     def begin() -> Run:
         return run_prompt(served.engine, ask.prompt, ask.max_tokens, ask.sampling, image=ask.image)
 
+    # The engine's "prompt" is the conversation here, which the client sent as messages.
+    names = {"prompt": "messages"} if kind == "chat.completion" else None
     if ask.stream:
-        run, ticket = flow.start(served, begin)
+        run, ticket = flow.start(served, begin, names)
         head = _head(run, kind + (".chunk" if kind == "chat.completion" else ""), served)
-        timeout = [error_body(504, f"request: not finished within {served.settings.request_timeout_s:g} s; "
-                                   "cancelled", "request"), "[DONE]"]
-        return flow.stream(served, run, ticket, _chunks(run, ask, head, choice), lambda: timeout)
+        return flow.stream(served, run, ticket, _chunks(run, ask, head, choice),
+                           lambda err: [error_body(err.status, err.message, err.param), "[DONE]"])
     try:
-        done = await flow.complete(served, request, begin, ask.stops)
+        done = await flow.complete(served, request, begin, ask.stops, names)
     except ClientGone:
         return flow.gone()
     return JSONResponse({**_head(done.run, kind, served),
@@ -201,7 +207,8 @@ async def _chunks(run: Run, ask: Ask, head: dict, choice: Choice) -> AsyncIterat
             if stop.stopped:
                 break
     except RequestFailed as err:
-        yield error_body(500, f"request: {err.result.finish_reason}", "request")
+        failed = flow.failure(err)
+        yield error_body(failed.status, failed.message, failed.param)
         yield "[DONE]"
         return
     finally:

@@ -28,11 +28,11 @@ import json
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Message
 
 from bubblefree.engine import Engine
-from bubblefree.server.errors import error_body
+from bubblefree.server.errors import ErrorJSON, error_body, error_json
 from bubblefree.server.settings import ServerSettings
 
 REPLICA_HEADER = "x-bubblefree-replica"
@@ -118,7 +118,7 @@ class Relay:
                 body += chunk
                 if len(body) > self.max_body:
                     # The replica's guard would refuse it too; no need to carry it there.
-                    return JSONResponse(error_body(413, f"body: larger than {self.max_body} bytes", "body"), 413)
+                    return error_json(413, f"body: larger than {self.max_body} bytes", "body")
         except ClientDisconnect:  # gone before its body was in: no replica ever had it
             return Response(status_code=499)
         scope = {k: request.scope[k] for k in _SCOPE_KEYS if k in request.scope}
@@ -180,8 +180,8 @@ async def _bodies(messages: Any) -> AsyncIterator[bytes]:
         messages.cancel()  # a no-op once the answer is complete; else the client left
 
 
-def unavailable(why: str) -> JSONResponse:
-    return JSONResponse(error_body(503, f"replica: {why}", "replica"), 503, {"Retry-After": "1"})
+def unavailable(why: str) -> ErrorJSON:
+    return error_json(503, f"replica: {why}", "replica", {"Retry-After": "1"})
 
 
 def application(make_engine: Callable[[], Engine], settings: ServerSettings, replicas: int, *,

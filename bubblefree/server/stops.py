@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import attrs
 
+# A stop string's length at most: its prefixes are tried against the text
+# held back on the event loop's thread, so an unbounded one (a body may
+# carry megabytes) would hold every other request up.
+MAX_STOP_CHARS = 1000
+
 
 @attrs.define
 class StopText:
@@ -26,7 +31,7 @@ class StopText:
         if cuts:
             self.stopped, self._held = True, ""
             return text[:min(cuts)]
-        keep = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        keep = max((_overlap(text, s) for s in self.stops), default=0)
         self._held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
 
@@ -34,3 +39,11 @@ class StopText:
         """At the end of the text: what was held back was no stop string."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest proper prefix of ``stop`` that ``text`` ends with."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0

@@ -30,19 +30,36 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
+def stopping() -> ApiError:
+    """The answer to a request the server cut: it is shutting down (uvicorn
+    cancels what is still running once its grace period ends)."""
+    return ApiError(503, "server: shutting down; this request was cancelled before its answer",
+                    "server", headers={"Retry-After": "1"})
+
+
 async def watched(receive: Receive, work: Awaitable[Any], timeout: float) -> Any:
     """``await work``, cancelled when the client leaves (``ClientGone``) or
-    after ``timeout`` seconds (504)."""
+    after ``timeout`` seconds (504). If the server cancels the request
+    itself (shutting down), the work is cancelled and a 503 raised, so the
+    client still gets an answer in the API's shape."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_until_disconnect(receive))
+    cut = False
     try:
         await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        cut = True
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()  # answered here: the cancel has done its work
     finally:
         gone.cancel()
         if not task.done():
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+    if cut:
+        raise stopping()
     if not task.cancelled() and task.done():
         return task.result()
     if gone.done() and not gone.cancelled():
@@ -53,15 +70,16 @@ async def watched(receive: Receive, work: Awaitable[Any], timeout: float) -> Any
 class EventStream(Response):
     """Server-sent events from ``events`` (dicts, or ``"[DONE]"``), with the
     same race: a client that leaves cancels the stream (and so the engine
-    request); a deadline ends it with ``on_timeout()``'s events. ``on_end``
-    runs once, however the stream ended."""
+    request); the deadline (504) or the server shutting down (503) ends it
+    with ``ending(error)``'s events, the API's error event. ``on_end`` runs
+    once, however the stream ended."""
 
     def __init__(self, events: AsyncIterator[Any], timeout: float,
-                 on_timeout: Callable[[], list[Any]], on_end: Callable[[], None]):
+                 ending: Callable[[ApiError], list[Any]], on_end: Callable[[], None]):
         # A Response only so that FastAPI hands it on untouched; it writes itself.
         self.status_code, self.background = 200, None
         self.events, self.timeout = events, timeout
-        self.on_timeout, self.on_end = on_timeout, on_end
+        self.ending, self.on_end = ending, on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -70,8 +88,8 @@ class EventStream(Response):
                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
             try:
                 await watched(receive, self._pump(send), self.timeout)
-            except ApiError:  # the deadline: say so in the stream, then end it
-                for event in self.on_timeout():
+            except ApiError as err:  # the deadline, or shutting down: say so, then end it
+                for event in self.ending(err):
                     await send(_frame(event))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (ClientGone, OSError):
