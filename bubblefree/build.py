@@ -30,26 +30,29 @@ from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.loader import load_model
 from bubblefree.cuda_backend.options import check_backend_options, check_device, check_dtype, flag
 from bubblefree.cuda_backend.quiet import quiet_transformers
+from bubblefree.encoded import check_max_pixels
+from bubblefree.images import DEFAULT_MAX_PIXELS
 from bubblefree.skills import HFTokenizer, LocationCodec, RegionHeadCodec, SkillSet, location_tokens
 from bubblefree.skills.codec import CodecError
 
 
 def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool | str,
-                 dtype: Any = None, **backend_options: Any):
+                 dtype: Any = None, max_image_pixels: int = DEFAULT_MAX_PIXELS, **backend_options: Any):
     from bubblefree.checkpoints import is_moondream, is_vision_language
 
     if is_moondream(source):
         return build_moondream(cls, os.fspath(source), device=device, pipelined=pipelined, dtype=dtype,
-                               **backend_options)
+                               max_image_pixels=max_image_pixels, **backend_options)
     if is_vision_language(source):
         return build_vision_language(cls, os.fspath(source), device=device, pipelined=pipelined,
-                                     dtype=dtype, **backend_options)
+                                     dtype=dtype, max_image_pixels=max_image_pixels, **backend_options)
     add_locations = backend_options.pop("location_tokens", False)
     if source is not None and not isinstance(source, (str, os.PathLike)):
         raise InvalidRequest(f"path_or_default: must be a path or None, got {source!r}")
     check_pipelined(pipelined)
     flag()("location_tokens", add_locations)
     device, dtype = check_device(device), check_dtype(dtype)
+    check_max_pixels(max_image_pixels)
     check_backend_options(backend_options)
 
     loaded = load_model(source, device=device, dtype=dtype)
@@ -65,7 +68,7 @@ def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool
     backend = CudaBackend(loaded, **backend_options)
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
     skills = SkillSet(tokenizer, core.register_mask, codec=_codec(tokenizer)).compile_all()
-    return cls(core, skills, backend=backend)
+    return cls(core, skills, backend=backend, max_image_pixels=max_image_pixels)
 
 
 def check_pipelined(pipelined: Any) -> None:
@@ -83,7 +86,8 @@ def _codec(tokenizer: HFTokenizer) -> LocationCodec | None:
 # -- moondream2 ---------------------------------------------------------------
 
 def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dtype: Any = None,
-                    seed: int = 0, tokenizer: Any = None, **backend_options: Any):
+                    seed: int = 0, tokenizer: Any = None, max_image_pixels: int = DEFAULT_MAX_PIXELS,
+                    **backend_options: Any):
     """An engine on moondream2: a local checkpoint directory (its weights,
     config and tokenizer.json), or a ``MoondreamConfig`` with random weights
     from ``seed`` (``tokenizer``: a ``tokenizers.Tokenizer``, default a small
@@ -106,6 +110,7 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     crops_on_device = backend_options.pop("crops_on_device", True)  # moondream's own option
     if not isinstance(crops_on_device, bool):
         raise InvalidRequest(f"crops_on_device: must be True or False, got {crops_on_device!r}")
+    check_max_pixels(max_image_pixels)
     check_backend_options(backend_options)
     raw = tokenizer
     if isinstance(source, MoondreamConfig):
@@ -128,13 +133,13 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
     skills = SkillSet(skills_tokenizer, core.register_mask,
                       codec=RegionHeadCodec.for_tokenizer(skills_tokenizer)).compile_all()
-    return cls(core, skills, backend=backend)
+    return cls(core, skills, backend=backend, max_image_pixels=max_image_pixels)
 
 
 # -- transformers vision-language models (cuda_backend/vlm) ---------------------------
 
 def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str, dtype: Any = None,
-                          **backend_options: Any):
+                          max_image_pixels: int = DEFAULT_MAX_PIXELS, **backend_options: Any):
     """An engine on a local transformers vision-language checkpoint
     (``cuda_backend/vlm``): its weights, its processor (tokenizer and image
     processor) and its chat template, which places the image in the user's
@@ -149,6 +154,7 @@ def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str,
         raise InvalidRequest("location_tokens: a vision-language checkpoint keeps its own vocabulary")
     check_pipelined(pipelined)
     device, dtype = check_device(device), check_dtype(dtype)
+    check_max_pixels(max_image_pixels)
     check_backend_options(backend_options)
     loaded = load_vision_language(path, device=device, dtype=dtype)
     try:
@@ -159,7 +165,7 @@ def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str,
     backend = VlmBackend(loaded.model, loaded.processor, turn.head, turn.token, **backend_options)
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
     skills = SkillSet(tokenizer, core.register_mask, codec=_codec(tokenizer)).compile_all()
-    return cls(core, skills, backend=backend)
+    return cls(core, skills, backend=backend, max_image_pixels=max_image_pixels)
 
 
 def random_config(config: Any):

@@ -116,7 +116,8 @@ class SkillCalls:
 
     def encode_image(self, image: Any) -> EncodedImage:
         """Read and check ``image`` once; pass the result in its place to ask
-        many questions of it."""
+        many questions of it. ``EngineStopped`` once the engine is closed."""
+        self.loop.check_running()
         return self.images.encode(image)
 
     def stream_query(self, question: str, **kw: Any):
@@ -165,17 +166,19 @@ class SkillCalls:
         return await self.arun("segment", **call_args("segment", image, settings, kw, object=object))
 
     async def aencode_image(self, image: Any) -> EncodedImage:
-        return await asyncio.to_thread(self.images.encode, image)
+        return await asyncio.to_thread(self.encode_image, image)
 
     async def _atext(self, skill: str, key: str, stream: bool, args: dict[str, Any]) -> dict:
         if _flag("stream", stream):
             return {key: await self.astream_now(skill, **args)}
         return await self.arun(skill, **args)
 
-    async def _aimage(self, args: dict[str, Any]) -> dict[str, Any]:
+    async def _aimage(self, skill: str, args: dict[str, Any]) -> dict[str, Any]:
         """``args`` with its image read in a worker thread, so a large file
-        never stalls the event loop."""
+        never stalls the event loop; an unknown or unserved ``skill`` is
+        refused first, as the blocking forms do, before the image is read."""
         image = args.get("image")
         if image is None or isinstance(image, (ImageRef, EncodedImage)):
             return args
+        self.skills.tables(skill)
         return {**args, "image": await asyncio.to_thread(self.images.ref, image)}

@@ -33,6 +33,13 @@ class EncodedImage:
         return self._backend() is backend
 
 
+def check_max_pixels(value: Any) -> int:
+    """``max_image_pixels``, the decompression-bomb limit: an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequest(f"max_image_pixels: must be an int >= 1, got {value!r}")
+    return value
+
+
 @attrs.define
 class ImageIntake:
     """The one way an image enters: refused at once on a backend that takes
@@ -41,7 +48,11 @@ class ImageIntake:
     backend's ``image_ref``, which is thread safe."""
 
     backend: Any
-    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_pixels: int = attrs.field(default=DEFAULT_MAX_PIXELS)
+
+    @max_pixels.validator
+    def _check(self, _, value: Any) -> None:
+        check_max_pixels(value)
 
     @property
     def takes_images(self) -> bool:

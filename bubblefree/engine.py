@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
 from bubblefree.calls import SkillCalls
 from bubblefree.core import Engine as CoreEngine
@@ -66,7 +66,8 @@ class Engine(SkillCalls):
         Qwen2-VL or Qwen2.5-VL checkpoint one that captions and answers about them
         (``docs/vlm.md``). ``location_tokens=True`` adds the spatial skills'
         location tokens to a text model (point, detect and segment need
-        them, or a region head); options are checked before loading."""
+        them, or a region head); ``max_image_pixels`` bounds an image's
+        pixels (decompression bombs); options are checked before loading."""
         from bubblefree.build import build_engine  # torch is imported only here
 
         return build_engine(cls, path_or_default, device=device, pipelined=pipelined,
@@ -94,7 +95,10 @@ class Engine(SkillCalls):
         """Accept a request and return its ``Handle`` at once. ``listener(handle,
         token)`` runs on the decode thread after each tick that committed a
         token for it, then once with ``None``; it must not block, and if it
-        raises, its request fails (with the error named) and nothing else."""
+        raises, its request fails (with the error named) and nothing else
+        (but ``KeyboardInterrupt`` and ``SystemExit``, which stop the engine,
+        every request failing with it named). A live Handle keeps its engine
+        serving until the request ends, however the engine is referenced."""
         return self.submit_many([(skill, dict(args, sampling=sampling, max_tokens=max_tokens,
                                               listener=listener))])[0]
 
@@ -103,13 +107,20 @@ class Engine(SkillCalls):
         first (one bad call refuses them all, naming it), then handed to the
         decode thread together, so they share their first prefill."""
         items = []
-        for skill, args in calls:
+        for i, call in enumerate(calls):
+            if not (isinstance(call, (tuple, list)) and len(call) == 2 and isinstance(call[1], Mapping)):
+                raise InvalidRequest(f"calls[{i}]: must be a (skill, arguments) pair with the arguments a "
+                                     f"mapping, got {call!r:.80}")
+            skill, args = call
             args = dict(args)
             listener, sampling = args.pop("listener", None), args.pop("sampling", None)
             if listener is not None and not callable(listener):
                 raise InvalidRequest(f"listener: must be callable, got {type(listener).__name__}")
             items.append((self._request(skill, SamplingParams.of(sampling), args), listener))
-        return self.loop.submit_all(items)
+        handles = self.loop.submit_all(items)
+        for handle in handles:
+            handle._keep_until_done(self)  # the engine closes when collected; not under a live request
+        return handles
 
     def _request(self, skill: str, sampling: SamplingParams, args: dict[str, Any]):
         if args.get("image") is not None:
@@ -154,7 +165,7 @@ class Engine(SkillCalls):
             elif loop.is_closed():  # nobody can await the answer any more
                 handle.cancel()
 
-        args = await self._aimage(args)
+        args = await self._aimage(skill, args)
         handle = self.submit(skill, listener=_chained(on_event, args.pop("listener", None)), **args)
         try:
             await done
@@ -166,7 +177,7 @@ class Engine(SkillCalls):
     async def astream(self, skill: str = "query", **args: Any) -> AsyncIterator[str]:
         """``stream`` for asyncio: an async iterator of text pieces; closing it,
         or cancelling the task iterating it, cancels the request."""
-        args = await self._aimage(args)
+        args = await self._aimage(skill, args)
         pieces = AsyncTextStream(asyncio.get_running_loop(), self.skills.tokenizer)
         handle = self.submit(skill, listener=_chained(pieces.listener, args.pop("listener", None)), **args)
         # Closed at once when this generator is: left to the garbage collector,
@@ -179,7 +190,7 @@ class Engine(SkillCalls):
     async def astream_now(self, skill: str = "query", **args: Any) -> AsyncPieces:
         """``astream``, submitted now: bad arguments raise at the await, and
         the request runs whether or not the pieces are read yet."""
-        args = await self._aimage(args)
+        args = await self._aimage(skill, args)
         pieces = AsyncTextStream(asyncio.get_running_loop(), self.skills.tokenizer)
         handle = self.submit(skill, listener=_chained(pieces.listener, args.pop("listener", None)), **args)
         return AsyncPieces(handle, pieces.run(handle))

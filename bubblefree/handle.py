@@ -44,6 +44,7 @@ class Handle:
         self._changed = threading.Condition(lock)  # a token or the end: iterators
         self._ended = threading.Condition(lock)  # the end only: result()
         self._iterators = 0  # threads waiting on _changed (no token wakes nobody)
+        self._engine: Any = None  # held while live (``_keep_until_done``)
 
     def __repr__(self) -> str:
         state = "live" if self._result is None else self._result.status.value
@@ -106,6 +107,14 @@ class Handle:
         (a request may still complete if its last token was already out)."""
         return self._loop.cancel(self)
 
+    def _keep_until_done(self, engine: Any) -> None:
+        """Hold ``engine`` while the request is live: an engine closes when
+        it is collected, and ``make_engine().stream(...)`` holds only the
+        stream. Let go at the end, so a finished handle keeps nothing alive."""
+        with self._changed:
+            if self._result is None:
+                self._engine = engine
+
     # ---------------------------------------- written by the decode thread
     def _push(self, token: int | None, result: Result | None) -> None:
         # Per committed token on the decode thread's hot path: wake only
@@ -116,6 +125,6 @@ class Handle:
                 if self._iterators:
                     self._changed.notify_all()
             if result is not None and self._result is None:
-                self._result = result
+                self._result, self._engine = result, None
                 self._ended.notify_all()
                 self._changed.notify_all()

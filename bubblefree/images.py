@@ -85,8 +85,9 @@ def _from_bytes(data) -> Image.Image:
 def _from_array(array) -> Image.Image:
     face = array.__array_interface__
     shape, kind = tuple(face["shape"]), face["typestr"][1:]
-    if len(shape) == 3 and shape[2] == 1:
-        array, shape = array.reshape(shape[:2]), shape[:2]
+    if len(shape) == 3 and shape[2] == 1:  # [H, W, 1]: the grey [H, W] it holds
+        array = array.reshape(shape[:2]) if hasattr(array, "reshape") else _Grey(array, face)
+        shape = shape[:2]
     if (kind, len(shape)) not in _ARRAY_KINDS or (len(shape) == 3 and shape[2] not in (3, 4)):
         raise _refuse(f"an array of shape {shape} and dtype {face['typestr']!r} is not an image; "
                       "expected [H, W] or [H, W, 1|3|4] uint8, or [H, W] bool, uint16 or float32")
@@ -96,6 +97,25 @@ def _from_array(array) -> Image.Image:
         return Image.fromarray(array)
     except (TypeError, ValueError) as ex:
         raise _refuse(f"the array cannot be read as an image ({ex})", ex) from ex
+
+
+class _Grey:
+    """An ``[H, W, 1]`` array without ``reshape`` seen as ``[H, W]`` through
+    its interface: Pillow reads it by ``tobytes`` (its bytes in C order, the
+    same for the one channel), or refuses it where the array has none."""
+
+    def __init__(self, owner, face: dict):
+        self._owner = owner
+        h, w, _ = face["shape"]
+        size = int(face["typestr"][2:])
+        strides = face.get("strides") or (w * size, size, size)
+        self.__array_interface__ = {**face, "shape": (h, w), "strides": tuple(strides[:2])}
+
+    def tobytes(self) -> bytes:
+        if not hasattr(self._owner, "tobytes"):
+            raise TypeError(f"a {type(self._owner).__name__} of shape [H, W, 1] has neither reshape nor "
+                            "tobytes")
+        return self._owner.tobytes()
 
 
 def _stretch(image: Image.Image) -> Image.Image:
@@ -113,8 +133,9 @@ def _stretch(image: Image.Image) -> Image.Image:
 
 def _to_rgb(image: Image.Image) -> Image.Image:
     mode = image.mode
-    if mode in _ALPHA or (mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
+    if mode in _ALPHA or (mode in ("P", "L", "RGB") and "transparency" in image.info):
+        # Premultiplied grey has no direct way to RGBA; its plain form does.
+        rgba = (image.convert("LA") if mode == "La" else image).convert("RGBA")
         background = Image.new("RGBA", image.size, _WHITE + (255,))
         return Image.alpha_composite(background, rgba).convert("RGB")
     if mode == "RGB":  # read only from here on: no copy

@@ -75,7 +75,7 @@ class ServingLoop:
         for request, _ in items:
             self.core.validate(request)  # pure: the same checks the core applies
         with self._wake:
-            self._check_running()
+            self.check_running()
             handles = [Handle(next(self._ids), request, self) for request, _ in items]
             self._inbox.extend(("submit", h, listener) for h, (_, listener) in zip(handles, items))
             self._wake.notify()
@@ -107,7 +107,7 @@ class ServingLoop:
             return
         made = threading.Event()
         with self._wake:
-            self._check_running()
+            self.check_running()
             self._inbox.append(("pipelined", pipelined, made))
             self._wake.notify()
         made.wait()
@@ -136,7 +136,7 @@ class ServingLoop:
                                "for the thread running it. Listeners must not block; keep state and "
                                "return, or wait from another thread.")
 
-    def _check_running(self) -> None:
+    def check_running(self) -> None:
         if self._error is not None:
             raise EngineStopped(f"the engine has stopped: {type(self._error).__name__}: {self._error}")
         if self._closed:
@@ -248,5 +248,7 @@ class ServingLoop:
                 if listener is not None:  # its end, as the core would have told it
                     try:
                         listener(handle, None)
-                    except Exception:  # noqa: BLE001 - the request has ended; nothing more to fail
+                    except (KeyboardInterrupt, SystemExit):
+                        raise
+                    except BaseException:  # noqa: BLE001 - the request has ended; nothing more to fail
                         pass

@@ -42,6 +42,9 @@ class TextPieces:
             self.close()
             raise
         self._cancel.detach()  # completed: nothing to cancel
+        piece = self._text.flush()  # the tail held back as an incomplete character
+        if piece:
+            return piece
         raise StopIteration
 
     def close(self) -> None:
@@ -84,6 +87,8 @@ class AsyncTextStream:
         result = handle.result(0)
         if result.status is not Status.COMPLETED:
             raise RequestFailed(result)
+        if tail := text.flush():  # held back as an incomplete character
+            yield tail
 
 
 class AsyncPieces:

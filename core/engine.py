@@ -275,12 +275,16 @@ class Engine:
                 for listener in tuple(handle.listeners):
                     try:
                         listener(handle, token)
-                    except Exception as err:  # noqa: BLE001 - fails its own request only
+                    except (KeyboardInterrupt, SystemExit):
+                        raise  # asks the process to stop, not this request
+                    except BaseException as err:  # noqa: BLE001 - fails its own request only
+                        # (asyncio's CancelledError is a BaseException: a
+                        # listener touching a cancelled future raises it)
                         self._listener_raised(handle, err)
         finally:
             self._delivering = False
 
-    def _listener_raised(self, handle: Handle, err: Exception) -> None:
+    def _listener_raised(self, handle: Handle, err: BaseException) -> None:
         reason = f"a listener raised {type(err).__name__}: {err}"
         if handle.result is None and self.scheduler.cancel(handle.request_id, Status.FAILED, reason):
             self._log(("cancel", handle.request_id))

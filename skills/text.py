@@ -172,3 +172,12 @@ class TextStream:
             return ""
         self._prefix, self._read = self._read, len(self._tokens)
         return after[len(before):]
+
+    def flush(self) -> str:
+        """At the end of the answer: what the held-back tokens decode to, an
+        incomplete character's U+FFFD included (the blocking answer, cut
+        there by its token limit, holds it too)."""
+        before = self.tokenizer.decode(self._tokens[self._prefix:self._read])
+        after = self.tokenizer.decode(self._tokens[self._prefix:])
+        self._prefix = self._read = len(self._tokens)
+        return after[len(before):] if len(after) > len(before) else ""
