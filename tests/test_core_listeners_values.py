@@ -19,10 +19,14 @@ def engine() -> Engine:
     return Engine(FakeBackend(model=FakeModel(vocab_size=VOCAB, eos_id=EOS), num_pages=32, max_rows=4))
 
 
-def raising(when):
+class Cancelled(BaseException):
+    """What asyncio's CancelledError is: a BaseException, not an Exception."""
+
+
+def raising(when, error=ValueError):
     def listener(handle, token):
         if when(token):
-            raise ValueError("boom")
+            raise error("boom")
     return listener
 
 
@@ -40,6 +44,28 @@ def test_a_listener_raising_on_a_token_fails_its_own_request_only():
     assert not e.listener_errors
     assert e.scheduler.pages.num_free == e.scheduler.pages.size  # I6: its pages came back
     e.check_integrity()
+
+
+def test_a_listener_raising_a_base_exception_fails_its_own_request_only():
+    e = engine()
+    victim = e.submit(Request(prompt=(1, 2), max_tokens=6))
+    victim.listeners.append(raising(lambda token: token is not None, Cancelled))
+    other = e.submit(Request(prompt=(1, 3), max_tokens=6))
+    e.run_until_idle()
+    assert victim.result.status is Status.FAILED
+    assert victim.result.finish_reason == "a listener raised Cancelled: boom"
+    assert other.result.status is Status.COMPLETED and len(other.result.tokens) == 6
+    e.check_integrity()
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+def test_a_listener_asking_the_process_to_stop_is_not_taken_as_its_requests_failure(error):
+    e = engine()
+    victim = e.submit(Request(prompt=(1, 2), max_tokens=6))
+    victim.listeners.append(raising(lambda token: token is not None, error))
+    with pytest.raises(error):
+        e.run_until_idle()
+    assert victim.result is None  # not ended by the core: the caller decides (the loop ends all)
 
 
 def test_a_listener_raising_on_an_ended_request_is_recorded_not_lost():
