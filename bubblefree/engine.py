@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
@@ -116,6 +117,9 @@ class Engine(SkillCalls):
             listener, sampling = args.pop("listener", None), args.pop("sampling", None)
             if listener is not None and not callable(listener):
                 raise InvalidRequest(f"listener: must be callable, got {type(listener).__name__}")
+            if inspect.iscoroutinefunction(listener):
+                raise InvalidRequest("listener: must be a plain function; an async one would never run "
+                                     "(the decode thread calls it and awaits nothing)")
             items.append((self._request(skill, SamplingParams.of(sampling), args), listener))
         handles = self.loop.submit_all(items)
         for handle in handles:

@@ -28,18 +28,23 @@ class TextPieces:
         self._tokens: Iterator[int] = iter(handle)
         self._text = TextStream(tokenizer, handle.request.stop_ids)
         self._cancel = weakref.finalize(self, handle.cancel)
+        self._failed: RequestFailed | None = None  # raised again on every later read
 
     def __iter__(self) -> "TextPieces":
         return self
 
     def __next__(self) -> str:
+        if self._failed is not None:
+            raise self._failed
         try:
             for token in self._tokens:
                 piece = self._text.push([token])
                 if piece:
                     return piece
-        except BaseException:  # RequestFailed, or an interrupt while waiting
+        except BaseException as err:  # RequestFailed, or an interrupt while waiting
             self.close()
+            if isinstance(err, RequestFailed):
+                self._failed = err
             raise
         self._cancel.detach()  # completed: nothing to cancel
         piece = self._text.flush()  # the tail held back as an incomplete character
@@ -100,18 +105,23 @@ class AsyncPieces:
         self.handle = handle
         self._pieces = pieces
         self._cancel = weakref.finalize(self, handle.cancel)
+        self._failed: RequestFailed | None = None  # raised again on every later read
 
     def __aiter__(self) -> "AsyncPieces":
         return self
 
     async def __anext__(self) -> str:
+        if self._failed is not None:
+            raise self._failed
         try:
             return await self._pieces.__anext__()
         except StopAsyncIteration:
             self._cancel.detach()  # completed: nothing to cancel
             raise
-        except BaseException:
+        except BaseException as err:
             await self.aclose()
+            if isinstance(err, RequestFailed):
+                self._failed = err
             raise
 
     async def aclose(self) -> None:

@@ -17,7 +17,7 @@ from bubblefree import Engine, EngineStopped, InvalidRequest
 from bubblefree.core import Status
 from bubblefree.skills import RegionHeadCodec
 from tests.image_world import MOON_TOK, _engine, moon_engine, picture
-from tests.serving_world import WAIT, Ends, assert_serves, make_engine, wait_idle
+from tests.serving_world import WAIT, Ends, Gate, assert_serves, make_engine, wait_idle
 
 
 @pytest.fixture
@@ -205,3 +205,47 @@ def test_encode_image_after_close_raises_engine_stopped():
         eng.encode_image(picture(0))
     with pytest.raises(EngineStopped):
         asyncio.run(eng.aencode_image(picture(0)))
+
+
+def test_a_failed_stream_read_again_raises_again():
+    """A cut answer never passes for a whole one, on a second read either."""
+    from bubblefree import RequestFailed
+
+    gate = Gate()
+    eng = make_engine(gate=gate)
+    try:
+        gate.arm(2)
+        pieces = eng.stream("query", question="the sky", max_tokens=50)
+        gate.wait_reached()
+        assert pieces.handle.cancel()
+        gate.open()
+        with pytest.raises(RequestFailed):
+            list(pieces)
+        with pytest.raises(RequestFailed):
+            next(pieces)
+
+        async def twice():
+            gate.arm(2)
+            stream = await eng.astream_now("query", question="a sky", max_tokens=50)
+            await asyncio.to_thread(gate.wait_reached)
+            assert stream.handle.cancel()
+            gate.open()
+            for _ in range(2):
+                with pytest.raises(RequestFailed):
+                    async for _ in stream:
+                        pass
+
+        asyncio.run(twice())
+        assert_serves(eng)
+    finally:
+        gate.open()
+        eng.close()
+
+
+def test_an_async_listener_is_refused_naming_it(engine):
+    async def listener(handle, token):
+        pass
+
+    with pytest.raises(InvalidRequest, match="^listener: must be a plain function"):
+        engine.submit("query", question="the cat", listener=listener)
+    assert_serves(engine)
