@@ -89,10 +89,10 @@ def may_end(s: Sequence, mask_id: int | None, masks: Mapping[int, frozenset[int]
     stops = s.request.stop_ids
     if stops and (mask_id is None or mask_id not in masks or not stops.isdisjoint(masks[mask_id])):
         return True
-    ask: Any = getattr(s.state, "may_end", None)
-    if ask is None:  # no skill and no stop id: it cannot end; a skill that does not say: it may
-        return s.state is not None
     try:
+        ask: Any = getattr(s.state, "may_end", None)  # a property may raise too
+        if ask is None:  # no skill and no stop id: it cannot end; a skill that does not say: it may
+            return s.state is not None
         return bool(ask())
     except Exception:  # noqa: BLE001 - the skill's bug shows where it fails its request
         return True

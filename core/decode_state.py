@@ -60,6 +60,13 @@ def guarded(request: Request, call: str, fn: Callable[..., Any], *args: Any) -> 
         return None, f"{who(request)} raised {type(err).__name__} in {call}: {err}"
 
 
+def _optional_call(state: Any, name: str) -> Any:
+    """``state.name()``, or None where the state has no ``name`` (looked up
+    here, under ``guarded``: a property that raises fails its request)."""
+    method = getattr(state, name, None)
+    return None if method is None else method()
+
+
 def bad_mask(request: Request, mask: Any, masks: Mapping[int, frozenset[int]]) -> str | None:
     """Why ``mask`` (from ``mask_id()``) cannot go to sampling, or None. Checked
     before the backend sees it: an unknown id would fail every row sharing
@@ -74,10 +81,7 @@ def ask_value(request: Request, state: Any, values_ok: bool) -> tuple[ValueKind 
     ``(None, reason)`` when it raised, returned something else than a
     ``ValueKind`` or None, or asked a value of a backend without a region
     head (``values_ok``): each fails this request only."""
-    ask = getattr(state, "value_kind", None)
-    if ask is None:
-        return None, None
-    kind, error = guarded(request, "value_kind", ask)
+    kind, error = guarded(request, "value_kind", _optional_call, state, "value_kind")
     if error is not None:
         return None, error
     if kind is None:

@@ -180,7 +180,7 @@ class Scheduler:
             if s.state is not None and not s.finalized:
                 # A skill's bad mask or value kind fails its own request only:
                 # ended here, it is a zombie of this step, skipped at commit.
-                mask, error = guarded(s.request, "mask_id", s.state.mask_id)
+                mask, error = guarded(s.request, "mask_id", lambda: s.state.mask_id())
                 error = error or bad_mask(s.request, mask, self.masks)
                 if error is None:
                     kind, error = ask_value(s.request, s.state, self.capacity.values)
@@ -247,7 +247,8 @@ class Scheduler:
                 f"I9: sequence {s.seq_id} sampled {token}, not allowed by mask {mask_id}")
         s.tokens.append(token)
         self.events.append(TokenCommitted(s.seq_id, token))
-        done, error = (False, None) if s.state is None else guarded(req, "advance", s.state.advance, token, value)
+        done, error = (False, None) if s.state is None else guarded(
+            req, "advance", lambda: s.state.advance(token, value))  # looked up inside: a state may lack it
         reason = ("stop" if token in req.stop_ids else "done" if done
                   else "length" if len(s.tokens) >= req.max_tokens else None)
         if error is not None:

@@ -114,6 +114,12 @@ class Skill(abc.ABC):
     @abc.abstractmethod
     def finish(self, state: SkillState) -> Any: ...
 
+    def budget(self, tables: Any, args: Any) -> int:
+        """The output tokens a request takes by default, knowing the compiled
+        ``tables`` (a box's token count follows the codec): unless a skill
+        says better, ``default_max_tokens``."""
+        return self.default_max_tokens(args)
+
     def prompt_values(self, tokenizer: Tokenizer, args: Any) -> tuple:
         """The prompt positions whose inputs are values (``PromptValue``s,
         indices into ``prompt``'s ids): none unless a skill says so."""

@@ -37,7 +37,10 @@ class Detect(Skill):
         return tokenizer.prompt(f"\n\nDetect: {args.object}\n\n", f"Detect: {args.object}")
 
     def default_max_tokens(self, args: ObjectArgs) -> int:
-        return len(BOX_SLOTS) * args.max_objects + 1  # a region head's boxes take 3 of these 4
+        return len(BOX_SLOTS) * args.max_objects + 1  # the most a box takes: location tokens' 4
+
+    def budget(self, tables: ObjectTables, args: ObjectArgs) -> int:
+        return len(tables.slots) * args.max_objects + 1  # a region head's boxes take 3
 
     def compile(self, ctx: CompileContext) -> ObjectTables:
         return compile_objects(ctx, (Kind.X, Kind.Y) + size_slots(ctx.codec))

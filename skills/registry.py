@@ -26,6 +26,13 @@ from bubblefree.skills.yesno import YesNo
 class Registry:
     skills: Mapping[str, Skill] = attrs.field(converter=lambda m: MappingProxyType(dict(m)))
 
+    @skills.validator
+    def _named(self, _, skills: Mapping[str, Skill]) -> None:
+        for name, skill in skills.items():
+            if not isinstance(name, str) or not name or name != getattr(skill, "name", None):
+                raise ValueError(f"a skill is registered under its name, a non-empty str: {name!r} "
+                                 f"holds {type(skill).__name__} named {getattr(skill, 'name', None)!r}")
+
     @classmethod
     def of(cls, *skills: Skill) -> Registry:
         return cls({}).with_skill(*skills)
@@ -33,6 +40,9 @@ class Registry:
     def with_skill(self, *skills: Skill) -> Registry:
         merged = dict(self.skills)
         for skill in skills:
+            if not isinstance(skill.name, str) or not skill.name:
+                raise ValueError(f"a skill's name must be a non-empty str, got {skill.name!r} "
+                                 f"({type(skill).__name__})")
             if skill.name in merged:
                 raise ValueError(f"a skill named {skill.name!r} is already registered")
             merged[skill.name] = skill
@@ -42,7 +52,7 @@ class Registry:
         skill = self.skills.get(name) if isinstance(name, str) else None
         if skill is None:
             raise InvalidRequest(f"skill: unknown skill {name!r}; known: "
-                                 f"{', '.join(sorted(self.skills))}")
+                                 f"{', '.join(sorted(map(str, self.skills)))}")
         return skill
 
     @property

@@ -29,7 +29,10 @@ from bubblefree.skills.objects import ObjectTables, compile_objects
 from bubblefree.skills.path_grammar import Command, PathTables, compile_path, whole_commands
 from bubblefree.skills.tokenizer import Tokenizer
 
-MIN_TOKENS = len(BOX_SLOTS) + 3  # a bbox and "M x y": the least worth starting
+# The least worth starting: a bbox, then "M x y" after the lone space the
+# path grammar allows before it (without that space counted, a budget of
+# bbox + 3 could end at "M x", an outline of nothing).
+MIN_TOKENS = len(BOX_SLOTS) + 4
 
 
 @attrs.frozen

@@ -58,6 +58,11 @@ class SkillSet:
         if not allowed:
             # An empty mask would leave sampling nothing to pick.
             raise SkillError("a skill state allows no token at all")
+        vocab = len(self.tokenizer)
+        outside = sorted(t for t in allowed if type(t) is not int or not 0 <= t < vocab)
+        if outside:
+            raise SkillError(f"a mask holds ids outside the vocabulary of {vocab}: "
+                             f"{', '.join(map(repr, outside[:5]))}{' ...' if len(outside) > 5 else ''}")
         mask_id = self._mask_ids.get(allowed)
         if mask_id is None:
             mask_id = self.register_mask(allowed)
@@ -84,7 +89,10 @@ class SkillSet:
             why = self.registry.get(name).unserved(self.codec)
             if why is not None:
                 raise invalid(name, "skill", why)
-            tables = self.registry.get(name).compile(self)
+            try:
+                tables = self.registry.get(name).compile(self)
+            except (SkillError, ValueError, TypeError) as err:
+                raise SkillError(f"skill {name!r} cannot compile: {err}") from err
             self._tables[name] = tables
         return tables
 
@@ -146,7 +154,7 @@ class SkillSet:
             raise invalid(name, "prompt", f"is {len(prompt)} tokens{image_part}; the model's "
                           f"max_context is {max_context}")
         if max_tokens is None:
-            max_tokens = skill.default_max_tokens(parsed)
+            max_tokens = skill.budget(tables, parsed)
             if room is not None and max_tokens > room:
                 if "max_objects" in args:
                     raise invalid(name, "max_objects", f"{args['max_objects']} objects need up to {max_tokens} "
@@ -156,11 +164,23 @@ class SkillSet:
         elif room is not None and max_tokens > room:
             raise invalid(name, "max_tokens", f"{max_tokens} after a {len(prompt)}-token prompt{image_part} "
                           f"exceeds the room of {room} tokens (max_context {max_context})")
-        factory = functools.partial(skill.start, tables, parsed, max_tokens)
+        factory = functools.partial(_started, skill, tables, parsed, max_tokens)
         return Request(prompt=prompt, max_tokens=max_tokens, stop_ids=skill.stop_ids(self),
                        sampling=sampling, decode_state=factory,
                        finisher=functools.partial(finish_request, skill, factory),
                        adapter=adapter, tag=tag, skill=name, image=image, prompt_values=values)
+
+
+def _started(skill: Skill, tables: Any, parsed: Any, max_tokens: int) -> SkillState:
+    """``skill.start(...)``, refused unless it is a decode state: without one
+    the core would run the request unconstrained (a None state is a plain
+    request's). Raised here, it fails this request only, naming the skill."""
+    state = skill.start(tables, parsed, max_tokens)
+    missing = [name for name in ("mask_id", "advance") if not callable(getattr(state, name, None))]
+    if missing:
+        raise SkillError(f"start() returned {type(state).__name__}, not a decode state (no callable "
+                         f"{' or '.join(missing)})")
+    return state
 
 
 def _room(prompt_len: int, max_context: int | None, max_positions: int | None) -> int | None:

@@ -28,7 +28,7 @@ import attrs
 
 from bubblefree.core.values import PromptValue
 from bubblefree.skills.spatial_refs import place
-from bubblefree.skills.tokenizer import Tokenizer
+from bubblefree.skills.tokenizer import Tokenizer, check_user_text
 
 # The texts behind moondream2's template ids (GPT-2 BPE), for tokenizers that
 # have no ids of their own for them (tests' small tokenizers).
@@ -94,7 +94,7 @@ class MoondreamTemplates:
         the prefix, and the values those positions take."""
         prefix, suffix = self.query
         marks, values = place(refs, len(prefix), self.coord_id, self.size_id) if refs else ([], ())
-        return [*prefix, *marks, *tokenizer.encode(question), *suffix], values
+        return [*prefix, *marks, *tokenizer.encode(check_user_text(tokenizer, question)), *suffix], values
 
     @property
     def takes_spatial_refs(self) -> bool:
@@ -107,7 +107,7 @@ class MoondreamTemplates:
 
     def object_prompt(self, tokenizer: Tokenizer, skill: str, obj: str) -> list[int]:
         prefix, suffix = self.point if skill == "point" else self.detect
-        return [*prefix, *tokenizer.encode(" " + obj), *suffix]
+        return [*prefix, *tokenizer.encode(" " + check_user_text(tokenizer, obj)), *suffix]
 
 
 def templates_of(tokenizer: Tokenizer) -> MoondreamTemplates | None:

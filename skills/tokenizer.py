@@ -16,6 +16,7 @@ template. None, or absent, for text models.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import attrs
@@ -66,6 +67,7 @@ class HFTokenizer:
     _eos_id: int
     templates: Any = None  # skills.templates.MoondreamTemplates for moondream2
     image_turn: Any = None  # skills.image_turn.ImageTurn for a vision-language model
+    _control: Any = attrs.field(default=None, init=False, repr=False)  # control_pattern's cache
 
     @classmethod
     def wrap(cls, hf: Any, *, add_tokens: Sequence[str] = (),
@@ -112,12 +114,34 @@ class HFTokenizer:
         return list(self.hf.encode(text, add_special_tokens=self.add_special_tokens))
 
     def prompt(self, frame: str, user: str) -> list[int]:
+        self.check_user_text(user)
         if getattr(self.hf, "chat_template", None):
             # A vision-language model's template reads the content as typed parts.
             ids = self.chat_turn(user if self.image_turn is None else [{"type": "text", "text": user}])
         else:
             ids = self.encode(frame)
         return ids if self.image_turn is None else self.image_turn.check_text(ids)
+
+    def check_user_text(self, text: str) -> str:
+        """``text`` as a caller typed it, refused if it spells one of the
+        model's special tokens (``<|im_end|>``, EOS, a location token): the
+        tokenizer would read it as that token, so a question could end the
+        turn, or hand ``point`` ready-made coordinates. As the image token's
+        refusal (``ImageTurn``), named ``prompt``."""
+        if self._control is None:
+            special = set(getattr(self.hf, "all_special_tokens", ()) or ())
+            decoder = getattr(self.hf, "added_tokens_decoder", {}) or {}
+            special |= {t.content for t in decoder.values() if getattr(t, "special", False)}
+            special |= set(self.added)
+            if self.image_turn is not None:  # refused by the image turn itself, saying how often
+                special.discard(self.image_turn.token)
+            names = sorted((t for t in special if t and t.strip()), key=len, reverse=True)
+            self._control = re.compile("|".join(map(re.escape, names))) if names else False
+        found = self._control.search(text) if self._control else None
+        if found:
+            raise InvalidRequest(f"prompt: spells the model's special token {found.group()!r} (the text "
+                                 "may not: it would enter the prompt as that token)")
+        return text
 
     def chat_turn(self, content: Any) -> list[int]:
         """The user's turn (``content``: text, or a list of typed parts) and
@@ -148,6 +172,7 @@ class HFTokenizer:
         """The ids after the image in a turn about one image (``image_turn``)."""
         if self.image_turn is None:
             raise InvalidRequest("image: this model's tokenizer has no image turn")
+        self.check_user_text(user)
         return self.image_turn.after(self.chat_turn([{"type": "image"}, {"type": "text", "text": user}]))
 
     def about_image(self) -> AboutImage:
@@ -175,3 +200,9 @@ class AboutImage:
 
     def prompt(self, frame: str, user: str) -> list[int]:
         return self.inner.image_prompt(user)
+
+
+def check_user_text(tokenizer: Any, text: str) -> str:
+    """``tokenizer.check_user_text(text)`` where it has one (``HFTokenizer``)."""
+    check = getattr(tokenizer, "check_user_text", None)
+    return text if check is None else check(text)

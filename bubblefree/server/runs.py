@@ -17,6 +17,7 @@ from bubblefree.core import ImageRef, SamplingParams
 from bubblefree.engine import Engine
 from bubblefree.handle import Handle
 from bubblefree.skills.templates import templates_of
+from bubblefree.skills.tokenizer import check_user_text
 from bubblefree.streams import AsyncTextStream
 
 @attrs.define
@@ -56,6 +57,8 @@ def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]], image_in: int |
     Question/Answer frame the skills use. On a vision-language model with a
     chat template (``image_turn``), message ``image_in`` holds the image
     and the ids are those after it (its prefix holds the ones before)."""
+    for _, content in messages:  # what every turn's text may not spell (HFTokenizer.check_user_text)
+        check_user_text(tokenizer, content)
     turn = getattr(tokenizer, "image_turn", None)
     if turn is not None:
         ids = tokenizer.chat([{"role": r, "content": ([{"type": "image"}] if i == image_in else [])
