@@ -65,14 +65,14 @@ def is_moondream(source: Any) -> bool:
 
 def is_vision_language(source: Any) -> bool:
     """Whether ``source`` is a local transformers vision-language checkpoint
-    (a config with a ``vision_config`` and a ``text_config``: LLaVA and its
-    kin); which of them are served is the VLM backend's to say."""
+    (a config with a ``vision_config``: LLaVA and its kin; Qwen2-VL's
+    published configs keep the text settings at the top level, not in a
+    ``text_config``); which of them are served is the VLM backend's to say."""
     if not isinstance(source, (str, os.PathLike)) or is_moondream(source):
         return False
     path = Path(source)
     config = _config(path) if path.is_dir() else None
-    return config is not None and isinstance(config.get("vision_config"), dict) and isinstance(
-        config.get("text_config"), dict)
+    return config is not None and isinstance(config.get("vision_config"), dict)
 
 
 def moondream_tokenizer(raw: Any, config: Any) -> HFTokenizer:

@@ -82,22 +82,39 @@ def timed_modes(engine: Engine, ask: Callable[[], tuple[list, float]],
     return best
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=_at_least_one, default=64)
     ap.add_argument("--model", default=os.environ.get("BUBBLEFREE_MODEL") or None,
                     help="a model directory or .gguf, or a moondream2 or LLaVA checkpoint directory "
                          "(default: $BUBBLEFREE_MODEL, else the embedded model)")
     ap.add_argument("--image", default=None, help="the picture to ask a moondream2 or LLaVA about "
                                                   "(default: one drawn here)")
-    ap.add_argument("--rounds", type=int, default=2, help="timed rounds per mode")
+    ap.add_argument("--rounds", type=_at_least_one, default=2, help="timed rounds per mode")
     args = ap.parse_args(argv)
-    if is_moondream(args.model) or is_vision_language(args.model):
+    # Checked before the model loads: a bad path fails in a second, not after the load.
+    if args.model is not None and not (os.path.isdir(args.model) or (
+            os.path.isfile(args.model) and args.model.endswith(".gguf"))):
+        ap.error(f"--model (or BUBBLEFREE_MODEL): {args.model!r} is not a model directory or a .gguf file")
+    pictures = is_moondream(args.model) or is_vision_language(args.model)
+    if args.image is not None and not pictures:
+        ap.error("--image needs a moondream2 or LLaVA checkpoint (--model or BUBBLEFREE_MODEL)")
+    if args.image is not None and not os.path.isfile(args.image):
+        ap.error(f"--image: no file at {args.image!r}")
+    if pictures:
         from bubblefree.picture_demo import main as picture_main
 
         return picture_main(args)
-    if args.image is not None:
-        ap.error("--image needs a moondream2 or LLaVA checkpoint (--model or BUBBLEFREE_MODEL)")
     print("loading the model (the first run converts the GGUF and caches it)...", flush=True)
     t = time.perf_counter()
     engine = Engine.from_pretrained(args.model, max_rows=8, max_seqs=16, num_pages=1024,

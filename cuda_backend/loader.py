@@ -113,6 +113,9 @@ def load_model(source: str | os.PathLike | None = None, *, gguf_file: str | None
     """Load a decoder from a directory (config, safetensors, tokenizer), a
     ``.gguf`` file, or a directory plus ``gguf_file``. ``None`` loads the
     embedded default model. Device defaults to CUDA when present."""
+    if source is not None and not os.fspath(source):
+        raise ModelLoadError("model path: empty (give a model directory or .gguf file, or none for "
+                             "the embedded model)")
     path = Path(source) if source is not None else default_model_path()
     if gguf_file is not None:
         path = path / gguf_file
@@ -120,6 +123,8 @@ def load_model(source: str | os.PathLike | None = None, *, gguf_file: str | None
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
         path = converted_dir(path, cache_dir)
+    elif path.is_file():
+        raise ModelLoadError(f"{path} is a file, not a model directory or a .gguf file")
     elif not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
     elif not (path / "config.json").is_file():

@@ -14,6 +14,24 @@ from bubblefree.server.settings import ServerSettings
 RANDOM = {"moondream-tiny": "moondream2-random-tiny", "moondream-full": "moondream2-random-full"}
 
 
+def _bounded(kind: type, low: float, high: float | None = None, above: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind`` within bounds, so a bad value is a
+    usage error naming its flag (exit 2) before any model loads."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        ok = (value > low if above else value >= low) and (high is None or value <= high)
+        if not ok:  # NaN fails every comparison
+            bound = f"> {low:g}" if above else f">= {low:g}"
+            span = bound if high is None else f"in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+    return parse
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="bubblefree")
     commands = top.add_subparsers(dest="command", required=True)
@@ -27,14 +45,15 @@ def parser() -> argparse.ArgumentParser:
                             "are noise, its shapes and timings moondream2's")
     serve.add_argument("--host", default=defaults.host,
                        help="address to listen on (default: loopback only)")
-    serve.add_argument("--port", type=int, default=defaults.port)
+    serve.add_argument("--port", type=_bounded(int, 0, 65535), default=defaults.port,
+                       help="0: any free port")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
-    serve.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
-    serve.add_argument("--max-image-pixels", type=int, default=defaults.max_image_pixels,
+    serve.add_argument("--max-body-bytes", type=_bounded(int, 1), default=defaults.max_body_bytes)
+    serve.add_argument("--max-image-pixels", type=_bounded(int, 1), default=defaults.max_image_pixels,
                        help="larger images are refused (422) before they are decoded")
-    serve.add_argument("--max-live", type=int, default=defaults.max_live,
+    serve.add_argument("--max-live", type=_bounded(int, 1), default=defaults.max_live,
                        help="requests live at once; more are answered 429")
-    serve.add_argument("--timeout", type=float, default=defaults.request_timeout_s,
+    serve.add_argument("--timeout", type=_bounded(float, 0, above=True), default=defaults.request_timeout_s,
                        help="seconds a request may run before it is cancelled (504)")
     serve.add_argument("--device", default=None,
                        help="cuda, cuda:N or cpu (default: cuda where there is one; CUDA_VISIBLE_DEVICES "
@@ -43,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
                        help="uvicorn's; info logs every request (a cost under heavy load)")
     serve.add_argument("--location-tokens", action="store_true",
                        help="add the spatial skills' location tokens to a text model")
-    serve.add_argument("--replicas", type=int, default=0,
+    serve.add_argument("--replicas", type=_bounded(int, 0), default=0,
                        help="run N engine replicas on Ray Serve (pip install bubblefree[ray]); "
                             "one GPU each where there are GPUs (default: one engine, no Ray)")
     return top
@@ -56,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         top.error("--random builds its own model: give no MODEL and no --location-tokens")
     import uvicorn  # imported here: `--help` works without the server extra
 
+    from bubblefree.core import InvalidRequest
+    from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
     from bubblefree.server.app import create_app
 
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
@@ -65,7 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     make = engine_maker(args)
     if args.replicas > 0:
         return serve_replicas(args, settings, make)
-    with make() as engine:
+    try:
+        engine = make()
+    except KeyboardInterrupt:
+        print("bubblefree serve: interrupted while loading the model", file=sys.stderr)
+        return 130
+    except (InvalidRequest, ModelLoadError, UnsupportedModel) as err:
+        # A bad path, checkpoint or option: the message says which; a traceback would not add to it.
+        print(f"bubblefree serve: error: {err}", file=sys.stderr)
+        return 2
+    with engine:
         uvicorn.run(create_app(engine, settings), host=settings.host, port=settings.port,
                     log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
@@ -75,11 +105,13 @@ def engine_maker(args: argparse.Namespace) -> Callable[[], Any]:
     """What builds the engine (here, or on each replica): a picklable call."""
     from bubblefree.engine import Engine
 
+    # The engine checks images too: it gets the server's limit, not its own default.
+    limit = {"max_image_pixels": args.max_image_pixels}
     if args.random:
         return functools.partial(Engine.moondream_random, args.random.removeprefix("moondream-"),
-                                 device=args.device)
+                                 device=args.device, **limit)
     options = {"location_tokens": True} if args.location_tokens else {}
-    return functools.partial(Engine.from_pretrained, args.model, device=args.device, **options)
+    return functools.partial(Engine.from_pretrained, args.model, device=args.device, **limit, **options)
 
 
 def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Callable[[], Any]) -> int:

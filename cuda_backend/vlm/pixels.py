@@ -70,7 +70,11 @@ def expand(processor: Any, image: Any, token: str,
     """One RGB PIL image through ``processor`` with the text ``token`` ->
     (block ids, the tower's tensors without their batch dim; with ``rows``,
     as they are: the image's patches as rows, Qwen2-VL's)."""
-    out = processor(text=token, images=[image], return_tensors="pt", add_special_tokens=False)
+    try:
+        out = processor(text=token, images=[image], return_tensors="pt", add_special_tokens=False)
+    except (ValueError, TypeError) as err:  # e.g. Qwen2-VL's: an aspect ratio past 200:1
+        raise InvalidRequest(f"image: the model's image processor refused it ({err}); "
+                             f"it is {image.width}x{image.height}") from err
     ids = torch.as_tensor(out["input_ids"])
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise InvalidRequest(f"image: the model's processor gave input ids of shape {tuple(ids.shape)}")
