@@ -72,3 +72,25 @@ def test_serve_replicas_signals_interrupt_the_start_once_then_only_set_the_flag(
     serving(15, None)
     serving(2, None)
     assert serving.flag.is_set()
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_serve_stops_on_a_signal_closing_its_engine(signal_name):
+    """uvicorn shuts down, then raises the signal again: SIGTERM's default
+    ended the process there, before the engine closed. Both signals now end
+    with the engine closed, exit 0 and no traceback."""
+    import signal
+
+    server = subprocess.Popen([sys.executable, "-m", "bubblefree", "serve", "--random", "moondream-tiny",
+                               "--device", "cpu", "--port", str(free_port()), "--log-level", "warning"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        healthy(f"http://127.0.0.1:{server.args[server.args.index('--port') + 1]}", server, within_s=120)
+        server.send_signal(getattr(signal, signal_name))
+        output, _ = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert server.returncode == 0, output
+    assert output.rstrip().endswith("bubblefree serve: stopped") and "Traceback" not in output, output

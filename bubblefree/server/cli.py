@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
 import sys
 import threading
 from typing import Any, Callable
@@ -95,10 +96,28 @@ def main(argv: list[str] | None = None) -> int:
         # A bad path, checkpoint or option: the message says which; a traceback would not add to it.
         print(f"bubblefree serve: error: {err}", file=sys.stderr)
         return 2
-    with engine:
-        uvicorn.run(create_app(engine, settings), host=settings.host, port=settings.port,
-                    log_level=args.log_level, timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on SIGINT and SIGTERM, restores the
+    # handlers it found, then raises the signal again: SIGTERM's default
+    # would end the process there, before the engine closed.
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with engine:
+            uvicorn.run(create_app(engine, settings), host=settings.host, port=settings.port,
+                        log_level=args.log_level, timeout_graceful_shutdown=5)
+    except (KeyboardInterrupt, Terminated):
+        pass  # the server stopped on the signal; the engine closed on the way out
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("bubblefree serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+class Terminated(BaseException):
+    """SIGTERM, once uvicorn has shut down: leaves ``with engine`` like Ctrl-C."""
+
+
+def _terminated(*_: Any) -> None:
+    raise Terminated
 
 
 def engine_maker(args: argparse.Namespace) -> Callable[[], Any]:
@@ -117,7 +136,6 @@ def engine_maker(args: argparse.Namespace) -> Callable[[], Any]:
 def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Callable[[], Any]) -> int:
     """Start Ray here (or join the cluster RAY_ADDRESS names), serve until
     SIGINT or SIGTERM."""
-    import signal
 
     import ray
     from ray import serve
