@@ -59,12 +59,19 @@ def test_crops_cut_their_windows_out_of_an_image_already_at_the_resized_size():
 
 def lanczos(image: Image.Image, width: int, height: int) -> np.ndarray:
     """The crops' resize written out: Pillow's Lanczos on one axis, then the
-    other, width first (Pillow's own two-axis resize orders its passes by
-    size, differently across versions; one axis at a time is unambiguous)."""
-    if image.width != width:
-        image = image.resize((width, image.height), Image.Resampling.LANCZOS)
-    if image.height != height:
-        image = image.resize((width, height), Image.Resampling.LANCZOS)
+    other (Pillow's own two-axis resize orders its passes by size,
+    differently across versions; one axis at a time is unambiguous), the
+    width first unless the height first gives the smaller middle image."""
+    if width * image.height <= image.width * height:
+        if image.width != width:
+            image = image.resize((width, image.height), Image.Resampling.LANCZOS)
+        if image.height != height:
+            image = image.resize((width, height), Image.Resampling.LANCZOS)
+    else:
+        if image.height != height:
+            image = image.resize((image.width, height), Image.Resampling.LANCZOS)
+        if image.width != width:
+            image = image.resize((width, height), Image.Resampling.LANCZOS)
     return np.asarray(image)
 
 
@@ -159,3 +166,39 @@ def test_prepare_falls_back_to_the_host_when_the_device_is_full(monkeypatch):
     # An image already at the crop size needs no resize: the host cuts it, no device asked.
     square = Image.fromarray(np.zeros((378, 378, 3), dtype=np.uint8))
     assert prepared.prepare(square, VISION, pin=False, stream=object()).crops.shape == (2, 378, 378, 3)
+
+
+def test_a_tall_thin_image_is_never_blown_up_between_its_passes(monkeypatch):
+    """1 x 200,000 px: resized width first, its middle image was 378 times
+    its size (75.6 megapixels; a 1 x 11M image took 215 s and 12.9 GB,
+    within the pixel limit). The height goes first now: no image in between
+    is larger than the input or the output."""
+    sizes = []
+    original = Image.Image.resize
+
+    def recording(self, size, *args, **kwargs):
+        sizes.append(size[0] * size[1])
+        return original(self, size, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "resize", recording)
+    image = Image.new("RGB", (1, 200_000), (90, 120, 30))
+    crops, plan = overlap_crops(image, VISION)
+    assert crops.shape[1:] == (378, 378, 3)
+    assert max(sizes) <= max(image.width * image.height, 378 * 378, plan.resized[0] * plan.resized[1])
+
+
+def test_an_image_whose_device_matrices_would_be_huge_is_cut_on_the_host(monkeypatch):
+    """The device's resizes are dense [out, in] matrices: for 1 x 2,000,000
+    px they would take gigabytes, so such an image is cut on the host."""
+    from bubblefree.cuda_backend.moondream import prepared
+
+    assert prepared._fits_on_device(756, 756, VISION)
+    assert prepared._fits_on_device(378, 30_000, VISION)
+    assert not prepared._fits_on_device(2_000_000, 1, VISION)
+    on_device = []
+    monkeypatch.setattr(prepared, "_prepare_on", lambda *a: on_device.append(a))
+    image = Image.new("RGB", (1, 2_000_000), (9, 9, 9))
+    out = prepared.prepare(image, VISION, pin=False, stream=object())  # a stream: the device path is on
+    assert not on_device and out.crops.shape[1:] == (378, 378, 3)
+    prepared.prepare(Image.new("RGB", (500, 400)), VISION, pin=False, stream=object())
+    assert len(on_device) == 1  # an ordinary image still goes to the device

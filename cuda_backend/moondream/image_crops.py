@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from bubblefree.cuda_backend.moondream.config import VisionConfig
-from bubblefree.cuda_backend.moondream.resample import resize
+from bubblefree.cuda_backend.moondream.resample import resize, width_first
 
 
 def select_tiling(height: int, width: int, window: int, max_crops: int) -> tuple[int, int]:
@@ -111,15 +111,23 @@ def overlap_crops(image: Image.Image, config: VisionConfig, pin: bool = False) -
 
 def _resized(image: Image.Image, shape: tuple[int, int]) -> np.ndarray:
     """``image`` resized to ``shape`` (height, width) as an array: Lanczos,
-    one axis at a time, the width first, each pass rounded to 8 bits (what
-    ``resample.resize`` computes on a device, pixel for pixel; Pillow's
-    own two-axis resize picks the order by size, which depends on its
-    version). One of that size already is read as it is."""
+    one axis at a time in ``resample.width_first``'s order (the smaller
+    middle image), each pass rounded to 8 bits (what ``resample.resize``
+    computes on a device, pixel for pixel; Pillow's own two-axis resize
+    picks the order by size, which depends on its version). One of that
+    size already is read as it is."""
     height, width = shape
-    if image.width != width:
-        image = image.resize((width, image.height), Image.Resampling.LANCZOS)
-    if image.height != height:
-        image = image.resize((width, height), Image.Resampling.LANCZOS)
+    lanczos = Image.Resampling.LANCZOS
+    if width_first(image.height, image.width, height, width):
+        if image.width != width:
+            image = image.resize((width, image.height), lanczos)
+        if image.height != height:
+            image = image.resize((width, height), lanczos)
+    else:
+        if image.height != height:
+            image = image.resize((image.width, height), lanczos)
+        if image.width != width:
+            image = image.resize((width, height), lanczos)
     return np.asarray(image)
 
 

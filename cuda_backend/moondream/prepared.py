@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from bubblefree.cuda_backend.moondream.config import VisionConfig
-from bubblefree.cuda_backend.moondream.image_crops import overlap_crops, overlap_crops_on
+from bubblefree.cuda_backend.moondream.image_crops import overlap_crops, overlap_crops_on, plan_crops
 
 
 @attrs.frozen(eq=False)
@@ -50,13 +50,26 @@ def prepare(image: Image.Image, config: VisionConfig, pin: bool,
     image take about 20 ms of this thread."""
     if not isinstance(image, Image.Image):
         raise TypeError(f"expected a PIL image, got {type(image).__name__}")
-    if stream is not None and (image.height, image.width) != (config.crop_size,) * 2:
+    if stream is not None and (image.height, image.width) != (config.crop_size,) * 2 and _fits_on_device(
+            image.height, image.width, config):
         try:
             return _prepare_on(image, config, stream)
         except torch.cuda.OutOfMemoryError:  # the device is full: the host can still do it
             pass
     crops, plan = overlap_crops(image, config, pin)  # [n, S, S, 3] uint8
     return PreparedImage(crops=crops, tiling=plan.tiling)
+
+
+# The device's resizes are dense [out, in] float64 matrices, one per axis
+# and view: past this many entries (a GiB) an image of extreme shape (1 x
+# 2,000,000 px) is cut on the host, whose resizes take a window a pixel.
+MAX_MATRIX_ENTRIES = 1 << 27
+
+
+def _fits_on_device(height: int, width: int, config: VisionConfig) -> bool:
+    size = config.crop_size
+    local = plan_crops(height, width, config).resized
+    return max(height * max(size, local[0]), width * max(size, local[1])) <= MAX_MATRIX_ENTRIES
 
 
 def _prepare_on(image: Image.Image, config: VisionConfig, stream: torch.cuda.Stream) -> PreparedImage:

@@ -16,9 +16,10 @@ these arguments, which the tests check against Pillow), and each pass is
 one float64 matrix product: every product and sum is an integer below
 2**53, so float64 holds it exactly in any order, and the shift is a floor
 division by a power of two. The result equals Pillow's, pass by pass:
-``resize`` runs the width first, then the height, as ``image_crops``
-asks Pillow to; Pillow's own two-axis ``resize`` orders its passes by
-size in recent versions, so a two-axis call may differ from it.
+``resize`` runs one axis, then the other, in the order ``width_first``
+picks, as ``image_crops`` asks Pillow to; Pillow's own two-axis ``resize``
+orders its passes by size in recent versions, so a two-axis call may
+differ from it.
 """
 
 from __future__ import annotations
@@ -94,16 +95,31 @@ def _pass(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def width_first(h: int, w: int, height: int, width: int) -> bool:
+    """Whether an ``h`` x ``w`` image resized to ``height`` x ``width`` one
+    axis at a time takes the width first: the order whose middle image is
+    smaller (ties: the width). A 1 x 2,000,000 image to 378 x 1 resized
+    width first was 378 times its size in between (gigabytes, within the
+    pixel limit); for images of ordinary shape the two orders tie."""
+    return width * h <= w * height
+
+
 def resize(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """uint8 ``[H, W, C]`` (any device) -> ``[height, width, C]``, equal to
-    Pillow's Lanczos resize of the width and then of the height (each a
-    ``resize`` of one axis); an axis already of its size is left as it is."""
+    Pillow's Lanczos resizes of one axis and then the other, in
+    ``width_first``'s order; an axis already of its size is left as it is."""
     if pixels.dtype != torch.uint8 or pixels.dim() != 3:
         raise ValueError(f"expected uint8 [H, W, C] pixels, got {pixels.dtype} {tuple(pixels.shape)}")
     h, w, c = pixels.shape
     x = pixels
+    if width_first(h, w, height, width):
+        if width != w:
+            x = _pass(x, _matrix(w, width, x.device))
+        if height != h:
+            x = _pass(x.reshape(1, h, width * c), _matrix(h, height, x.device)).reshape(height, width, c)
+        return x
+    if height != h:
+        x = _pass(x.reshape(1, h, w * c), _matrix(h, height, x.device)).reshape(height, w, c)
     if width != w:
         x = _pass(x, _matrix(w, width, x.device))
-    if height != h:
-        x = _pass(x.reshape(1, h, width * c), _matrix(h, height, x.device)).reshape(height, width, c)
     return x
