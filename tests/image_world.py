@@ -154,3 +154,17 @@ def tiny_checkpoint(folder, seed: int = 0):
     (folder / "config.json").write_text(json.dumps({"model_type": "moondream1", "config": config}))
     raw.save(str(folder / "tokenizer.json"))
     return folder
+
+
+def lanczos_by_axis(image: Image.Image, height: int, width: int) -> np.ndarray:
+    """Pillow's Lanczos one axis at a time, written out: the width first,
+    unless the height first leaves the smaller image between the passes
+    (Pillow's own two-axis resize orders its passes by size, differently
+    across versions; one axis at a time is unambiguous)."""
+    axes = [(width, image.height), (width, height)]
+    if width * image.height > image.width * height:
+        axes = [(image.width, height), (width, height)]
+    for size in axes:
+        if size != image.size:
+            image = image.resize(size, Image.Resampling.LANCZOS)
+    return np.asarray(image)

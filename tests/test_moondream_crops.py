@@ -9,6 +9,7 @@ from PIL import Image
 
 from bubblefree.cuda_backend.moondream.config import MOONDREAM2
 from bubblefree.cuda_backend.moondream.image_crops import overlap_crops, overlap_crops_on, plan_crops, reconstruct
+from tests.image_world import lanczos_by_axis
 
 VISION = MOONDREAM2.vision
 
@@ -58,21 +59,7 @@ def test_crops_cut_their_windows_out_of_an_image_already_at_the_resized_size():
 
 
 def lanczos(image: Image.Image, width: int, height: int) -> np.ndarray:
-    """The crops' resize written out: Pillow's Lanczos on one axis, then the
-    other (Pillow's own two-axis resize orders its passes by size,
-    differently across versions; one axis at a time is unambiguous), the
-    width first unless the height first gives the smaller middle image."""
-    if width * image.height <= image.width * height:
-        if image.width != width:
-            image = image.resize((width, image.height), Image.Resampling.LANCZOS)
-        if image.height != height:
-            image = image.resize((width, height), Image.Resampling.LANCZOS)
-    else:
-        if image.height != height:
-            image = image.resize((image.width, height), Image.Resampling.LANCZOS)
-        if image.width != width:
-            image = image.resize((width, height), Image.Resampling.LANCZOS)
-    return np.asarray(image)
+    return lanczos_by_axis(image, height, width)
 
 
 @pytest.mark.parametrize("size", [(378, 378), (300, 500), (500, 300), (900, 700)])

@@ -12,25 +12,13 @@ from PIL import Image
 
 from bubblefree.cuda_backend.moondream import resample
 from bubblefree.cuda_backend.moondream.resample import PRECISION_BITS, resize, taps
+from tests.image_world import lanczos_by_axis
 
 sizes = st.integers(1, 80)
 
 
 def pillow_by_axis(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Pillow one axis at a time: the width first, unless the height first
-    leaves the smaller image in between."""
-    image = Image.fromarray(pixels)
-    if width * image.height <= image.width * height:
-        if image.width != width:
-            image = image.resize((width, image.height), Image.Resampling.LANCZOS)
-        if image.height != height:
-            image = image.resize((width, height), Image.Resampling.LANCZOS)
-    else:
-        if image.height != height:
-            image = image.resize((image.width, height), Image.Resampling.LANCZOS)
-        if image.width != width:
-            image = image.resize((width, height), Image.Resampling.LANCZOS)
-    return np.asarray(image)
+    return lanczos_by_axis(Image.fromarray(pixels), height, width)
 
 
 @pytest.mark.parametrize("h,w,height,width,first", [
