@@ -199,3 +199,24 @@ def test_a_route_that_raises_is_counted_as_a_server_error_not_a_client_that_left
         reply = httpx.post(f"{url}/v1/query", json={"question": "a"}, timeout=10)
         assert reply.status_code == 500
         assert stats(url)["requests_by_status"] == {"500": 1}
+
+
+def test_a_body_that_stops_arriving_is_answered_408_and_the_server_serves_on(engine):
+    """A client that sends part of its body and goes quiet held its
+    connection (and a route's task) for ever."""
+    import socket
+
+    with serving(engine, body_timeout_s=0.5) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"question\": ")
+            started = time.monotonic()
+            reply = sock.recv(65536).decode()
+            waited = time.monotonic() - started
+        assert reply.startswith("HTTP/1.1 408"), reply
+        body = json.loads(reply.split("\r\n\r\n", 1)[1])
+        assert body["error"]["param"] == "body" and "not received within 0.5 s" in body["error"]["message"]
+        assert waited < 10
+        assert httpx.post(f"{url}/v1/query", json={"question": "what"}, timeout=10).status_code == 200
+        assert stats(url)["requests_by_status"] == {"408": 1, "200": 1}

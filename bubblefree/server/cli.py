@@ -56,6 +56,8 @@ def parser() -> argparse.ArgumentParser:
                        help="requests live at once; more are answered 429")
     serve.add_argument("--timeout", type=_bounded(float, 0, above=True), default=defaults.request_timeout_s,
                        help="seconds a request may run before it is cancelled (504)")
+    serve.add_argument("--body-timeout", type=_bounded(float, 0, above=True), default=defaults.body_timeout_s,
+                       help="seconds a request's whole body may take to arrive (408 past it)")
     serve.add_argument("--device", default=None,
                        help="cuda, cuda:N or cpu (default: cuda where there is one; CUDA_VISIBLE_DEVICES "
                             "chooses which GPUs cuda sees)")
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                               max_body_bytes=args.max_body_bytes, max_image_pixels=args.max_image_pixels,
                               max_live=args.max_live, request_timeout_s=args.timeout,
+                              body_timeout_s=args.body_timeout,
                               model_name=RANDOM.get(args.random) or args.model or "smollm2-135m-instruct")
     make = engine_maker(args)
     if args.replicas > 0:

@@ -8,6 +8,7 @@ length (or sends none) stops being read at the limit.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -71,14 +72,30 @@ class Guard:
         return None
 
     def _limited(self, receive: Receive) -> Receive:
-        limit, seen = self.settings.max_body_bytes, [0]
+        """``receive`` with the body's bounds: its size, and the time it may
+        take to arrive, whole (a client that sends part of a body and goes
+        quiet held its connection for ever). Once the body is in, a
+        receive waits as long as it must (a route watching for the client
+        to leave)."""
+        limit, seen, body_done = self.settings.max_body_bytes, [0], [False]
+        wait, deadline = self.settings.body_timeout_s, []
 
         async def limited() -> Message:
-            message = await receive()
+            if body_done[0]:
+                return await receive()
+            if not deadline:  # the whole body within ``wait`` of the route's first read
+                deadline.append(asyncio.get_running_loop().time() + wait)
+            try:
+                message = await asyncio.wait_for(receive(), deadline[0] - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"body: not received within {wait:g} s", "body") from None
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
                 if seen[0] > limit:
                     raise _too_large(limit)  # raised inside the route's body read: answered as 413
+                body_done[0] = not message.get("more_body", False)
+            else:
+                body_done[0] = True
             return message
         return limited
 

@@ -14,6 +14,7 @@ class ServerSettings:
     max_image_pixels: int = 50_000_000  # checked from the header, before decoding (bombs)
     max_live: int = 64  # requests decoding or waiting at once; more get 429
     request_timeout_s: float = 300.0  # a request still running then is cancelled (504)
+    body_timeout_s: float = 30.0  # a request's whole body must arrive within this (else 408)
     retry_after_s: int = 1  # the Retry-After a 429 suggests
     model_name: str = "bubblefree"  # what /v1/models lists and responses name
 
@@ -21,5 +22,6 @@ class ServerSettings:
         for name in ("max_body_bytes", "max_image_pixels", "max_live", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        for name in ("request_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
