@@ -16,8 +16,10 @@ Refused, with ``InvalidRequest`` naming ``image``: anything that is not an
 image, an empty or truncated file, a zero-size image, more than
 ``max_pixels`` pixels (checked from the header, before decoding, so a
 decompression bomb costs nothing), a mode with no RGB meaning, non-finite
-float pixels. Pillow is imported here and nowhere in the core, and this
-module imports no numpy: arrays are read through their interface.
+float pixels. Pillow is imported here and nowhere in the core (without it,
+``import bubblefree`` works and an image raises ImportError naming the
+extra), and this module imports no numpy: arrays are read through their
+interface.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ import math
 import os
 import warnings
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+try:
+    from PIL import Image, ImageOps, UnidentifiedImageError
+except ImportError:  # the images extra is absent: text engines serve without it
+    Image = ImageOps = UnidentifiedImageError = None
 
 from bubblefree.core import InvalidRequest
 
@@ -151,6 +156,8 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 def load_image(image, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
     """``image`` (see the module's docstring) -> a decoded RGB image."""
+    if Image is None:
+        raise ImportError("images need Pillow: pip install 'bubblefree[images]'")
     if isinstance(image, Image.Image):
         opened = image
     elif isinstance(image, (str, os.PathLike)):

@@ -28,3 +28,14 @@ def test_the_core_the_skills_and_the_serving_layer_import_no_torch(tmp_path):
                tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_without_pillow_the_engine_imports_and_an_image_names_the_extra(tmp_path):
+    """The core, the skills, the fake backend and the serving layer need only
+    attrs; Pillow comes with the images (and server) extras."""
+    out = _run("import sys\nsys.modules['PIL'] = None  # as if not installed\n"
+               "import bubblefree, bubblefree.core, bubblefree.skills, bubblefree.fake_backend\n"
+               "from bubblefree.images import load_image\n"
+               "try:\n    load_image(b'x')\nexcept ImportError as err:\n    print(err)\n", tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "images need Pillow: pip install 'bubblefree[images]'"

@@ -186,9 +186,10 @@ def test_unknown_fields_in_a_content_part_are_refused(engine, part, field):
         assert reply.json()["error"]["param"] == f"messages[0].content[0].{field}"
 
 
-def test_a_route_that_raises_is_counted_as_a_server_error_not_a_client_that_left(engine, monkeypatch):
+def test_a_route_that_raises_is_a_json_500_counted_as_a_server_error_not_a_client_that_left(engine, monkeypatch):
     """Starlette's error middleware answers an escaped exception outside
-    the guard that counts answers; the guard records it as 500."""
+    the guard that counts answers, in the one JSON shape; the guard records
+    it as 500."""
     from bubblefree.server import moondream_api
 
     def broken(*args, **kwargs):
@@ -197,7 +198,10 @@ def test_a_route_that_raises_is_counted_as_a_server_error_not_a_client_that_left
     monkeypatch.setattr(moondream_api, "run_skill", broken)
     with serving(engine) as url:
         reply = httpx.post(f"{url}/v1/query", json={"question": "a"}, timeout=10)
-        assert reply.status_code == 500
+        assert reply.status_code == 500 and reply.headers["content-type"] == "application/json"
+        assert reply.json()["error"] == {
+            "message": "server: an internal error (RuntimeError); the request did not complete",
+            "type": "server_error", "param": "server", "code": 500}
         assert stats(url)["requests_by_status"] == {"500": 1}
 
 

@@ -97,6 +97,7 @@ def test_segment_and_missing_images_are_refused_clearly(md, url):
     assert error["param"] == "skill" and "no segment skill" in error["message"]
     headers = {"X-Moondream-Auth": KEY}
     for route, body, field, words in [
+        ("segment", {"object": "cat"}, "skill", "no segment skill"),  # not "image_url: is required"
         ("caption", {}, "image_url", "is required"),
         ("point", {"object": "cat"}, "image_url", "is required"),
         ("detect", {"object": "cat", "stream": True}, "stream", "answers whole"),

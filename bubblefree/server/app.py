@@ -35,6 +35,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(InvalidRequest, _on_invalid)
     app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(Exception, _on_bug)  # Starlette's error middleware, outside the guard
     app.add_middleware(Guard, settings=settings, observer=observer)
     app.include_router(moondream_api.router(served))
     app.include_router(openai_api.router(served))
@@ -56,6 +57,12 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
 async def _on_invalid(request: Request, err: InvalidRequest) -> ErrorJSON:
     return error_json(422, str(err), field_of(str(err)))
+
+
+async def _on_bug(request: Request, err: Exception) -> ErrorJSON:
+    """A bug in a route, in the one JSON shape (the traceback goes to the log)."""
+    return error_json(500, f"server: an internal error ({type(err).__name__}); the request did not complete",
+                      "server")
 
 
 async def _on_validation(request: Request, err: RequestValidationError) -> ErrorJSON:

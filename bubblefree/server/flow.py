@@ -52,7 +52,7 @@ def start(served: Served, begin: Callable[[], Run], names: dict[str, str] | None
         raise ApiError(422, message, field) from None
     except EngineStopped as err:
         ticket.leave()
-        raise ApiError(503, f"engine: {err}", "engine") from None
+        raise ApiError(503, f"engine: {err}", "engine", headers={"Retry-After": "1"}) from None
     except BaseException:
         ticket.leave()
         raise

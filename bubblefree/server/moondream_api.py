@@ -79,6 +79,8 @@ async def _skill(served: Served, request: Request, body: Fields, skill: str, arg
         args = {**args, "spatial_refs": refs}  # the skill checks them, naming the reference
     args = {**args, **_settings(body, spatial=skill in ("point", "detect"))}
     body.done()
+    if served.takes_images:  # a skill the model does not serve is named as such, not as a missing image
+        served.engine.skills.tables(skill)
     if image is Fields.MISSING or image is None:
         if skill not in ("query", "caption"):
             if not served.takes_images:
