@@ -83,8 +83,10 @@ class Engine:
         """Store an allowed-token set with the backend, off the hot path."""
         allowed = frozenset(allowed)
         vocab = self.backend.vocab_size
-        if not allowed or any(type(t) is not int or not 0 <= t < vocab for t in allowed):
-            raise ValueError(f"mask must be a non-empty set of int token ids < {vocab}")
+        outside = sorted((t for t in allowed if type(t) is not int or not 0 <= t < vocab), key=repr)
+        if not allowed or outside:
+            named = f"; outside it: {', '.join(map(repr, outside[:5]))}" if outside else ""
+            raise ValueError(f"mask must be a non-empty set of int token ids < {vocab}{named}")
         mask_id = self.backend.register_mask(allowed)
         self.masks[mask_id] = allowed
         return mask_id

@@ -58,11 +58,6 @@ class SkillSet:
         if not allowed:
             # An empty mask would leave sampling nothing to pick.
             raise SkillError("a skill state allows no token at all")
-        vocab = len(self.tokenizer)
-        outside = sorted(t for t in allowed if type(t) is not int or not 0 <= t < vocab)
-        if outside:
-            raise SkillError(f"a mask holds ids outside the vocabulary of {vocab}: "
-                             f"{', '.join(map(repr, outside[:5]))}{' ...' if len(outside) > 5 else ''}")
         mask_id = self._mask_ids.get(allowed)
         if mask_id is None:
             mask_id = self.register_mask(allowed)
