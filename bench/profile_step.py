@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
     ap.add_argument("--attention", default="",
                     help="attention choices for the last path: default, split, separate, "
-                    "act-separate, prefetch, no-prefetch, last-combines, splitsN, or launches")
+                    "act-separate, prefetch, no-prefetch, last-combines, splitsN, torch-inputs "
+                    "(a step's inputs gathered by torch's kernels), or launches")
     ap.add_argument("--gemm", default="", help="GEMM choices for the last path: cublas, or "
                     "JSON files of tiles")
     ap.add_argument("--pdl", default="", help="KernelConfig.pdl_rows values for the last path")
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                  "separate": attrs.evolve(default, new_token=False),
                  "act-separate": attrs.evolve(default, mlp_act=False),
                  "last-combines": attrs.evolve(default, last_combines=True),
+                 "torch-inputs": attrs.evolve(default, step_inputs=False),
                  **{name: attrs.evolve(default, dispatch=attrs.evolve(default.dispatch, prefetch=on))
                     for name, on in (("prefetch", True), ("no-prefetch", False))}}
     for x in args.attention.split(","):

@@ -2,14 +2,16 @@
 their rows, and the top device and host ops under torch's profiler.
 
     python -m bubblefree.bench.vlm_profile [--streams 1,16] [--requests 12] [--side 378]
-        [--eager-prefill]
+        [--eager-prefill] [--workload query] [--timeline] [--torch-greedy] [--torch-inputs]
 
 moondream2's full shape, random bf16 (``--tiny`` for a CPU smoke run).
 Point requests on fresh images, pipelined; a profiler table per stream
 count, and per step kind the host time of a ``launch`` call and what it
 launches (kernels, graph replays, copies, torch ops). ``--eager-prefill``
 runs the image prefill without its graphs (``prefill_graphs=False``), the
-before of a before/after. Read beside ``bench.vlm_speed``'s table.
+before of a before/after. ``--timeline`` adds, per stream count, what the
+device runs between two decode forwards (``step_gaps``): a step's cost
+beyond its graph. Read beside ``bench.vlm_speed``'s table.
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import json
+import os
 import statistics
+import tempfile
 import threading
 import time
 
 import attrs
 import torch
 
+from bubblefree.bench.step_gaps import between_forwards, format_report
 from bubblefree.bench.vlm_speed import WORKLOADS, images
 
 
@@ -103,6 +109,20 @@ def run(engine, workload: str, side: int, streams: int, count: int) -> float:
     return time.perf_counter() - start
 
 
+def timeline(engine, args, streams: int, activities):
+    """One profiled run's device trace, read by ``step_gaps``."""
+    with torch.profiler.profile(activities=activities) as prof:
+        run(engine, args.workload, args.side, streams, max(4, streams))
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return between_forwards(json.load(f)["traceEvents"])
+    finally:
+        os.unlink(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="1,16")
@@ -113,6 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eager-prefill", action="store_true")
     ap.add_argument("--torch-prefill-store", action="store_true",
                     help="a prefill's rotary, KV write and activation in torch, not rope_store")
+    ap.add_argument("--torch-greedy", action="store_true",
+                    help="greedy sampling in torch's kernels, not greedy_sample's one")
+    ap.add_argument("--torch-inputs", action="store_true",
+                    help="a decode step's inputs gathered by torch's kernels, not step_inputs' one")
+    ap.add_argument("--timeline", action="store_true",
+                    help="what the device runs between two decode forwards (step_gaps)")
     args = ap.parse_args(argv)
     from bubblefree import Engine
     from bubblefree.build import random_config
@@ -125,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine.moondream_random(config, device=device,
                                      prefill_graphs=not args.eager_prefill,
                                      kernels=attrs.evolve(kernels,
-                                                          prefill_store=not args.torch_prefill_store))
+                                                          prefill_store=not args.torch_prefill_store,
+                                                          greedy_kernel=not args.torch_greedy,
+                                                          step_inputs=not args.torch_inputs))
     print(f"kernels: {engine.backend.kernels}", flush=True)
     print(f"prefill: {engine.backend.prefill_path}", flush=True)
     print(f"host: load_image + image_ref ({args.side} px): {host_prepare_ms(engine, args.side):.2f} ms", flush=True)
@@ -183,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
         print(prof.key_averages().table(sort_by=key, row_limit=32, max_name_column_width=90), flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
                                         max_name_column_width=60), flush=True)
+        if args.timeline and device == "cuda":
+            print(f"\n-- between decode forwards, {n} streams", flush=True)
+            print(format_report(timeline(engine, args, n, activities)), flush=True)
     engine.close()
 
 

@@ -143,10 +143,22 @@ def encode_figures(engine, side: int, images_per_call: int = 4, reps: int = 10) 
                 crop_ms=ms / crops.shape[0])
 
 
-def make_engine(device: str, quick: bool, crops_on_device: bool = True):
+def make_engine(device: str, quick: bool, crops_on_device: bool = True,
+                torch_greedy: bool = False, torch_inputs: bool = False):
     from bubblefree import Engine
+    options = {}
+    if torch_greedy or torch_inputs:  # the before of a before/after
+        import attrs
+
+        from bubblefree.build import random_config
+        from bubblefree.cuda_backend.kernel_config import KernelConfig
+        from bubblefree.cuda_backend.moondream.text import phi_config
+        text = random_config("tiny" if quick else "full").text
+        options["kernels"] = attrs.evolve(KernelConfig.measured(device, phi_config(text)),
+                                          greedy_kernel=not torch_greedy,
+                                          step_inputs=not torch_inputs)
     return Engine.moondream_random("tiny" if quick else "full", device=device,
-                                   crops_on_device=crops_on_device)
+                                   crops_on_device=crops_on_device, **options)
 
 
 def table(rows: list[dict], peer: dict[tuple[str, int], dict]) -> str:
@@ -286,6 +298,10 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--crops-on-host", action="store_true",
                     help="callers' images resized and cut by Pillow on their threads, not on the GPU "
                     "(MoondreamBackend's crops_on_device=False)")
+    ap.add_argument("--torch-greedy", action="store_true",
+                    help="greedy sampling in torch's kernels, not greedy_sample's one")
+    ap.add_argument("--torch-inputs", action="store_true",
+                    help="a decode step's inputs gathered by torch's kernels, not step_inputs' one")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="write the table into this markdown file (and the plot beside it)")
     ap.add_argument("--record", default=None, help="write the run's figures as JSON here")
@@ -297,7 +313,8 @@ def main(argv: list[str] | None = None) -> str:
     if unknown:
         ap.error(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
 
-    engine = make_engine(args.device, args.quick, not args.crops_on_host)
+    engine = make_engine(args.device, args.quick, not args.crops_on_host, args.torch_greedy,
+                         args.torch_inputs)
     rows = []
     for side in sizes:
         for workload in workloads:

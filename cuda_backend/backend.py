@@ -30,6 +30,7 @@ import torch
 from bubblefree.core.protocol import Capacity, check_plan, check_sample, slot_index
 from bubblefree.core.values import SamplePlan, StepFailed, StepKind, StepOutput, StepPlan
 from bubblefree.cuda_backend.errors import PlanRejected
+from bubblefree.cuda_backend.greedy_sample import make_sampler, torch_greedy
 from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
 from bubblefree.cuda_backend.kernel_config import KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
@@ -100,6 +101,8 @@ class CudaBackend:
                                          fused_decode=fused_decode, token_prefill=token_prefill)
         self._masks = MaskTable(self._vocab, self.device, mask_capacity)
         self._salt = vocab_hash(self._vocab, self.device)  # [V]
+        self._greedy = make_sampler(max_rows, self._vocab, self.device) \
+            if self.kernels.greedy_kernel else None
         self._slots = [make_slot(i, staging_size=staging_size(self._cap), max_rows=max_rows,
                                  vocab_size=self._vocab, device=self.device) for i in (0, 1)]
         self._compute = torch.cuda.Stream(self.device) if cuda else None  # I1: the one stream
@@ -298,12 +301,27 @@ class CudaBackend:
             self._sync()
 
     def _sample(self, s: DecodeSlot, b: int, greedy: bool) -> torch.Tensor:
-        """Sampling of slot ``s`` at bucket ``b`` (what the sampling graphs record)."""
+        """Sampling of slot ``s`` at bucket ``b`` (what the sampling graphs
+        record): each row's token into ``s.sampled`` and ``last_token`` at
+        its row slot (padded rows: the scratch row), and ``_sample_clears``
+        cleared there."""
+        last, clears = self._runner.last_token, self._sample_clears()
+        if greedy:
+            sample = self._greedy or torch_greedy
+            sample(s.logits, self._masks.table, s.sample_inputs, b, s.sampled, last, clears)
+            return s.sampled
         row_slots, tokens = sample_inputs(s.sample_inputs, s.logits, self._masks.table,
                                           self._salt, b, greedy)  # [b], [b]
         s.sampled[:b].copy_(tokens)
-        self._runner.last_token.index_copy_(0, row_slots, tokens)  # padded rows: scratch row
+        last.index_copy_(0, row_slots, tokens)
+        if clears is not None:
+            clears.index_fill_(0, row_slots, False)
         return s.sampled
+
+    def _sample_clears(self) -> torch.Tensor | None:
+        """A per-row-slot bool array every sampling clears at its rows' slots
+        (a subclass's flag that only some finalize-phase work sets), or None."""
+        return None
 
     def _capture_decode(self) -> None:
         r, meta = self._runner, self._runner.decode_meta

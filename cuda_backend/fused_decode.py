@@ -44,6 +44,7 @@ from bubblefree.cuda_backend.pdl import supported as pdl_supported
 from bubblefree.cuda_backend.rope_attention import ACTIVATIONS, rope_attend, rotate
 from bubblefree.cuda_backend.rope_store import available as rope_store_available
 from bubblefree.cuda_backend.rope_store import rope_store
+from bubblefree.cuda_backend.step_inputs import RopeTable
 
 PARALLEL = ("phi",)
 SEQUENTIAL = ("llama", "qwen2")
@@ -347,6 +348,14 @@ class FusedDecoder:
                          glu=not parallel and getattr(cfg, "hidden_act", None) == "silu",
                          counters=counters)
         self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
+        # What the first dependent layer adds to the embeddings: nothing,
+        # from one buffer rather than a fill kernel each step.
+        self.zero_delta = torch.zeros(1, pdl_rows, cfg.hidden_size, dtype=torch.float32,
+                                      device=device) if pdl_rows else None
+        # Gathered rotary rows and embeddings (step_inputs), where the
+        # embedding is a plain lookup: ``rope_table`` builds the table.
+        self.gathers_inputs = kernels.step_inputs and type(self.embed) is nn.Embedding
+        self.rope: RopeTable | None = None
         # The final norm, as add_norm takes it: weight, bias, eps, RMS or not.
         self.final_norm = ((self.norm.weight, self.norm.bias, self.norm.eps, False) if parallel
                            else (self.norm.weight, None, self.norm.variance_epsilon, True))
@@ -357,32 +366,54 @@ class FusedDecoder:
         self.step_layer = torch.compile(_own_copy(self.layer_fn)) if on else self.layer_fn
         return self
 
+    def rope_table(self, positions: int) -> RopeTable | None:
+        """The rotary values of positions ``0 .. positions - 1``, computed
+        once by the model's module (None where inputs are not gathered)."""
+        if self.gathers_inputs and (self.rope is None or len(self.rope) < positions):
+            weight = self.embed.weight
+            self.rope = RopeTable.of(self.rotary, positions, weight.dtype, weight.device)
+        return self.rope if self.gathers_inputs else None
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext,
                  last: torch.Tensor | None = None) -> torch.Tensor:
         """``[B]`` tokens at ``[B]`` positions -> logits ``[B, V]``, or only
         the rows ``last`` ``[R]`` -> ``[R, V]`` (a prefill's last tokens)."""
         x = self.embed(input_ids)
         if last is None:
-            # The one op lets each row see the cache as it was before the
-            # step, plus its own key. Right for a decode step (a row per
-            # sequence); the token rows of a prefill must see each other's
-            # keys, so they write first and attend after (three steps).
-            _, normed = self.hidden_normed(x, positions, ctx, one_op=self.rope_in_kernel)
-            return self.logits(normed, pdl=self.uses_pdl(x, self.rope_in_kernel))
+            return self.decode_step(x, positions, ctx)[1]
         return self.head(self.hidden(x, positions, ctx).index_select(0, last))
+
+    def decode_step(self, x: torch.Tensor, positions: torch.Tensor, ctx: PagedContext,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step over input embeddings ``[B, D]``: the last layer's
+        output before the final norm ``[B, D]`` and the logits ``[B, V]``.
+        ``rope``: the rows' cos and sin ``[B, rot]`` where already gathered."""
+        # The one op lets each row see the cache as it was before the
+        # step, plus its own key. Right for a decode step (a row per
+        # sequence); the token rows of a prefill must see each other's
+        # keys, so they write first and attend after (three steps).
+        h, normed = self.hidden_normed(x, positions, ctx, one_op=self.rope_in_kernel, rope=rope)
+        return h, self.logits(normed, pdl=self.uses_pdl(x, self.rope_in_kernel))
 
     def uses_pdl(self, x: torch.Tensor, one_op: bool) -> bool:
         """Whether a decode step over ``x``'s rows runs ``pdl_step``'s layers."""
         return one_op and x.shape[0] <= self.dims.pdl_rows
 
-    def _layers(self, x, positions, ctx, one_op: bool, compiled: bool):
+    def _layers(self, x, positions, ctx, one_op: bool, compiled: bool, rope=None):
         """The layers over input embeddings: ``(x, delta, pdl)``, the output
         being ``x + delta`` (``delta`` as sums where ``pdl``)."""
-        cos, sin = self.rotary(x, positions.view(1, -1))  # [1, T, rot] each, in x's dtype
-        cos, sin = cos[0], sin[0]
+        if rope is None:
+            cos, sin = self.rotary(x, positions.view(1, -1))  # [1, T, rot] each, in x's dtype
+            cos, sin = cos[0], sin[0]
+        else:
+            cos, sin = rope
         pdl = self.uses_pdl(x, one_op)
         if pdl:
-            layer, delta = self.pdl_layer, pdl_step.first_delta(x)
+            zero = self.zero_delta
+            if zero is None or zero.shape[1] < x.shape[0]:  # more rows than measured for
+                zero = x.new_zeros((1, *x.shape), dtype=torch.float32)
+            layer, delta = self.pdl_layer, zero[:, :x.shape[0]]
         else:
             layer, delta = self.step_layer if compiled else self.layer_fn, torch.zeros_like(x)
         for i, w in enumerate(self.weights):
@@ -402,10 +433,10 @@ class FusedDecoder:
         return pdl_step.combine(x, delta) if pdl else x + delta
 
     def hidden_normed(self, x: torch.Tensor, positions: torch.Tensor, ctx: PagedContext, *,
-                      one_op: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      one_op: bool = False, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden``'s output and its final norm, the head's input (one
         kernel for both where the step runs ``pdl_step``'s layers)."""
-        x, delta, pdl = self._layers(x, positions, ctx, one_op, True)
+        x, delta, pdl = self._layers(x, positions, ctx, one_op, True, rope)
         if pdl:
             return pdl_step.final(x, delta, *self.final_norm)
         h = x + delta

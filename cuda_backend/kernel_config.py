@@ -343,7 +343,14 @@ class KernelConfig:
     launch fewer a layer); bit for bit the two kernels' result, and off:
     on the H200 it moved a step by under 1.5% either way at one row and
     lost 3% at eight rows of a long context (docs/performance.md, "The
-    last programs combining")."""
+    last programs combining").
+
+    ``greedy_kernel``: a greedy step samples in one kernel
+    (``greedy_sample``) instead of torch's seven; ``step_inputs``: a fused
+    decode step gathers its rows' inputs, KV slots and rotary values in one
+    kernel (``step_inputs``) instead of about twenty of torch's. Off: the
+    torch paths (the before of a before/after; where Triton is absent they
+    run anyway)."""
     dispatch: Dispatch = Dispatch()
     new_token: bool = True
     mlp_act: bool = True
@@ -352,6 +359,8 @@ class KernelConfig:
     pdl_rows: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     pdl_tiles: TileTable = TileTable()
     last_combines: bool = False
+    greedy_kernel: bool = True
+    step_inputs: bool = True
 
     @classmethod
     def measured(cls, device: torch.device | str, config: Any = None) -> "KernelConfig":
@@ -381,4 +390,8 @@ class KernelConfig:
             where += f"; dependent launches up to {self.pdl_rows} rows"
             if self.last_combines:
                 where += ", the split kernel's last programs combining"
+        if not self.greedy_kernel:
+            where += "; greedy sampling in torch"
+        if not self.step_inputs:
+            where += "; step inputs in torch"
         return f"attention: {self.dispatch}{where}; GEMM: {self.tiles}"

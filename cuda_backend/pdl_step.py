@@ -109,11 +109,6 @@ def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
     return x, gemm(act(gate) * up, w_down, b_down, dims, partial=True)
 
 
-def first_delta(x: torch.Tensor) -> torch.Tensor:
-    """What the first layer adds to the embeddings: nothing, as sums."""
-    return x.new_zeros((1, *x.shape), dtype=torch.float32)
-
-
 def final(x, delta, weight, bias, eps, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The last layer's output added: ``(hidden, final norm of it)``."""
     return add_norm(x, delta, weight, bias, eps, rms, pdl=True)

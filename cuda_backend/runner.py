@@ -22,11 +22,13 @@ import torch
 
 from bubblefree.core.protocol import Capacity
 from bubblefree.core.values import StepPlan
+from bubblefree.cuda_backend import paged_decode
 from bubblefree.cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_context, prefill_context
 from bubblefree.cuda_backend.fused_decode import make_decoder
 from bubblefree.cuda_backend.kernel_config import KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.sizing import prefill_key_budget
+from bubblefree.cuda_backend.step_inputs import step_inputs
 from bubblefree.cuda_backend.token_prefill import TokenPrefill
 
 
@@ -57,6 +59,10 @@ class ModelRunner:
         self.scratch_row = cap.max_seqs
         self.last_token = torch.zeros(cap.max_seqs + 1, dtype=torch.long, device=device)  # [S+1]
         self.max_pages = -(-cap.max_context // cap.page_size)
+        # The fused step gathers its inputs in one kernel (step_inputs.py)
+        # from rotary tables of every position a sequence can reach.
+        self.rope = self.decoder.rope_table(cap.max_context) \
+            if self.not_fused is None and self.decoder is not None else None
         # Short prefills as token rows through the fused step (token_prefill.py).
         self.token_prefill = None
         if token_prefill > 0 and self.not_fused is None:
@@ -115,9 +121,25 @@ class ModelRunner:
         ctx = decode_context(self.cache, positions, page_table, self.kernels.dispatch)
         return input_ids, positions, ctx
 
+    def gathered_inputs(self, b: int, p: int, flags: torch.Tensor | None = None,
+                        values: torch.Tensor | None = None):
+        """``decode_meta`` read as bucket (b, p), through ``step_inputs``:
+        input embeddings ``[B, D]`` (``values`` at a row slot whose ``flags``
+        is set), positions ``[B]``, the attention context and the rows'
+        rotary cos and sin."""
+        row_slots, positions, page_table = self.meta_views(self.decode_meta, b, p)
+        got = step_inputs(row_slots, positions, page_table, self.last_token,
+                          self.decoder.embed.weight, self.rope, self.cache.page_size, flags, values)
+        ctx = PagedContext(self.cache, got.slot_mapping, page_table, positions.unsqueeze(1),
+                           gather_keys=not paged_decode.available(page_table),
+                           dispatch=self.kernels.dispatch)
+        return got.x, positions, ctx, (got.cos, got.sin)
+
     def decode_forward(self, b: int, p: int) -> torch.Tensor:
         """The decode step; returns logits ``[b, V]``. Allocation-free to
         enqueue once captured as a graph."""
+        if self.rope is not None:
+            return self.decoder.decode_step(*self.gathered_inputs(b, p))[1]
         return self.decode_step(*self.decode_inputs(b, p))
 
     # -- prefill --------------------------------------------------------------

@@ -238,12 +238,10 @@ class MoondreamBackend(CudaBackend):
 
     # -- finalize and wait -------------------------------------------------------
 
-    def _sample(self, s: DecodeSlot, b: int, greedy: bool) -> torch.Tensor:
-        tokens = super()._sample(s, b, greedy)
+    def _sample_clears(self) -> torch.Tensor:
         # A row that asks no value feeds its token back; a value row's flag is
-        # set again by the value decode, enqueued after this.
-        self._runner.value_flag.index_fill_(0, s.sample_inputs[:b], False)
-        return tokens
+        # set again by the value decode, enqueued after the sampling.
+        return self._runner.value_flag
 
     def _after_sampling(self, s: DecodeSlot, sample: SamplePlan, b: int, greedy: bool) -> None:
         v = self._vslots[s.index]

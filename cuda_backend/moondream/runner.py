@@ -6,7 +6,7 @@ phase of a step whose row asked a value sets the row's flag and writes the
 value's encoding there (``RegionHead``); any other sampling of the row
 clears the flag. A decode step's input for a row is then
 ``value_emb[row]`` where the flag is set, else the embedding of
-``last_token[row]``: a ``torch.where`` inside the captured graph, so the
+``last_token[row]``: chosen inside the captured graph (``step_inputs``), so the
 next forward never waits for the host (contract: a value row's NEXT decode
 input is its encoding).
 
@@ -46,16 +46,18 @@ class MoondreamRunner(ModelRunner):
     def decode_forward(self, b: int, p: int) -> torch.Tensor:
         """The decode step at bucket (b, p): logits ``[b, V]``; the rows'
         hidden states land in ``hidden[:b]``."""
-        row_slots, positions, page_table = self.meta_views(self.decode_meta, b, p)
-        ids = self.last_token.index_select(0, row_slots)  # [b]
-        flag = self.value_flag.index_select(0, row_slots).unsqueeze(1)  # [b, 1]
-        x = torch.where(flag, self.value_emb.index_select(0, row_slots),
-                        self.decoder.embed(ids))  # [b, D]
-        ctx = decode_context(self.cache, positions, page_table, self.kernels.dispatch)
-        one_op = self.decoder.rope_in_kernel
-        h, normed = self.decoder.hidden_normed(x, positions, ctx, one_op=one_op)
+        if self.rope is not None:
+            x, positions, ctx, rope = self.gathered_inputs(b, p, self.value_flag, self.value_emb)
+        else:
+            row_slots, positions, page_table = self.meta_views(self.decode_meta, b, p)
+            ids = self.last_token.index_select(0, row_slots)  # [b]
+            flag = self.value_flag.index_select(0, row_slots).unsqueeze(1)  # [b, 1]
+            x = torch.where(flag, self.value_emb.index_select(0, row_slots),
+                            self.decoder.embed(ids))  # [b, D]
+            ctx, rope = decode_context(self.cache, positions, page_table, self.kernels.dispatch), None
+        h, logits = self.decoder.decode_step(x, positions, ctx, rope)
         self.hidden[:b].copy_(h)
-        return self.decoder.logits(normed, pdl=self.decoder.uses_pdl(x, one_op))
+        return logits
 
     def prefill(self, meta: torch.Tensor, shape: tuple[int, ...],
                 features: torch.Tensor | None = None, feature_rows: torch.Tensor | None = None,
