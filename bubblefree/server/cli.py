@@ -143,7 +143,8 @@ def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Cal
     import ray
     from ray import serve
 
-    from bubblefree.server.replicas import application
+    from bubblefree.server.replicas import APP, application, deploy_failure
+    from bubblefree.server.replicas import stop as stop_application
 
     ray.init(include_dashboard=False)
     gpus = ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu"
@@ -154,8 +155,19 @@ def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Cal
     stop = StopSignals()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        serve.run(application(make, settings, args.replicas, gpus=gpus, log_level=args.log_level),
-                  name="bubblefree", route_prefix="/")
+        try:
+            serve.run(application(make, settings, args.replicas, gpus=gpus, log_level=args.log_level),
+                      name=APP, route_prefix="/")
+        except RuntimeError:
+            failure = deploy_failure()
+            if failure is None:
+                raise
+            # A replica could not build its engine: said as one line, as without
+            # replicas (Ray's log above holds the replica's traceback).
+            kind, message = failure
+            known = kind in ("InvalidRequest", "ModelLoadError", "UnsupportedModel")
+            print(f"bubblefree serve: error: {message if known else f'{kind}: {message}'}", file=sys.stderr)
+            return 2 if known else 1
         stop.started()
         print(f"{args.replicas} replicas on http://{settings.host}:{settings.port}", flush=True)
         while not stop.flag.wait(0.5):
@@ -164,7 +176,7 @@ def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Cal
         pass
     finally:
         stop.started()  # from here a signal only sets the flag
-        serve.shutdown()
+        stop_application()
         ray.shutdown()
         for sig, handler in previous.items():  # only now: a signal mid-shutdown must not cut it short
             signal.signal(sig, handler)

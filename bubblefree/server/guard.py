@@ -40,12 +40,12 @@ class Guard:
                 self.observer.answered(path, message["status"])
             await send(message)
 
-        refusal = self._refusal(scope)
-        if refusal is not None:
-            await _respond(refusal, counted_send)
+        refused = refusal(scope, self.settings)
+        if refused is not None:
+            await _respond(refused, counted_send)
             return
         try:
-            await self.app(scope, self._limited(receive), counted_send)
+            await self.app(scope, limited(receive, self.settings), counted_send)
         except Exception as err:
             # Raised before an answer: the server failed (the error
             # middleware outside answers 500), unless the client went away.
@@ -58,46 +58,51 @@ class Guard:
             if not answered:
                 self.observer.answered(path, CLIENT_GONE)
 
-    def _refusal(self, scope: Scope) -> ApiError | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        key = self.settings.api_key
-        if key is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get("x-moondream-auth") or _credentials(headers.get("authorization", ""))
-            if not hmac.compare_digest(given.strip().encode(), key.encode()):
-                return ApiError(401, "api key: missing or wrong; send Authorization: Bearer <key>",
-                                "authorization", headers={"WWW-Authenticate": "Bearer"})
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.settings.max_body_bytes:
-            return _too_large(self.settings.max_body_bytes)
-        return None
 
-    def _limited(self, receive: Receive) -> Receive:
-        """``receive`` with the body's bounds: its size, and the time it may
-        take to arrive, whole (a client that sends part of a body and goes
-        quiet held its connection for ever). Once the body is in, a
-        receive waits as long as it must (a route watching for the client
-        to leave)."""
-        limit, seen, body_done = self.settings.max_body_bytes, [0], [False]
-        wait, deadline = self.settings.body_timeout_s, []
+def refusal(scope: Scope, settings: ServerSettings) -> ApiError | None:
+    """What refuses a request from its headers alone: the API key, then a
+    ``Content-Length`` over the body limit. The Ray relay asks it too, so a
+    request gets the same answer through the relay as from one server."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    key = settings.api_key
+    if key is not None and scope["path"] not in OPEN_PATHS:
+        given = headers.get("x-moondream-auth") or _credentials(headers.get("authorization", ""))
+        if not hmac.compare_digest(given.strip().encode(), key.encode()):
+            return ApiError(401, "api key: missing or wrong; send Authorization: Bearer <key>",
+                            "authorization", headers={"WWW-Authenticate": "Bearer"})
+    length = headers.get("content-length", "")
+    if length.isdigit() and int(length) > settings.max_body_bytes:
+        return _too_large(settings.max_body_bytes)
+    return None
 
-        async def limited() -> Message:
-            if body_done[0]:
-                return await receive()
-            if not deadline:  # the whole body within ``wait`` of the route's first read
-                deadline.append(asyncio.get_running_loop().time() + wait)
-            try:
-                message = await asyncio.wait_for(receive(), deadline[0] - asyncio.get_running_loop().time())
-            except asyncio.TimeoutError:
-                raise ApiError(408, f"body: not received within {wait:g} s", "body") from None
-            if message["type"] == "http.request":
-                seen[0] += len(message.get("body", b""))
-                if seen[0] > limit:
-                    raise _too_large(limit)  # raised inside the route's body read: answered as 413
-                body_done[0] = not message.get("more_body", False)
-            else:
-                body_done[0] = True
-            return message
-        return limited
+
+def limited(receive: Receive, settings: ServerSettings) -> Receive:
+    """``receive`` with the body's bounds: its size, and the time it may
+    take to arrive, whole (a client that sends part of a body and goes
+    quiet held its connection for ever); past either it raises the
+    ``ApiError`` to answer (413, 408). Once the body is in, a receive waits
+    as long as it must (a route watching for the client to leave)."""
+    limit, seen, body_done = settings.max_body_bytes, [0], [False]
+    wait, deadline = settings.body_timeout_s, []
+
+    async def bounded() -> Message:
+        if body_done[0]:
+            return await receive()
+        if not deadline:  # the whole body within ``wait`` of the route's first read
+            deadline.append(asyncio.get_running_loop().time() + wait)
+        try:
+            message = await asyncio.wait_for(receive(), deadline[0] - asyncio.get_running_loop().time())
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"body: not received within {wait:g} s", "body") from None
+        if message["type"] == "http.request":
+            seen[0] += len(message.get("body", b""))
+            if seen[0] > limit:
+                raise _too_large(limit)  # raised inside the route's body read: answered as 413
+            body_done[0] = not message.get("more_body", False)
+        else:
+            body_done[0] = True
+        return message
+    return bounded
 
 
 def _credentials(authorization: str) -> str:

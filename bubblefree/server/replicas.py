@@ -3,9 +3,11 @@
 Two deployments. ``EngineReplica`` (N copies, one GPU each where the
 cluster has GPUs) builds its own engine when it starts and runs the app
 (``create_app``) on the requests handed to it. ``Relay`` is the HTTP
-ingress: it reads a request's body (bounded by the body limit), hands the
-request to a replica through Ray's handle, and relays the answer's ASGI
-messages as they come, so streams stay streams.
+ingress: it refuses what the app's guard would refuse from the headers
+(the API key, a ``Content-Length`` over the limit), reads a request's body
+(bounded by the body limit and the body timeout, as the guard bounds it),
+hands the request to a replica through Ray's handle, and relays the
+answer's ASGI messages as they come, so streams stay streams.
 
 Why a relay instead of the replicas as Ray's ingress: when a replica dies,
 Ray's proxy answers its in-flight requests with a bare ``500 Internal Server
@@ -17,7 +19,7 @@ before the stream ends. A client that leaves cancels the handle's call; the
 replica then tells the app the client is gone, which cancels the engine's
 request and frees its pages, as it would behind one server.
 
-Every answer carries ``X-Bubblefree-Replica``, the replica's id, so a
+Every answer a replica gives carries ``X-Bubblefree-Replica``, its id, so a
 client or a test can see how the load was spread and which replica failed.
 """
 
@@ -27,17 +29,25 @@ import asyncio
 import json
 from typing import Any, AsyncIterator, Callable
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Message
 
 from bubblefree.engine import Engine
-from bubblefree.server.errors import ErrorJSON, error_body, error_json
+from bubblefree.server.errors import ApiError, ErrorJSON, error_body, error_json, error_response
+from bubblefree.server.guard import limited, refusal
 from bubblefree.server.settings import ServerSettings
 
 REPLICA_HEADER = "x-bubblefree-replica"
+APP = "bubblefree"
 DEPLOYMENT = "bubblefree"
 RELAY = "bubblefree-relay"
+# Ray's cap on a replica's requests, this far above the app's own
+# (``max_live``). A request past Ray's cap waits in the relay's queue, with
+# no bound and no answer; under it, the app answers a request past max_live
+# with its 429 at once, and /health and /v1/stats are not held behind the
+# live requests.
+HEADROOM = 32
 # What of an ASGI scope travels to a replica: plain values only.
 _SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path",
                "query_string", "root_path", "headers", "server", "client")
@@ -109,18 +119,24 @@ class Relay:
 
     def __init__(self, replicas: Any, settings: ServerSettings):
         self.replicas = replicas.options(stream=True)
-        self.max_body = settings.max_body_bytes
+        self.settings = settings
 
     async def __call__(self, request: Request) -> Response:
-        body = bytearray()
+        # The replica's guard would refuse these too; no need to carry them there.
+        refused = refusal(request.scope, self.settings)
+        if refused is not None:
+            return error_response(refused)
+        receive, body = limited(request.receive, self.settings), bytearray()
         try:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > self.max_body:
-                    # The replica's guard would refuse it too; no need to carry it there.
-                    return error_json(413, f"body: larger than {self.max_body} bytes", "body")
-        except ClientDisconnect:  # gone before its body was in: no replica ever had it
-            return Response(status_code=499)
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":  # gone before its body was in: no replica had it
+                    return Response(status_code=499)
+                body += message.get("body", b"")
+                if not message.get("more_body", False):
+                    break
+        except ApiError as err:  # too large (413), or too slow to arrive (408)
+            return error_response(err)
         scope = {k: request.scope[k] for k in _SCOPE_KEYS if k in request.scope}
         messages = self.replicas.http.remote(scope, bytes(body))
         try:
@@ -147,17 +163,21 @@ async def _whole(messages: Any, start: Message) -> Response:
     Sent as one plain response: a streamed one would also listen for the
     client's disconnect on Ray Serve's receive channel, whose cancellation
     at the end of the answer Ray logs as a traceback."""
-    body = bytearray()
+    body, done = bytearray(), False
     try:
         async for message in messages:
             if message["type"] == "http.response.body":
                 body += message.get("body", b"")
+                done = not message.get("more_body", False)
     except asyncio.CancelledError:  # the client left: the replica stops its request
         messages.cancel()
         raise
     except Exception as err:  # noqa: BLE001 - the replica died mid-answer
-        return unavailable(f"the replica serving this request stopped ({type(err).__name__}) "
-                           "before the end; retry")
+        # An answer already whole stands: Starlette's error middleware sends
+        # a route's bug as the JSON 500, then raises it again.
+        if not done:
+            return unavailable(f"the replica serving this request stopped ({type(err).__name__}) "
+                               "before the end; retry")
     response = Response(bytes(body), status_code=start["status"])
     response.raw_headers = list(start.get("headers", []))
     return response
@@ -185,21 +205,25 @@ def unavailable(why: str) -> ErrorJSON:
 
 
 def application(make_engine: Callable[[], Engine], settings: ServerSettings, replicas: int, *,
-                gpus: bool, health_check_period_s: float = 2.0, log_level: str = "info") -> Any:
+                gpus: bool, health_check_period_s: float = 2.0, log_level: str = "info",
+                grace_s: float = 5.0) -> Any:
     """The Ray Serve application: the relay in front of ``replicas`` engine
     replicas, each around ``make_engine()``, one GPU each if ``gpus``.
-    ``serve.run`` it. ``log_level`` is the server's: Ray Serve's
-    per-request access log (two lines a request, relay and replica) only at
-    ``info`` or ``debug``, as uvicorn's."""
+    ``serve.run`` it; ``stop()`` ends it. ``log_level`` is the server's: Ray
+    Serve's per-request access log (two lines a request, relay and replica)
+    only at ``info`` or ``debug``, as uvicorn's. ``grace_s``: how long a
+    stopping replica lets its requests run on (as uvicorn's grace does
+    without replicas) before it is stopped."""
     from ray import serve
 
     logging = {"log_level": log_level.upper(), "enable_access_log": log_level in ("debug", "info")}
 
     engines = serve.deployment(EngineReplica, name=DEPLOYMENT, num_replicas=replicas,
                                ray_actor_options={"num_gpus": 1} if gpus else {"num_cpus": 1},
-                               max_ongoing_requests=settings.max_live,
+                               max_ongoing_requests=settings.max_live + HEADROOM,
                                health_check_period_s=health_check_period_s,
                                health_check_timeout_s=max(10.0, 5 * health_check_period_s),
+                               graceful_shutdown_timeout_s=grace_s,
                                logging_config=logging)
     # The relay only moves bytes: no CPU reserved, so it never waits for one.
     # One relay process per engine replica: a single relay's Python loop,
@@ -209,3 +233,34 @@ def application(make_engine: Callable[[], Engine], settings: ServerSettings, rep
                              max_ongoing_requests=max(1000, 4 * settings.max_live),
                              logging_config=logging)
     return relay.bind(engines.bind(make_engine, settings), settings)
+
+
+def stop(name: str = APP) -> None:
+    """End the application ``name``, then Ray Serve. ``serve.shutdown`` alone
+    kills Ray's HTTP proxy at once, cutting every open connection without
+    an answer. Deleting the application first keeps the proxy while each
+    replica finishes its requests, for up to its grace; a replica still busy
+    then is stopped, and the relay answers its requests in the server's
+    error shape (a 503 naming the replica, or a last error event)."""
+    from ray import serve
+
+    try:
+        serve.delete(name)
+    finally:
+        serve.shutdown()
+
+
+def deploy_failure() -> tuple[str, str] | None:
+    """Why ``serve.run`` failed, when a replica could not start: the
+    exception's class name and message, from the last line of the
+    traceback Ray keeps (the engine's own error: a bad model path or
+    option); None when no deployment failed."""
+    from ray import serve
+
+    for app in serve.status().applications.values():
+        for deployment in app.deployments.values():
+            lines = (deployment.message or "").strip().splitlines()
+            if deployment.status == "DEPLOY_FAILED" and lines:
+                kind, _, message = lines[-1].partition(": ")
+                return kind.rsplit(".", 1)[-1], message
+    return None
