@@ -46,7 +46,7 @@ def test_a_bad_model_path_is_one_line_without_a_traceback(capsys, tmp_path, mode
     elif model == "BADGGUF":
         model = str(tmp_path / "bad.gguf")
         Path(model).write_text("junk")
-    assert cli.main(["serve", model, "--device", "cpu"]) == 2
+    assert cli.main(["serve", model, "--device", "cpu", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bubblefree serve: error: ") and err.count("\n") == 1, err
     if model.endswith("notes.txt"):
@@ -62,8 +62,41 @@ def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback(capsys, monk
         return make
 
     monkeypatch.setattr(cli, "engine_maker", interrupted)
-    assert cli.main(["serve", "--device", "cpu"]) == 130
+    assert cli.main(["serve", "--device", "cpu", "--port", "0"]) == 130
     assert capsys.readouterr().err == "bubblefree serve: interrupted while loading the model\n"
+
+
+@pytest.mark.parametrize("replicas", [[], ["--replicas", "2"]])
+def test_a_port_in_use_or_a_foreign_host_is_one_line_before_any_model_loads(capsys, monkeypatch,
+                                                                          replicas):
+    """Before, the model loaded (minutes for a large one) and then uvicorn,
+    or Ray's proxy with a traceback, failed to listen."""
+    import socket
+
+    def no_load(args):
+        raise AssertionError("the model loaded before the address was checked")
+    monkeypatch.setattr(cli, "engine_maker", no_load)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code = cli.main(["serve", "--random", "moondream-tiny", "--host", "127.0.0.1",
+                         "--port", str(port), *replicas])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"bubblefree serve: error: --port {port} on 127.0.0.1: ") and "\n" not in err
+    assert "in use" in err.lower()
+    assert cli.main(["serve", "--random", "moondream-tiny", "--host", "192.0.2.1",  # TEST-NET: not ours
+                     "--port", str(port), *replicas]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"bubblefree serve: error: --port {port} on 192.0.2.1: ") and "\n" not in err
+
+
+def test_a_free_port_and_port_0_pass_the_address_check():
+    import socket
+    assert cli.address_refused("127.0.0.1", 0) is None
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    assert cli.address_refused("127.0.0.1", port) is None
+    assert cli.address_refused("no-such-host.invalid", port).startswith("--host 'no-such-host.invalid': ")
 
 
 def test_max_image_pixels_reaches_the_engine():

@@ -45,7 +45,7 @@ ENGINE = functools.partial(faulty_engine, endless=True, delay_s=0.02)
 def test_a_replica_that_cannot_build_its_engine_is_one_line_and_exit_2_as_without_replicas(capsys):
     """Runs first, before the module's cluster: the command starts its own.
     Ray's deploy failure was a driver traceback and exit 1."""
-    assert cli.main(["serve", "--random", "moondream-tiny", "--device", "bogus"]) == 2
+    assert cli.main(["serve", "--random", "moondream-tiny", "--device", "bogus", "--port", "0"]) == 2
     alone = capsys.readouterr().err.strip()
     assert alone.startswith("bubblefree serve: error: device: 'bogus' is not a device")
     env = {**os.environ, "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"}  # one failed start is enough

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import signal
+import socket
 import sys
 import threading
 from typing import Any, Callable
@@ -87,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                               max_live=args.max_live, request_timeout_s=args.timeout,
                               body_timeout_s=args.body_timeout,
                               model_name=RANDOM.get(args.random) or args.model or "smollm2-135m-instruct")
+    taken = address_refused(settings.host, settings.port)
+    if taken is not None:  # before a model load of minutes, not after it
+        print(f"bubblefree serve: error: {taken}", file=sys.stderr)
+        return 2
     make = engine_maker(args)
     if args.replicas > 0:
         return serve_replicas(args, settings, make)
@@ -121,6 +126,25 @@ class Terminated(BaseException):
 
 def _terminated(*_: Any) -> None:
     raise Terminated
+
+
+def address_refused(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (the port taken, the
+    host not an address of this machine), or None. Checked by binding a
+    probe socket as uvicorn and Ray's proxy bind theirs (SO_REUSEADDR), and
+    closing it at once; port 0 (any free port) always binds."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as err:
+        return f"--host {host!r}: {err.strerror or err}"
+    family, _, _, _, address = infos[0]
+    try:
+        with socket.create_server(address, family=family):
+            return None
+    except OSError as err:
+        return f"--port {port} on {host}: {err.strerror or err}"
 
 
 def engine_maker(args: argparse.Namespace) -> Callable[[], Any]:
