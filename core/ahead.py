@@ -121,36 +121,49 @@ def _mean(old: float | None, sample: float) -> float:
 
 @attrs.define
 class Timings:
-    """Host-clock measurements, fed by the Engine around its backend calls.
+    """Host-clock measurements, fed by the Engine around its backend calls,
+    per step kind: the rule weighs a decode step (the only step that can
+    hold zombies), and an image prefill's device time (ten decode steps'
+    on moondream2) or launch call would skew a mean over all kinds.
 
-    ``bubble`` = commit host time (after the copy arrived) + launch host time
-    (planning and the launch call). ``forward`` = a step's device time: from
-    the later of its launch and the previous copy's arrival to its own copy's
-    arrival (behind, the launch comes later; ahead, the device ran the steps
-    back to back, so the gap between arrivals is one step)."""
+    ``bubble`` = commit host time (after the copy arrived) + a decode
+    launch's host time (planning and the launch call). ``forward`` = a
+    decode step's device time: from the later of its launch and the
+    previous copy's arrival to its own copy's arrival (behind, the launch
+    comes later; ahead, the device ran the steps back to back, so the gap
+    between arrivals is one step)."""
 
     clock: Callable[[], float]
     commit_host: float | None = None
-    launch_host: float | None = None
-    forward: float | None = None
+    launch_hosts: dict[StepKind, float] = attrs.Factory(dict)
+    forwards: dict[StepKind, float] = attrs.Factory(dict)
     _arrived: float | None = None  # when the last copy arrived (``wait`` returned)
-    _launched: dict[int, float] = attrs.Factory(dict)  # step id -> launch call returned
+    _launched: dict[int, tuple[float, StepKind]] = attrs.Factory(dict)  # step id -> (launch returned, kind)
+
+    @property
+    def launch_host(self) -> float | None:
+        return self.launch_hosts.get(StepKind.DECODE)
+
+    @property
+    def forward(self) -> float | None:
+        return self.forwards.get(StepKind.DECODE)
 
     @property
     def bubble(self) -> float:
         return (self.commit_host or 0.0) + (self.launch_host or 0.0)
 
-    def launched(self, step_id: int, started: float) -> None:
+    def launched(self, step_id: int, started: float, kind: StepKind = StepKind.DECODE) -> None:
         now = self.clock()
-        self.launch_host = _mean(self.launch_host, now - started)
-        self._launched[step_id] = now
+        self.launch_hosts[kind] = _mean(self.launch_hosts.get(kind), now - started)
+        self._launched[step_id] = (now, kind)
 
     def arrived(self, step_id: int) -> float:
         now = self.clock()
         launched = self._launched.pop(step_id, None)
         if launched is not None:
-            start = launched if self._arrived is None else max(launched, self._arrived)
-            self.forward = _mean(self.forward, max(0.0, now - start))
+            at, kind = launched
+            start = at if self._arrived is None else max(at, self._arrived)
+            self.forwards[kind] = _mean(self.forwards.get(kind), max(0.0, now - start))
         self._arrived = now
         return now
 

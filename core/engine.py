@@ -192,7 +192,7 @@ class Engine:
             self._log(("launch_failed", plan.step_id, fault.reason))
             self.scheduler.launch_failed(plan, fault.reason)
             return True
-        self.timings.launched(plan.step_id, started)
+        self.timings.launched(plan.step_id, started, plan.kind)
         self.scheduler.launched(slot, plan)
         self._log(("launch", plan.step_id, plan.kind.value, slot.index,
                            tuple(r.seq_id for r in plan.rows)))

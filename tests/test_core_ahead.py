@@ -91,6 +91,30 @@ def test_timings_measure_bubble_and_forward_on_a_fixed_clock():
         3.8 + 0.2 * (2.0 - 3.8) + 0.2 * (1.0 - (3.8 + 0.2 * (2.0 - 3.8))))  # forgotten: no sample
 
 
+def test_a_prefills_device_and_launch_times_stay_out_of_the_decode_figures():
+    """The rule weighs a decode step's zombie rows against a decode launch's
+    bubble: an image prefill ten times a decode step (moondream2's) once
+    made the mean forward so long that auto launched behind where ahead
+    won (point at 8 streams on images: 0.94x pipelined)."""
+    clock = FakeClock()
+    t = Timings(clock)
+    clock.now = 2.0
+    t.launched(0, started=0.0, kind=StepKind.IMAGE_PREFILL)  # a 2-s launch call
+    t.launched(1, started=2.0)  # a decode step: its launch call takes nothing
+    clock.now = 12.0
+    t.arrived(0)  # the prefill: 10 s of device time
+    clock.now = 13.0
+    t.arrived(1)  # the decode step, right behind it: 1 s
+    t.committed(12.5)
+    assert t.forwards == {StepKind.IMAGE_PREFILL: 10.0, StepKind.DECODE: 1.0}
+    assert t.forward == 1.0 and t.launch_host == 0.0 and t.bubble == 0.5
+    assert t.launch_hosts[StepKind.IMAGE_PREFILL] == 2.0
+    # One row of four surely ending: ahead, since the bubble covers a decode
+    # step's share (0.25); a mean over both kinds (5.5 s) would say behind.
+    assert launch_ahead(4, 1.0, t.bubble, t.forward)
+    assert not launch_ahead(4, 1.0, t.bubble, (10.0 + 1.0) / 2)
+
+
 def test_a_forgotten_step_takes_no_sample_when_it_arrives():
     clock = FakeClock()
     t = Timings(clock)
@@ -325,6 +349,13 @@ def test_auto_launches_ahead_once_text_rarely_ends():
     assert False in engine.choices[:5] and all(engine.choices[-20:])
     assert engine.end_rates.rate(None) < 0.1
     assert engine.timings.forward == pytest.approx(2.0, rel=0.1)
+
+
+def test_the_engine_times_each_step_kind_apart():
+    _, _, engine = run("auto", [Request(prompt=(0, 5), max_tokens=6, stop_ids={0})])
+    assert set(engine.timings.forwards) == set(engine.timings.launch_hosts) == \
+        {StepKind.PREFILL, StepKind.DECODE}
+    assert engine.timings.forward == engine.timings.forwards[StepKind.DECODE]
 
 
 def test_auto_launches_ahead_before_any_forward_is_measured():
