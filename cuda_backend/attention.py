@@ -98,12 +98,15 @@ def row_keys(page_table: torch.Tensor, page_size: int) -> tuple[torch.Tensor, to
 
 
 def decode_context(cache: PagedKVCache, positions: torch.Tensor, page_table: torch.Tensor,
-                   dispatch: Dispatch) -> PagedContext:
+                   dispatch: Dispatch, slot_mapping: torch.Tensor | None = None) -> PagedContext:
     """One input token per row at ``positions`` ``[B]``; ``page_table`` ``[B, P]``;
-    ``dispatch`` picks the paged kernel where it runs."""
-    ps = cache.page_size
-    page = page_table.gather(1, (positions // ps).unsqueeze(1)).squeeze(1)  # [B]
-    return PagedContext(cache, page * ps + positions % ps, page_table, positions.unsqueeze(1),
+    ``dispatch`` picks the paged kernel where it runs. ``slot_mapping``:
+    each row's KV slot where already computed (``step_inputs``)."""
+    if slot_mapping is None:
+        ps = cache.page_size
+        page = page_table.gather(1, (positions // ps).unsqueeze(1)).squeeze(1)  # [B]
+        slot_mapping = page * ps + positions % ps
+    return PagedContext(cache, slot_mapping, page_table, positions.unsqueeze(1),
                         gather_keys=not paged_decode.available(page_table), dispatch=dispatch)
 
 

@@ -22,7 +22,6 @@ import torch
 
 from bubblefree.core.protocol import Capacity
 from bubblefree.core.values import StepPlan
-from bubblefree.cuda_backend import paged_decode
 from bubblefree.cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_context, prefill_context
 from bubblefree.cuda_backend.fused_decode import make_decoder
 from bubblefree.cuda_backend.kernel_config import KernelConfig
@@ -130,9 +129,8 @@ class ModelRunner:
         row_slots, positions, page_table = self.meta_views(self.decode_meta, b, p)
         got = step_inputs(row_slots, positions, page_table, self.last_token,
                           self.decoder.embed.weight, self.rope, self.cache.page_size, flags, values)
-        ctx = PagedContext(self.cache, got.slot_mapping, page_table, positions.unsqueeze(1),
-                           gather_keys=not paged_decode.available(page_table),
-                           dispatch=self.kernels.dispatch)
+        ctx = decode_context(self.cache, positions, page_table, self.kernels.dispatch,
+                             got.slot_mapping)
         return got.x, positions, ctx, (got.cos, got.sin)
 
     def decode_forward(self, b: int, p: int) -> torch.Tensor:

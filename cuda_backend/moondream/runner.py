@@ -54,7 +54,8 @@ class MoondreamRunner(ModelRunner):
             flag = self.value_flag.index_select(0, row_slots).unsqueeze(1)  # [b, 1]
             x = torch.where(flag, self.value_emb.index_select(0, row_slots),
                             self.decoder.embed(ids))  # [b, D]
-            ctx, rope = decode_context(self.cache, positions, page_table, self.kernels.dispatch), None
+            ctx = decode_context(self.cache, positions, page_table, self.kernels.dispatch)
+            rope = None
         h, logits = self.decoder.decode_step(x, positions, ctx, rope)
         self.hidden[:b].copy_(h)
         return logits
