@@ -274,3 +274,55 @@ def test_a_shutdown_answers_the_requests_in_flight_in_the_apis_shape(url):
     status, _, lines = got[True]
     assert status == 200 and lines[-2] == "event: error", got
     assert json.loads(lines[-1].removeprefix("data: "))["error"]["code"] == 503
+
+
+class Broken:
+    """A replica's answer as Ray streams it: ``messages`` and then ``err``."""
+
+    def __init__(self, messages, err):
+        self.messages, self.err, self.cancelled = list(messages), err, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.messages:
+            return self.messages.pop(0)
+        raise self.err
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def bug_in_replica():
+    from ray.exceptions import RayTaskError
+    return RayTaskError("http", "Traceback ...", RuntimeError("a bug")).as_instanceof_cause()
+
+
+@pytest.mark.parametrize("err, status, param, says", [
+    (bug_in_replica(), 500, "server", "server: an internal error (RuntimeError)"),
+    (ray.exceptions.ActorDiedError(), 503, "replica", "replica: the replica serving this request stopped"),
+])
+def test_an_answer_that_breaks_off_names_a_bug_as_a_bug_and_a_dead_replica_as_gone(err, status,
+                                                                                   param, says):
+    """Mid-stream, a route's own exception was worded as the replica dying
+    (a 503 to retry); one server words a bug as its 500."""
+    import asyncio
+
+    from bubblefree.server.replicas import _bodies, _whole
+    start = {"type": "http.response.start", "status": 200, "headers": []}
+    piece = {"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True}
+
+    async def stream():
+        messages = Broken([piece], err)
+        return [chunk async for chunk in _bodies(messages)], messages.cancelled
+    chunks, cancelled = asyncio.run(stream())
+    assert chunks[0] == piece["body"] and cancelled
+    assert chunks[1].startswith(b"event: error\ndata: ")
+    event = json.loads(chunks[1].split(b"data: ", 1)[1])["error"]
+    assert (event["code"], event["param"]) == (status, param) and event["message"].startswith(says)
+    whole = asyncio.run(_whole(Broken([piece], err), start))
+    body = json.loads(whole.body)["error"]
+    assert whole.status_code == status and (body["code"], body["param"]) == (status, param)
+    assert body["message"].startswith(says)
+    assert (whole.headers.get("retry-after") == "1") == (status == 503)

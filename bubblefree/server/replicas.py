@@ -172,12 +172,13 @@ async def _whole(messages: Any, start: Message) -> Response:
     except asyncio.CancelledError:  # the client left: the replica stops its request
         messages.cancel()
         raise
-    except Exception as err:  # noqa: BLE001 - the replica died mid-answer
+    except Exception as err:  # noqa: BLE001 - the replica died or its code raised mid-answer
         # An answer already whole stands: Starlette's error middleware sends
         # a route's bug as the JSON 500, then raises it again.
         if not done:
-            return unavailable(f"the replica serving this request stopped ({type(err).__name__}) "
-                               "before the end; retry")
+            status, message, param = failure(err)
+            return error_json(status, message, param,
+                              {"Retry-After": "1"} if status == 503 else None)
     response = Response(bytes(body), status_code=start["status"])
     response.raw_headers = list(start.get("headers", []))
     return response
@@ -192,12 +193,26 @@ async def _bodies(messages: Any) -> AsyncIterator[bytes]:
                 yield message["body"]
     except asyncio.CancelledError:
         raise
-    except Exception as err:  # noqa: BLE001 - the replica died mid-answer
-        event = error_body(503, f"replica: the replica serving this request stopped "
-                                f"({type(err).__name__}) before the end; retry", "replica")
+    except Exception as err:  # noqa: BLE001 - the replica died or its code raised mid-answer
+        event = error_body(*failure(err))
         yield f"event: error\ndata: {json.dumps(event)}\n\n".encode()
     finally:
         messages.cancel()  # a no-op once the answer is complete; else the client left
+
+
+def failure(err: Exception) -> tuple[int, str, str]:
+    """What to tell a client whose answer broke off with ``err``: its status,
+    message and field. The replica's own code raising (Ray hands it on as a
+    ``RayTaskError``) is a bug, a 500 as one server words it; anything else
+    (the actor died, or could not be reached) is the replica gone, a 503
+    worth a retry."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(err, RayTaskError):
+        cause = type(err.cause).__name__ if err.cause is not None else type(err).__name__
+        return 500, f"server: an internal error ({cause}); the request did not complete", "server"
+    return (503, f"replica: the replica serving this request stopped ({type(err).__name__}) "
+                 "before the end; retry", "replica")
 
 
 def unavailable(why: str) -> ErrorJSON:
