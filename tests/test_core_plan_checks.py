@@ -38,6 +38,7 @@ GOOD = {
     "adapter slot": plan(P, row(0, adapter_slot=0)),
     "prompt values": plan(P, row(0, prompt_values=(COORD, PromptValue(2, ValueKind.SIZE, (0.5, 1.0))))),
     "last position": plan(D, row(0, (), pages=tuple(range(12)), position=47)),
+    "token ids at both ends": plan(P, row(0, (0, VOCAB - 1))),
 }
 # name: (plan, capacity changes, the whole message after "step 7: ")
 BAD = {
