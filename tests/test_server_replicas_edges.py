@@ -240,42 +240,6 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_it_on_the_replica(ur
         _assert_freed(http)
 
 
-def test_a_shutdown_answers_the_requests_in_flight_in_the_apis_shape(url):
-    """``serve --replicas`` stops as ``stop()`` does. ``serve.shutdown``
-    alone killed Ray's proxy first: every open connection was cut without
-    an answer. Now each replica has its grace (1 s here), then what still
-    runs is answered: a 503 naming the replica, or a last error event.
-    Last in this module: it ends the application."""
-    got: dict = {}
-
-    def ask(stream: bool):
-        try:
-            with httpx.Client(trust_env=False, timeout=30) as http, http.stream(
-                    "POST", f"{url}/v1/query", headers=AUTH,
-                    json={"question": "what", "stream": stream, "settings": {"max_tokens": 250}}) as reply:
-                got[stream] = (reply.status_code, reply.headers.get("retry-after"),
-                               [line for line in reply.iter_lines() if line])
-        except httpx.HTTPError as err:
-            got[stream] = err
-
-    asking = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
-    for t in asking:
-        t.start()
-    time.sleep(1.0)  # both are decoding
-    started = time.monotonic()
-    stop()
-    for t in asking:
-        t.join(30)
-    assert time.monotonic() - started < 15
-    assert not any(isinstance(answer, Exception) for answer in got.values()), got
-    status, retry_after, lines = got[False]
-    assert (status, retry_after) == (503, "1"), got
-    assert json.loads(lines[0])["error"]["param"] == "replica"
-    status, _, lines = got[True]
-    assert status == 200 and lines[-2] == "event: error", got
-    assert json.loads(lines[-1].removeprefix("data: "))["error"]["code"] == 503
-
-
 class Broken:
     """A replica's answer as Ray streams it: ``messages`` and then ``err``."""
 
@@ -326,3 +290,40 @@ def test_an_answer_that_breaks_off_names_a_bug_as_a_bug_and_a_dead_replica_as_go
     assert whole.status_code == status and (body["code"], body["param"]) == (status, param)
     assert body["message"].startswith(says)
     assert (whole.headers.get("retry-after") == "1") == (status == 503)
+
+
+def test_a_shutdown_answers_the_requests_in_flight_in_the_apis_shape(url):
+    """``serve --replicas`` stops as ``stop()`` does. ``serve.shutdown``
+    alone killed Ray's proxy first: every open connection was cut without
+    an answer. Now each replica has its grace (1 s here), then what still
+    runs is answered: a 503 naming the replica, or a last error event.
+    Last in this module: it ends the application."""
+    got: dict = {}
+
+    def ask(stream: bool):
+        try:
+            with httpx.Client(trust_env=False, timeout=30) as http, http.stream(
+                    "POST", f"{url}/v1/query", headers=AUTH,
+                    json={"question": "what", "stream": stream, "settings": {"max_tokens": 250}}) as reply:
+                got[stream] = (reply.status_code, reply.headers.get("retry-after"),
+                               [line for line in reply.iter_lines() if line])
+        except httpx.HTTPError as err:
+            got[stream] = err
+
+    asking = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+    for t in asking:
+        t.start()
+    time.sleep(1.0)  # both are decoding
+    started = time.monotonic()
+    stop()
+    for t in asking:
+        t.join(30)
+    assert time.monotonic() - started < 15
+    assert not any(isinstance(answer, Exception) for answer in got.values()), got
+    status, retry_after, lines = got[False]
+    assert (status, retry_after) == (503, "1"), got
+    assert json.loads(lines[0])["error"]["param"] == "replica"
+    status, _, lines = got[True]
+    assert status == 200 and lines[-2] == "event: error", got
+    assert json.loads(lines[-1].removeprefix("data: "))["error"]["code"] == 503
+
