@@ -15,19 +15,12 @@ from bubblefree.core import Engine, Request, StepKind
 from bubblefree.core.ahead import Timings, check_mode
 from bubblefree.core.protocol import PlanRejected, check_mask, check_plan
 from bubblefree.fake_backend import FakeBackend
+from tests.test_core_ahead import FakeClock
 from tests.test_core_plan_checks import CAP, GOOD, VOCAB
 
 
-@attrs.define
-class Clock:
-    now: float = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_each_running_mean_smooths_its_own_kinds_samples_under_a_second():
-    clock = Clock()
+    clock = FakeClock()
     t = Timings(clock)
     for step, (launch_host, forward) in enumerate([(0.2, 0.5), (0.4, 0.25)]):
         start = clock.now
