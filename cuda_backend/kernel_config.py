@@ -31,7 +31,7 @@ def parse_settings(cls, pattern: str, what: str, expected: str, text: str,
     m = re.fullmatch(pattern, text.strip())
     if m is None:
         raise ValueError(f"{what} {text!r}: expected {expected}")
-    out = cls(*map(int, m.groups()))
+    out = cls(*(int(g) for g in m.groups() if g is not None))  # a trailing optional: its default
     for name in powers_of_two:
         n = getattr(out, name)
         if n < 1 or n & (n - 1):
@@ -143,32 +143,39 @@ class Dispatch:
 @attrs.frozen
 class Tile:
     """A launch of the decode-sized GEMM (``skinny_gemm``): output columns
-    per program, K per iteration, K slices, warps and pipeline stages.
+    per program, K per iteration, K slices, warps, pipeline stages, and the
+    steps of K read before the wait when launched dependent (``ahead``).
     Written ``64n128k4s4w3p``: 64 columns, 128 of K, 4 slices, 4 warps, 3
-    stages."""
+    stages (one step ahead); ``64n128k4s4w3p2a``: two steps ahead."""
     block_n: int = 64
     block_k: int = 128
     split: int = 1
     warps: int = 4
     stages: int = 3
+    ahead: int = 1
 
     def __str__(self) -> str:
-        return f"{self.block_n}n{self.block_k}k{self.split}s{self.warps}w{self.stages}p"
+        ahead = f"{self.ahead}a" if self.ahead != 1 else ""
+        return f"{self.block_n}n{self.block_k}k{self.split}s{self.warps}w{self.stages}p{ahead}"
 
     @classmethod
     def parse(cls, text: str) -> "Tile":
-        tile = parse_settings(cls, r"(\d+)n(\d+)k(\d+)s(\d+)w(\d+)p", "GEMM tile",
-                              "e.g. 64n128k4s4w3p", text, ("block_n", "block_k", "warps"))
+        tile = parse_settings(cls, r"(\d+)n(\d+)k(\d+)s(\d+)w(\d+)p(?:(\d+)a)?", "GEMM tile",
+                              "e.g. 64n128k4s4w3p or 64n128k4s4w3p2a", text,
+                              ("block_n", "block_k", "warps", "ahead"))
         if tile.block_k < 16 or tile.split < 1 or tile.stages < 1:
             raise ValueError(f"GEMM tile {text!r}: needs block_k >= 16 (the MMA's K), "
                              "split >= 1 and stages >= 1")
         return tile
 
     def fits(self, k: int) -> bool:
-        """Whether K divides into ``split`` slices of whole BLOCK_K steps (the
-        kernel does not mask K)."""
-        return k % (self.split * self.block_k) == 0
+        """Whether K is whole steps of BLOCK_K (the kernel does not mask K)
+        and each of the ``split`` slices gets at least ``ahead`` of them
+        (slices differ by at most one step where they do not divide)."""
+        return k % self.block_k == 0 and (k // self.block_k) // self.split >= self.ahead
 
+
+TILE_FIELDS = len(attrs.fields(Tile))
 
 # Per weight shape: ((up to rows, tile or None for cuBLAS), ...) by ascending
 # rows; more rows than the last entry run cuBLAS.
@@ -195,12 +202,12 @@ class TileTable:
 
     def scalars(self, k: int, n: int) -> list[int]:
         """Shape (k, n)'s entries as the GEMM op takes them (``tile_for``):
-        rows and the tile's five fields per entry, zeros for cuBLAS; empty
-        when the shape has no entry."""
+        rows and the tile's fields per entry, zeros for cuBLAS; empty when
+        the shape has no entry."""
         for shape, entries in self.entries:
             if shape == (k, n):
                 return [x for rows, tile in entries
-                        for x in (rows, *(attrs.astuple(tile) if tile else (0,) * 5))]
+                        for x in (rows, *(attrs.astuple(tile) if tile else (0,) * TILE_FIELDS))]
         return []
 
     @classmethod
@@ -248,9 +255,9 @@ def step_tile(k: int, n: int, rows: int, partial: bool, sms: int) -> Tile | None
 
 def tile_for(scalars: list[int], m: int) -> Tile | None:
     """The tile for ``m`` rows in ``TileTable.scalars``' form, or None (cuBLAS)."""
-    for i in range(0, len(scalars), 6):
+    for i in range(0, len(scalars), TILE_FIELDS + 1):
         if m <= scalars[i]:
-            return Tile(*scalars[i + 1:i + 6]) if scalars[i + 1] else None
+            return Tile(*scalars[i + 1:i + TILE_FIELDS + 1]) if scalars[i + 1] else None
     return None
 
 

@@ -1,11 +1,12 @@
 """A GEMM for decode-sized inputs (Triton, CUDA): ``x [M, K] @ w[N, K]^T``
 with M of 1-64 rows, where the whole cost is one pass over the weights.
 
-Each program owns ``BLOCK_N`` output columns and one of ``split`` equal
-slices of K, and multiplies all M rows at once, so every weight byte is read
-once. With ``split`` > 1 the programs write float32 partial sums
-``[split, M, N]`` and a second kernel adds them and the bias; with 1 the
-program adds the bias and writes the output in x's dtype.
+Each program owns ``BLOCK_N`` output columns and one of ``split`` slices
+of K (whole steps of ``BLOCK_K``, as equal as they divide), and multiplies
+all M rows at once, so every weight byte is read once. With ``split`` > 1
+the programs write float32 partial sums ``[split, M, N]`` and a second
+kernel adds them and the bias; with 1 the program adds the bias and writes
+the output in x's dtype.
 
 ``linear`` runs the kernel where the backend's ``kernel_config.TileTable``
 has a tile for the weight's shape and row count (by default the tiles
@@ -40,15 +41,20 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per, sx_m, sw_n, so_s, so_m, up_off,
+    def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, steps, sx_m, sw_n, so_s, so_m, up_off,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
                 GLU: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-        """GLU: w is ``[gate; up]`` (up from row ``up_off``) and the output
-        column j is ``silu(gate_j) * up_j``, each rounded to x's dtype as
-        torch's ops round them."""
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                AHEAD: tl.constexpr):
+        """K is ``steps`` steps of BLOCK_K; slice s of the grid's takes steps
+        ``s * steps // slices`` up to the next slice's first. GLU: w is
+        ``[gate; up]`` (up from row ``up_off``) and the output column j is
+        ``silu(gate_j) * up_j``, each rounded to x's dtype as torch's ops
+        round them. PDL: the slice's first AHEAD steps of weights are read
+        before the wait (``Tile.ahead``)."""
         n0 = tl.program_id(0) * BLOCK_N
         s = tl.program_id(1)
+        slices = tl.num_programs(1)
         rm = tl.arange(0, BLOCK_M)
         rn = n0 + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -58,20 +64,24 @@ if triton is not None:
         u_rows = w_ptr + (rn + up_off)[:, None] * sw_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        k0 = s * k_per
+        k0 = (s * steps // slices) * BLOCK_K
+        k1 = ((s + 1) * steps // slices) * BLOCK_K
         start = k0
-        if PDL:  # the first step's weights are read while the previous kernel ends
-            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+        if PDL:  # the first steps' weights are read while the previous kernel ends
+            # Names of their own: these tiles are AHEAD steps wide, the loop's one,
+            # and a name the loop reassigns must keep one shape to compile.
+            ra = tl.arange(0, AHEAD * BLOCK_K)
+            w0 = tl.load(w_rows + (k0 + ra)[None, :], mask=n_ok[:, None], other=0.0)
             if GLU:
-                wu = tl.load(u_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+                wu0 = tl.load(u_rows + (k0 + ra)[None, :], mask=n_ok[:, None], other=0.0)
             enter(PDL)
-            x = tl.load(x_ptr + rm[:, None] * sx_m + (k0 + rk)[None, :], mask=m_ok[:, None],
-                        other=0.0)
-            acc = _mma(acc, x, w, IEEE)
+            x0 = tl.load(x_ptr + rm[:, None] * sx_m + (k0 + ra)[None, :], mask=m_ok[:, None],
+                         other=0.0)
+            acc = _mma(acc, x0, w0, IEEE)
             if GLU:
-                acc_up = _mma(acc_up, x, wu, IEEE)
-            start = k0 + BLOCK_K
-        for k in tl.range(start, k0 + k_per, BLOCK_K, num_stages=STAGES):
+                acc_up = _mma(acc_up, x0, wu0, IEEE)
+            start = k0 + AHEAD * BLOCK_K
+        for k in tl.range(start, k1, BLOCK_K, num_stages=STAGES):
             x = tl.load(x_ptr + rm[:, None] * sx_m + (k + rk)[None, :], mask=m_ok[:, None],
                         other=0.0)
             w = tl.load(w_rows + (k + rk)[None, :], mask=n_ok[:, None], other=0.0)
@@ -132,7 +142,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Ti
     if w.shape[1] != k:
         raise ValueError(f"skinny_gemm: w {tuple(w.shape)} does not take x's K={k}")
     if not tile.fits(k):
-        raise ValueError(f"skinny_gemm: K={k} is not {tile.split} slices of {tile.block_k}")
+        raise ValueError(f"skinny_gemm: K={k} is not {tile.split} slices of at least "
+                         f"{tile.ahead} steps of {tile.block_k}")
     partial = tile.split > 1 if partial is None else partial or tile.split > 1
     if glu and (partial or w.shape[0] % 2):
         raise ValueError("skinny_gemm: a GLU output needs K whole and [gate; up] of equal rows")
@@ -141,12 +152,13 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Ti
     else:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemm_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
-        x, w, bias if bias is not None else w, out, m, n, k // tile.split,
+        x, w, bias if bias is not None else w, out, m, n, k // tile.block_k,
         x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2), n,
         HAS_BIAS=bias is not None and (not partial or bias_in_parts), PARTIAL=partial,
         IEEE=x.dtype == torch.float32, GLU=glu, PDL=pdl,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, STAGES=tile.stages, num_warps=tile.warps, **launch_options(pdl))
+        BLOCK_K=tile.block_k, STAGES=tile.stages, AHEAD=tile.ahead if pdl else 1,
+        num_warps=tile.warps, **launch_options(pdl))
     return out
 
 

@@ -126,7 +126,11 @@ def test_the_add_norm_kernel_matches_torch(m, n, splits, rms, dtype, launch_pdl)
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,k,n,tile", [(1, 2048, 96, "64n128k1s4w3p"), (5, 512, 2048, "32n128k4s4w3p"),
-                                        (33, 896, 100, "16n128k7s4w3p"), (64, 256, 64, "64n128k2s4w3p")])
+                                        (33, 896, 100, "16n128k7s4w3p"), (64, 256, 64, "64n128k2s4w3p"),
+                                        # slices of 2 and 3 steps; steps read before the wait
+                                        (1, 4864, 96, "32n128k16s4w3p2a"),
+                                        (8, 896, 1152, "32n128k3s4w3p2a"),
+                                        (3, 1024, 80, "16n64k4s4w3p4a")])
 @pytest.mark.parametrize("launch_pdl", LAUNCHES)
 def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, tile, dtype,
                                                                     launch_pdl):
@@ -148,7 +152,7 @@ def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, til
     assert parts.shape == (t.split, m, n) and parts.dtype == torch.float32
     close(parts.sum(0), F.linear(x.float(), w.float(), bias.float()))
     close(skinny_gemm.run(x, w, bias, t, pdl=launch_pdl), F.linear(x.float(), w.float(), bias.float()))
-    whole = Tile(t.block_n, t.block_k, 1, t.warps, t.stages)  # a GLU output keeps K whole
+    whole = attrs.evolve(t, split=1)  # a GLU output keeps K whole
     w2 = torch.cat((w, torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5))
     b2 = torch.randn(2 * n, device="cuda", dtype=dtype)
     gate, up = F.linear(x, w2, b2).chunk(2, dim=-1)

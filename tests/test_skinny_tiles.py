@@ -15,16 +15,24 @@ from bubblefree.cuda_backend.kernel_config import MEASURED, KernelConfig, Tile, 
 
 def test_a_tile_reads_back_as_written_and_names_bad_input():
     assert str(Tile.parse("64n128k4s4w3p")) == "64n128k4s4w3p"
+    assert Tile.parse("64n128k4s4w3p").ahead == 1  # one step read before the wait unless said
+    assert Tile.parse("32n256k19s8w2p4a") == Tile(32, 256, 19, 8, 2, 4)
+    assert str(Tile(32, 256, 19, 8, 2, 4)) == "32n256k19s8w2p4a"
     for bad, says in [("64n128k4s", "expected"), ("48n128k4s4w3p", "block_n must be a power"),
+                      ("64n128k4s4w3pa", "expected"), ("64n128k4s4w3p3a", "ahead must be a power"),
                       ("64n8k1s4w3p", "block_k >= 16"), ("64n128k0s4w3p", "split >= 1")]:
         with pytest.raises(ValueError, match=says) as err:
             Tile.parse(bad)
         assert repr(bad) in str(err.value)
 
 
-def test_a_tile_fits_k_in_whole_slices_of_whole_steps():
+def test_a_tile_fits_k_in_whole_steps_with_ahead_of_them_in_every_slice():
     t = Tile.parse("64n128k4s4w3p")
-    assert t.fits(2048) and t.fits(512) and not t.fits(256) and not t.fits(2048 + 128)
+    assert t.fits(2048) and t.fits(512) and not t.fits(256) and not t.fits(2048 + 64)
+    assert t.fits(2048 + 128)  # 17 steps: slices of 4, 4, 4 and 5
+    ahead = Tile.parse("32n128k3s4w3p2a")  # each slice reads two steps before the wait
+    assert ahead.fits(896) and not ahead.fits(640) and not ahead.fits(896 + 64)
+    assert Tile.parse("32n256k19s4w3p").fits(4864) and not Tile.parse("32n256k20s4w3p").fits(4864)
 
 
 def test_the_table_picks_by_rows_and_falls_back_to_cublas():
@@ -36,8 +44,11 @@ def test_the_table_picks_by_rows_and_falls_back_to_cublas():
     assert table.tile_for(48, 2048, 14336) is None  # measured: cuBLAS won at 64 rows
     assert table.tile_for(65, 2048, 14336) is None and table.tile_for(1, 2048, 2048) is None
     # What the GEMM op is handed: rows and the tile's fields per entry, zeros for cuBLAS.
-    assert table.scalars(2048, 14336) == [1, 64, 128, 1, 4, 3, 32, 64, 256, 2, 4, 5,
-                                          64, 0, 0, 0, 0, 0]
+    assert table.scalars(2048, 14336) == [1, 64, 128, 1, 4, 3, 1, 32, 64, 256, 2, 4, 5, 1,
+                                          64, 0, 0, 0, 0, 0, 0]
+    ahead = TileTable.read({"896,896": [[8, "32n64k5s4w3p2a"]]})
+    assert ahead.tile_for(8, 896, 896) == Tile(32, 64, 5, 4, 3, 2)
+    assert ahead.scalars(896, 896) == [8, 32, 64, 5, 4, 3, 2]
     assert table.scalars(2048, 2048) == [] and table.shapes() == [(2048, 14336)]
 
 
