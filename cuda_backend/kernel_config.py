@@ -300,7 +300,9 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # with the split kernel's keys read before the wait, ``Dispatch.prefetch``),
 # Llama-3.2-1B's from 1.13 to 0.99 and Qwen2-0.5B's from 1.03 to 0.86 once
 # the gate and up GEMM wrote silu(gate) * up itself
-# (docs/runs/pdl-run-2026-12-01b.txt).
+# (docs/runs/pdl-run-2026-12-01b.txt), then to 0.66 with Qwen2's output
+# projections cut into slices that need not divide K
+# (docs/runs/pdl-slices-2026-12-01f.txt).
 MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable]]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
         PHI_15: (8, TileTable({
@@ -317,9 +319,11 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable]]] = types.Mappin
         })),
         QWEN2_05B: (8, TileTable({
             (896, 1152): ((1, Tile(32, 128, 1, 4, 3)), (8, Tile(16, 128, 1, 4, 3))),  # q, k, v
-            (896, 896): ((8, Tile(32, 64, 14, 4, 3)),),  # o, sums
+            # o and down: slices of K that need not divide it (down's 38 steps of
+            # 128 in 8 slices of 4 and 5), timed with the norm that adds them.
+            (896, 896): ((1, Tile(32, 64, 8, 4, 3)), (8, Tile(32, 128, 4, 4, 3))),  # o, sums
             (896, 9728): ((8, Tile(32, 128, 1, 4, 3)),),  # gate and up, silu(gate) * up
-            (4864, 896): ((8, Tile(32, 64, 4, 4, 3)),),  # down, sums
+            (4864, 896): ((1, Tile(64, 128, 8, 4, 3)), (8, Tile(32, 128, 8, 4, 3))),  # down, sums
             (896, 151936): ((8, Tile(64, 128, 1, 4, 3)),),  # head
         })),
     }),
