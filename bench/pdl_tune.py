@@ -9,14 +9,15 @@ two kernels for that). An output projection is timed with the norm that
 adds its slices to the residual stream (``add_norm``; torch's add and norm
 after cuBLAS): more slices are more for that norm to read. Successive
 launches read different copies of the weights, as a step's layers do, so
-L2 cannot hold them. For each shape and row count: ``F.linear`` (cuBLAS, plainly launched, which the step runs
-without dependent launches), the tile the step runs now
-(``KernelConfig.measured``'s) and a grid of others; at the second and
-later row counts only the first's ``--finalists`` fastest. ``--save``
-writes the fastest tile per shape and row count as a
+L2 cannot hold them. For each shape and row count: ``F.linear`` (cuBLAS,
+plainly launched, which the step runs without dependent launches), the
+tile the step runs now (``KernelConfig.measured``'s) and a grid of others;
+at the second and later row counts only the first's ``--finalists``
+fastest. ``--save`` writes the fastest tile per shape and row count as a
 ``kernel_config.TileTable`` (JSON) for ``KernelConfig.pdl_tiles``
 (``bench.profile_step --pdl-tiles`` times it in whole steps); a GEMM left
-out with ``--skip`` keeps the tile it has now.
+out with ``--skip`` keeps the tile it has now. TB/s: the weights' bytes
+over the time (with the norm, for an output projection).
 
     python -m bubblefree.bench.pdl_tune --model qwen05b [--rows 1,8] [--save tiles.json]
                                         [--wide] [--skip head]
@@ -60,9 +61,10 @@ def grid(k: int, partial: bool, glu: bool = False, wide: bool = False) -> list[T
     """Columns per program, K per step (128 and 256, or 64 where neither
     divides K; 64 too for partial sums), for partial sums slices of K (any
     count: the kernel's slices need not divide K's steps evenly), and 1, 2
-    or 4 steps of weights read before the wait; 4 warps (and 8 for the GLU, whose steps ahead are
-    twice the registers), 3 stages. With ``wide`` also 512 of K per step, 8
-    warps, and 2 to 5 stages (several times the tiles: each is a compile)."""
+    or 4 steps of weights read before the wait; 4 warps (and 8 for the GLU,
+    whose steps ahead take twice the registers), 3 stages. With ``wide``
+    also 512 of K per step, 8 warps, and 2 to 5 stages (several times the
+    tiles: each is a compile)."""
     steps = [b for b in (128, 256) + ((512,) if wide else ()) if k % b == 0] or [64]
     if partial and 64 not in steps:  # more, shorter slices
         steps = [64, *steps]
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                 if partial:  # the residual add and the norm after it, as torch runs them
                     return torch_add_norm(stream, out.float()[None], norm, norm_bias, 1e-5, rms)
                 return out
+
             cublas = time_in_graph(lambda: cublas_step(next(turn)))
 
             def ours(w, t):

@@ -51,6 +51,24 @@ def test_a_step_tile_cuts_k_in_whole_steps_and_covers_the_gpu_where_it_can(k, n,
         assert all(cols * s < 2 * sms for s in fewer)  # no fewer slices would do
 
 
+@pytest.mark.parametrize("k", [896, 2048, 4864, 8192, 10240])
+def test_the_tuners_grid_serves_its_k_and_cuts_slices_that_do_not_divide_it(k):
+    """``bench.pdl_tune``'s candidates: each fits K; an output projection's
+    are slices of K, among them counts that do not divide K's steps (what
+    the kernel's unequal slices are for); a GEMM whose output feeds a kernel
+    keeps K whole; 1, 2 or 4 steps are read ahead."""
+    from bubblefree.bench.pdl_tune import grid
+    for partial, glu in ((True, False), (False, False), (False, True)):
+        tiles = grid(k, partial, glu)
+        assert tiles and all(t.fits(k) for t in tiles)
+        assert {t.ahead for t in tiles} <= {1, 2, 4} and 1 in {t.ahead for t in tiles}
+        if partial:
+            assert all(t.split > 1 for t in tiles)
+            assert any((k // t.block_k) % t.split for t in tiles)
+        else:
+            assert all(t.split == 1 for t in tiles)
+
+
 def test_the_sums_are_added_in_the_streams_dtype_before_the_norm():
     """add_norm's rounding: the projection's sum rounded to x's dtype (as
     the reduction kernel's output was), then added, then normed."""
