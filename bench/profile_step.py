@@ -21,8 +21,7 @@ launches, the split kernel's first keys read before it waits, or not:
 ``Dispatch.prefetch``), ``last-combines`` (under dependent launches, the
 split kernel's last programs combine: ``KernelConfig.last_combines``),
 ``splitsN`` (the split kernel's programs per (row, head) at most N:
-``Dispatch.max_splits``), ``l2-N`` (under dependent launches, each GEMM
-asks L2 for the weights N MiB ahead: ``KernelConfig.l2_ahead``), or a one-pass launch such as ``1x16w1s1`` (in
+``Dispatch.max_splits``), or a one-pass launch such as ``1x16w1s1`` (in
 every bucket). ``--context`` sets the step's position, and the page bucket
 the graphs are timed in is the one a sequence that long decodes in (a
 moondream2 query, its 730-position image prefix and prompt, is about 760).
@@ -97,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
     ap.add_argument("--attention", default="",
                     help="attention choices for the last path: default, split, separate, "
-                    "act-separate, prefetch, no-prefetch, last-combines, splitsN, l2-N, "
-                    "torch-inputs (a step's inputs gathered by torch's kernels), or launches")
+                    "act-separate, prefetch, no-prefetch, last-combines, splitsN, torch-inputs "
+                    "(a step's inputs gathered by torch's kernels), or launches")
     ap.add_argument("--gemm", default="", help="GEMM choices for the last path: cublas, or "
                     "JSON files of tiles")
     ap.add_argument("--pdl", default="", help="KernelConfig.pdl_rows values for the last path")
@@ -122,10 +121,6 @@ def main(argv: list[str] | None = None) -> None:
         if x.startswith("splits") and x[6:].isdigit():
             attention[x] = attrs.evolve(default, dispatch=attrs.evolve(
                 default.dispatch, max_splits=int(x[6:])))
-        elif x.startswith("l2-") and x[3:].isdigit():
-            attention[x] = attrs.evolve(default, l2_ahead=int(x[3:]))
-        elif x.startswith("l2s-") and x[4:].isdigit():
-            attention[x] = attrs.evolve(default, l2_ahead=int(x[4:]), l2_ask_first=True)
         elif x and x not in attention:
             dispatch = default.dispatch.forced(split_below=0, launch=Launch.parse(x))
             attention[x] = attrs.evolve(default, dispatch=dispatch)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubblefree.cuda_backend import l2_ahead, pdl_step, skinny_gemm
+from bubblefree.cuda_backend import pdl_step, skinny_gemm
 from bubblefree.cuda_backend.attention import (CONTEXT_KWARG, PagedContext, decode_attention,
                                                prefill_attention, store_kv)
 from bubblefree.cuda_backend.kernel_config import KernelConfig, TileTable
@@ -182,7 +182,6 @@ class Dims:
     # combine (KernelConfig.last_combines): its arrival counters, one per
     # (row, head), zero between launches (each launch leaves them so).
     counters: torch.Tensor | None = attrs.field(default=None, eq=False)
-    ask_first: bool = False
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -347,19 +346,8 @@ class FusedDecoder:
                          one_store=kernels.prefill_store, pdl_rows=pdl_rows,
                          pdl_tiles=kernels.pdl_tiles, sms=sms,
                          glu=not parallel and getattr(cfg, "hidden_act", None) == "silu",
-                         counters=counters, ask_first=kernels.l2_ask_first)
+                         counters=counters)
         self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
-        # The dependent layers' weights carry their GEMMs' plans: what each
-        # asks L2 for once done (l2_ahead; None each where off).
-        stream = [t for w in self.weights for t in pdl_step.gemm_weights(w, parallel)]
-        stream.append(self.lm_head.weight)
-        plans = [None] * len(stream)
-        if pdl_rows and kernels.l2_ahead and all(t.is_contiguous() for t in stream):
-            plans = l2_ahead.plans(stream, kernels.l2_ahead << 20)
-        per = len(stream) // len(self.weights)
-        self.pdl_weights = [w + (tuple(plans[i * per:(i + 1) * per]),)
-                            for i, w in enumerate(self.weights)]
-        self.head_plan = plans[-1]
         # What the first dependent layer adds to the embeddings: nothing,
         # from one buffer rather than a fill kernel each step.
         self.zero_delta = torch.zeros(1, pdl_rows, cfg.hidden_size, dtype=torch.float32,
@@ -425,11 +413,10 @@ class FusedDecoder:
             zero = self.zero_delta
             if zero is None or zero.shape[1] < x.shape[0]:  # more rows than measured for
                 zero = x.new_zeros((1, *x.shape), dtype=torch.float32)
-            layer, delta, weights = self.pdl_layer, zero[:, :x.shape[0]], self.pdl_weights
+            layer, delta = self.pdl_layer, zero[:, :x.shape[0]]
         else:
             layer, delta = self.step_layer if compiled else self.layer_fn, torch.zeros_like(x)
-            weights = self.weights
-        for i, w in enumerate(weights):
+        for i, w in enumerate(self.weights):
             kv = ctx.cache.layer_kv(i) if one_op else ctx.cache.layer(i)
             x, delta = layer(x, delta, cos, sin, kv, ctx, w, self.dims, self.act, self.windows[i])
         return x, delta, pdl
@@ -462,6 +449,5 @@ class FusedDecoder:
     def logits(self, normed: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """Normed hidden states ``[R, hidden]`` -> logits ``[R, V]``."""
         if pdl:
-            return pdl_step.gemm(normed, self.lm_head.weight, self.lm_head.bias, self.dims,
-                                 plan=self.head_plan)
+            return pdl_step.gemm(normed, self.lm_head.weight, self.lm_head.bias, self.dims)
         return _linear(normed, self.lm_head.weight, self.lm_head.bias, self.dims.tiles)

@@ -354,10 +354,7 @@ class KernelConfig:
     launch fewer a layer); bit for bit the two kernels' result, and off:
     on the H200 it moved a step by under 1.5% either way at one row and
     lost 3% at eight rows of a long context (docs/performance.md, "The
-    last programs combining"). ``l2_ahead``: in that step each GEMM, once
-    done, asks L2 for the weights this many MiB further along the step, so
-    that memory streams through the gaps between GEMMs (``l2_ahead``); 0:
-    none.
+    last programs combining").
 
     ``greedy_kernel``: a greedy step samples in one kernel
     (``greedy_sample``) instead of torch's seven; ``step_inputs``: a fused
@@ -373,8 +370,6 @@ class KernelConfig:
     pdl_rows: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     pdl_tiles: TileTable = TileTable()
     last_combines: bool = False
-    l2_ahead: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    l2_ask_first: bool = False
     greedy_kernel: bool = True
     step_inputs: bool = True
 
@@ -406,8 +401,6 @@ class KernelConfig:
             where += f"; dependent launches up to {self.pdl_rows} rows"
             if self.last_combines:
                 where += ", the split kernel's last programs combining"
-            if self.l2_ahead:
-                where += f", weights {self.l2_ahead} MiB ahead into L2"
         if not self.greedy_kernel:
             where += "; greedy sampling in torch"
         if not self.step_inputs:

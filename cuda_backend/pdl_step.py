@@ -39,8 +39,7 @@ from bubblefree.cuda_backend.rope_attention import rope_attend
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
-         partial: bool = False, glu: bool = False, plan: torch.Tensor | None = None
-         ) -> torch.Tensor:
+         partial: bool = False, glu: bool = False) -> torch.Tensor:
     """``F.linear(x, w, bias)`` through our kernel, launched dependent:
     ``[M, N]`` in x's dtype, or with ``partial`` float32 partial sums ``[S,
     M, N]``, the bias in the first. ``glu``: w is ``[gate; up]`` and the
@@ -48,8 +47,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
     where it has one for this shape and row count, else ``step_tile``'s
     (K whole where the output is not partial sums). Without Triton on x's
     device (or whole steps of K): torch's, the same results, plainly
-    launched (still ordered). ``plan``: the weights further along the
-    step that the kernel asks L2 for once done (``l2_ahead``)."""
+    launched (still ordered)."""
     rows, k, n = x.shape[0], w.shape[1], w.shape[0]
     tile = dims.pdl_tiles.tile_for(rows, k, n)
     if tile is None or not tile.fits(k) or (glu and tile.split > 1):
@@ -60,14 +58,10 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
             gate, up = out.chunk(2, dim=-1)
             out = F.silu(gate) * up
         return out.float().unsqueeze(0) if partial else out
-    ask = dict(plan=plan, participants=dims.sms, ask_first=dims.ask_first)
     if partial:
-        return skinny_gemm.launch(x, w, bias, tile, bias_in_parts=True, pdl=True, partial=True,
-                                  **ask)
+        return skinny_gemm.launch(x, w, bias, tile, bias_in_parts=True, pdl=True, partial=True)
     if glu:
-        return skinny_gemm.launch(x, w, bias, tile, glu=True, pdl=True, **ask)
-    if tile.split == 1:
-        return skinny_gemm.launch(x, w, bias, tile, pdl=True, **ask)
+        return skinny_gemm.launch(x, w, bias, tile, glu=True, pdl=True)
     return skinny_gemm.run(x, w, bias, tile, pdl=True)
 
 
@@ -89,41 +83,30 @@ def attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, mlp=None) -> torch
 
 def parallel_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
     """Phi: the norm (with the previous layer's sums), the fused q, k, v and
-    fc1, attention with the activation beside it, the fused dense + fc2.
-    ``w``: the layer's weights, then its GEMMs' plans (``l2_ahead``)."""
-    norm_w, norm_b, w_in, b_in, w_out, b_out, qk_norm, (p_in, p_out) = w
+    fc1, attention with the activation beside it, the fused dense + fc2."""
+    norm_w, norm_b, w_in, b_in, w_out, b_out, qk_norm = w
     x, h = add_norm(x, delta, norm_w, norm_b, dims.eps, rms=False, pdl=True)
-    q, k, v, f = gemm(h, w_in, b_in, dims, plan=p_in).split(dims.split, dim=-1)
+    q, k, v, f = gemm(h, w_in, b_in, dims).split(dims.split, dim=-1)
     if dims.act:
         row = attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, f)
     else:  # an activation the kernels do not know: torch's, between ours
         row = torch.cat((attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window), act(f)), -1)
-    return x, gemm(row, w_out, b_out, dims, partial=True, plan=p_out)
+    return x, gemm(row, w_out, b_out, dims, partial=True)
 
 
 def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
     """Llama, Qwen2: norm, q/k/v, attention, o_proj's sums into the second
-    norm, gate and up as ``silu(gate) * up``, down. ``w`` as in
-    ``parallel_layer``."""
-    norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down, plans = w
-    p_qkv, p_o, p_gu, p_down = plans
+    norm, gate and up as ``silu(gate) * up``, down."""
+    norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
     x, h = add_norm(x, delta, norm1, None, dims.eps, rms=True, pdl=True)
-    q, k, v = gemm(h, w_qkv, b_qkv, dims, plan=p_qkv).split(dims.split, dim=-1)
+    q, k, v = gemm(h, w_qkv, b_qkv, dims).split(dims.split, dim=-1)
     a = attend(q, k, v, cos, sin, kv, ctx, None, dims, window)
-    x, h = add_norm(x, gemm(a, w_o, b_o, dims, partial=True, plan=p_o), norm2, None, dims.eps,
-                    rms=True, pdl=True)
+    x, h = add_norm(x, gemm(a, w_o, b_o, dims, partial=True), norm2, None, dims.eps, rms=True,
+                    pdl=True)
     if dims.glu:
-        h = gemm(h, w_gu, b_gu, dims, glu=True, plan=p_gu)
-    else:
-        gate, up = gemm(h, w_gu, b_gu, dims, plan=p_gu).split(dims.inter, dim=-1)
-        h = act(gate) * up
-    return x, gemm(h, w_down, b_down, dims, partial=True, plan=p_down)
-
-
-def gemm_weights(w: tuple, parallel: bool) -> tuple[torch.Tensor, ...]:
-    """A layer's GEMM weights (of ``fused_decode``'s weight tuple) in the
-    order its function reads them: the plans' order."""
-    return (w[2], w[4]) if parallel else (w[1], w[3], w[6], w[8])
+        return x, gemm(gemm(h, w_gu, b_gu, dims, glu=True), w_down, b_down, dims, partial=True)
+    gate, up = gemm(h, w_gu, b_gu, dims).split(dims.inter, dim=-1)
+    return x, gemm(act(gate) * up, w_down, b_down, dims, partial=True)
 
 
 def final(x, delta, weight, bias, eps, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:

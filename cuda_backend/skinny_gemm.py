@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from bubblefree.cuda_backend.kernel_config import Tile, TileTable, tile_for
-from bubblefree.cuda_backend.l2_ahead import ask
 from bubblefree.cuda_backend.pdl import enter, launch_options, tl, triton
 
 
@@ -43,19 +42,16 @@ if triton is not None:
 
     @triton.jit
     def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, steps, sx_m, sw_n, so_s, so_m, up_off,
-                plan_ptr, participants,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
                 GLU: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                AHEAD: tl.constexpr, ASK: tl.constexpr):
+                AHEAD: tl.constexpr):
         """K is ``steps`` steps of BLOCK_K; slice s of the grid's takes steps
         ``s * steps // slices`` up to the next slice's first. GLU: w is
         ``[gate; up]`` (up from row ``up_off``) and the output column j is
         ``silu(gate_j) * up_j``, each rounded to x's dtype as torch's ops
         round them. PDL: the slice's first AHEAD steps of weights are read
-        before the wait (``Tile.ahead``). ASK 1: once stored, the program
-        asks L2 for its share of the weights in ``plan_ptr`` (``l2_ahead``);
-        2: before the wait."""
+        before the wait (``Tile.ahead``)."""
         n0 = tl.program_id(0) * BLOCK_N
         s = tl.program_id(1)
         slices = tl.num_programs(1)
@@ -78,9 +74,6 @@ if triton is not None:
             w0 = tl.load(w_rows + (k0 + ra)[None, :], mask=n_ok[:, None], other=0.0)
             if GLU:
                 wu0 = tl.load(u_rows + (k0 + ra)[None, :], mask=n_ok[:, None], other=0.0)
-            if ASK == 2:
-                ask(plan_ptr, tl.program_id(0) + s * tl.num_programs(0),
-                    tl.num_programs(0) * slices, participants, LINES=256)
             enter(PDL)
             x0 = tl.load(x_ptr + rm[:, None] * sx_m + (k0 + ra)[None, :], mask=m_ok[:, None],
                          other=0.0)
@@ -113,9 +106,6 @@ if triton is not None:
                 a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
                 acc = a * acc_up.to(dtype).to(tl.float32)
             tl.store(out_ptr + rm[:, None] * so_m + rn[None, :], acc.to(dtype), mask=mask)
-        if ASK == 1:  # after the store, which the next kernel waits for
-            ask(plan_ptr, tl.program_id(0) + s * tl.num_programs(0), tl.num_programs(0) * slices,
-                participants, LINES=256)
 
     @triton.jit
     def _reduce_kernel(p_ptr, b_ptr, out_ptr, total, N, splits,
@@ -137,16 +127,14 @@ def available(x: torch.Tensor) -> bool:
 
 def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile, *,
            bias_in_parts: bool = False, glu: bool = False, pdl: bool = False,
-           partial: bool | None = None, plan: torch.Tensor | None = None,
-           participants: int = 132, ask_first: bool = False) -> torch.Tensor:
+           partial: bool | None = None) -> torch.Tensor:
     """``[split, M, N]`` float32 partial sums when ``tile.split`` > 1 (or
     ``partial``), else ``[M, N]`` in x's dtype with the bias. Partial sums
     leave the bias out unless ``bias_in_parts`` (the first slice's sums then
     carry it). ``glu``: w (and the bias) are ``[gate; up]`` and the output,
     ``[M, N / 2]``, is ``silu(gate) * up`` (Llama's and Qwen2's MLP; K
     whole, no partial sums). ``pdl``: launched dependent on the previous
-    kernel (``cuda_backend.pdl``). ``plan``: the weights its last
-    ``participants`` programs ask L2 for once done (``l2_ahead.plans``)."""
+    kernel (``cuda_backend.pdl``)."""
     m, k = x.shape
     n = w.shape[0] // 2 if glu else w.shape[0]
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -166,12 +154,11 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Ti
     _gemm_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
         x, w, bias if bias is not None else w, out, m, n, k // tile.block_k,
         x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2), n,
-        plan if plan is not None else w, participants,
         HAS_BIAS=bias is not None and (not partial or bias_in_parts), PARTIAL=partial,
         IEEE=x.dtype == torch.float32, GLU=glu, PDL=pdl,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, STAGES=tile.stages, AHEAD=tile.ahead if pdl else 1,
-        ASK=0 if plan is None else 2 if ask_first else 1, num_warps=tile.warps, **launch_options(pdl))
+        num_warps=tile.warps, **launch_options(pdl))
     return out
 
 
