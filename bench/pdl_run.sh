@@ -5,7 +5,8 @@
 # at 1, 8 and 32 rows, built in the same process (bench.profile_step --pdl
 # 0,8 with those tiles); then each shape's step with the split attention
 # kernel reading its keys after the wait (prefetch off), as by default (before
-# it), and with its last programs combining (KernelConfig.last_combines).
+# it), and with its last programs combining (KernelConfig.last_combines),
+# and what each kernel of its step at one row adds (bench.step_increments).
 # Everything printed is also written under $OUT: a
 # text file and the tiles per shape, eight files for the three shapes.
 #
@@ -41,5 +42,8 @@ for m in ${MODELS:-phi llama1b qwen05b}; do
   timeout -k 10 "${PROFILE_SECONDS:-95}" python3 -m bubblefree.bench.profile_step --model "$m" --rows 1,8 \
     --paths fused+compile --attention no-prefetch,default,last-combines 2>&1 \
     | grep -v -i -e warn -e USDT | tee -a "$out/$m.txt"
+  echo "== bench.step_increments --model $m --rows 1"
+  timeout -k 10 "${PROFILE_SECONDS:-95}" python3 -m bubblefree.bench.step_increments --model "$m" \
+    --rows 1 2>&1 | grep -v -i -e warn -e USDT | tee -a "$out/$m.txt"
 done
 exit 0

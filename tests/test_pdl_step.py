@@ -95,6 +95,20 @@ def test_add_norm_names_mismatched_inputs():
             add_norm(x, parts, weight, None, 1e-5, rms=True)
 
 
+def test_add_norm_reads_a_rows_slices_in_as_few_loads_as_its_warps_hold():
+    """The row whole; up to 16,384 values a load, so the 8 slices of a
+    2,048-wide row come in one load (16 warps), and 8 warps for loads of
+    8,192 or fewer (Qwen2-0.5B's 896-wide rows)."""
+    from bubblefree.cuda_backend.add_norm import tiling
+    assert tiling(2048, 8) == (2048, 8, 16)
+    assert tiling(2048, 1) == (2048, 1, 8)
+    assert tiling(896, 8) == (1024, 8, 8)
+    assert tiling(896, 19) == (1024, 16, 16)
+    assert tiling(8192, 8) == (8192, 2, 16)
+    assert tiling(100, 3) == (128, 4, 8)
+    assert tiling(40000, 2) == (65536, 1, 16)
+
+
 def test_pdl_rows_is_a_count_and_says_itself():
     assert "dependent launches up to 8 rows" in str(KernelConfig(pdl_rows=8))
     assert "dependent" not in str(KernelConfig())
@@ -126,7 +140,8 @@ def test_where_it_cannot_launch_dependent_the_step_is_the_usual_one():
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,splits,rms", [(1, 2048, 1, False), (5, 896, 19, True),
-                                            (64, 2048, 8, True), (3, 100, 2, False)])
+                                            (64, 2048, 8, True), (3, 100, 2, False),
+                                            (2, 2048, 8, False), (1, 896, 8, True)])
 @pytest.mark.parametrize("launch_pdl", LAUNCHES)
 def test_the_add_norm_kernel_matches_torch(m, n, splits, rms, dtype, launch_pdl):
     torch.manual_seed(m + n)
