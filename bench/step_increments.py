@@ -26,7 +26,7 @@ import torch
 from bubblefree.bench.profile_step import time_graph
 from bubblefree.bench.speed_setup import SHAPES, build_model
 from bubblefree.cuda_backend.backend import CudaBackend
-from bubblefree.cuda_backend.graphs import bucket
+from bubblefree.cuda_backend.graphs import batch_buckets, bucket
 
 
 @attrs.frozen
@@ -102,14 +102,19 @@ def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=list(SHAPES), default="phi")
-    ap.add_argument("--rows", type=int, default=1, help="a decode bucket's rows")
+    ap.add_argument("--rows", type=int, default=1, help="a decode bucket's rows (1, 2, 4, 8, "
+                    "then steps of 16 up to 64)")
     ap.add_argument("--context", type=int, default=128)
     args = ap.parse_args(argv)
+    if args.rows not in batch_buckets(64):
+        ap.error(f"--rows must be a decode bucket, one of {batch_buckets(64)}, not {args.rows}")
+    if args.context < 1:
+        ap.error(f"--context must be at least 1, not {args.context}")
     model, label = build_model(False, shape=args.model)
     be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=64, max_seqs=64,
                      max_prefill_tokens=2048, max_context=max(256, 1 << args.context.bit_length()),
                      compile_decode=True)
-    b = args.rows  # a decode bucket: 1, 2, 4, 8, then steps of 16
+    b = args.rows
     p = bucket(args.context // be.capacity.page_size + 1, be._pages)
     ms = time_graph(be, b, p, args.context)
     steps = 5

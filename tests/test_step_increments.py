@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bubblefree.bench.step_increments import increments, layout, one_step, table
+from bubblefree.bench.step_increments import increments, layout, main, one_step, table
 
 
 def kernel(name, ts, dur, grid=(1, 1, 1), cat="kernel"):
@@ -48,3 +48,12 @@ def test_a_trace_that_is_not_whole_steps_or_layers_says_so():
         one_step(step(0)[:-1] + step(100), 2)
     with pytest.raises(RuntimeError, match="norm kernels for 3 layers"):
         layout(one_step(step(0), 1), 3)
+
+
+@pytest.mark.parametrize("argv,says", [(["--rows", "3"], "--rows must be a decode bucket"),
+                                       (["--rows", "0"], "--rows must be a decode bucket"),
+                                       (["--context", "0"], "--context must be at least 1")])
+def test_bad_arguments_are_named_before_anything_is_built(argv, says, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert says in capsys.readouterr().err
