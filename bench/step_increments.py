@@ -4,10 +4,10 @@ Under dependent launches (``pdl_step``) a kernel starts before the one
 before it ends, so the profiler's kernel durations overlap and their sum
 says little. What a kernel costs the step is how much later it ends than
 the kernel before it: its *increment*. This replays the decode graph of
-one bucket under the profiler and prints, for a layer in the middle of
-the model, each kernel's duration and increment (the median over the
-layers), then the kernels before the first layer and after the last (the
-final norm, the head), and the step's span, which the increments sum to.
+one bucket under the profiler and prints, for each kernel of a layer, its
+duration and increment (the medians over the layers), then the kernels
+before the first layer and after the last (the final norm, the head), and
+the step's span, which the increments sum to.
 
     python -m bubblefree.bench.step_increments [--model phi|llama1b|qwen05b]
                                   [--rows 1] [--context 128]
@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as written:
+            trace = json.load(written)["traceEvents"]
     print(f"{label}\n'{be.decode_path}', {b} rows, context {args.context}: {ms:.3f} ms a "
           f"step (graph, events)\n")
     print(table(one_step(trace, steps), model.config.num_hidden_layers))
