@@ -58,15 +58,28 @@ def increments(step: list[Kernel]) -> list[float]:
     return [k.end - (step[i - 1].end if i else k.start) for i, k in enumerate(step)]
 
 
+ATTENTION = ("split_kernel", "one_pass_kernel")  # one a layer
+
+
 def layout(step: list[Kernel], layers: int) -> tuple[int, int]:
     """``(first, per)``: where the first layer starts and how many kernels a
-    layer runs, from the norms (one or two a layer, and the final one)."""
+    layer runs. The attention kernels (one a layer) give the count; the
+    final norm, the last norm kernel, is where the layers end (a layer may
+    run a norm kernel or two, or none where its GEMMs norm their input)."""
+    attn = [i for i, k in enumerate(step) if k.name in ATTENTION]
     norms = [i for i, k in enumerate(step) if "norm" in k.name]
-    per_norms = (len(norms) - 1) // layers
-    if per_norms < 1 or len(norms) != per_norms * layers + 1:
-        raise RuntimeError(f"step_increments: {len(norms)} norm kernels for {layers} layers")
-    first, per = norms[0], norms[per_norms] - norms[0]
-    if norms[-1] != first + per * layers:
+    if len(attn) != layers or not norms or norms[-1] < attn[-1]:
+        raise RuntimeError(f"step_increments: {len(attn)} attention kernels and "
+                           f"{len(norms)} norm kernels for {layers} layers")
+    if layers > 1:
+        per = attn[1] - attn[0]
+    else:  # one layer: it starts at its norm, or right after the step's inputs
+        per = norms[-1] - (norms[0] if len(norms) > 1 else min(1, attn[0]))
+    first = norms[-1] - per * layers
+    names = [[k.name for k in step[first + per * i:first + per * (i + 1)]]
+             for i in range(layers)] if first >= 0 else []
+    if (any(b - a != per for a, b in zip(attn, attn[1:])) or not 0 <= first <= attn[0]
+            or attn[0] >= first + per or any(n != names[0] for n in names)):
         raise RuntimeError("step_increments: the layers do not run the same kernels")
     return first, per
 
@@ -99,7 +112,6 @@ def table(step: list[Kernel], layers: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torch.profiler import ProfilerActivity, profile
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=list(SHAPES), default="phi")
     ap.add_argument("--rows", type=int, default=1, help="a decode bucket's rows (1, 2, 4, 8, "
@@ -114,10 +126,15 @@ def main(argv: list[str] | None = None) -> None:
     be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=64, max_seqs=64,
                      max_prefill_tokens=2048, max_context=max(256, 1 << args.context.bit_length()),
                      compile_decode=True)
-    b = args.rows
-    p = bucket(args.context // be.capacity.page_size + 1, be._pages)
-    ms = time_graph(be, b, p, args.context)
-    steps = 5
+    print(f"{label}\n{report(be, model.config.num_hidden_layers, args.rows, args.context)}")
+
+
+def report(be: CudaBackend, layers: int, b: int, context: int, steps: int = 5) -> str:
+    """The step's time at ``b`` rows and ``context`` (graph, events) and
+    its increments' table, from ``steps`` replays under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    p = bucket(context // be.capacity.page_size + 1, be._pages)
+    ms = time_graph(be, b, p, context)
     r = be._runner
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         with torch.no_grad(), torch.cuda.stream(be._compute):
@@ -128,10 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         prof.export_chrome_trace(f.name)
         with open(f.name) as written:
             trace = json.load(written)["traceEvents"]
-    print(f"{label}\n'{be.decode_path}', {b} rows, context {args.context}: {ms:.3f} ms a "
-          f"step (graph, events)\n")
-    print(table(one_step(trace, steps), model.config.num_hidden_layers))
-
+    return (f"'{be.decode_path}', {b} rows, context {context}: {ms:.3f} ms a step (graph, "
+            f"events)\n\n{table(one_step(trace, steps), layers)}")
 
 if __name__ == "__main__":
     main()

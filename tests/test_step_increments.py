@@ -1,5 +1,6 @@
 """``bench.step_increments``: each kernel's increment (how much later it
-ends than the kernel before), the layers found from the norms, on traces
+ends than the kernel before), the layers found from the attention kernels
+and the final norm, on traces
 written out by hand."""
 
 from __future__ import annotations
@@ -43,11 +44,28 @@ def test_increments_are_the_ends_one_after_another_and_sum_to_the_span():
     assert "span 25.0 us; layers 16.0 us (8.0 a layer); 9 kernels" in text
 
 
+def test_layers_without_norm_kernels_are_found_from_attention_and_the_final_norm():
+    """The norms inside the GEMMs (``KernelConfig.norm_in_gemm``): a layer is
+    (GEMM, attention, GEMM), and the only norm is the final one."""
+    names = (["_inputs_kernel"] + ["_gemm_kernel", "split_kernel", "combine_kernel"] * 3
+             + ["_add_norm_kernel", "_gemm_kernel"])
+    trace = [kernel(name, 10 * i, 3, grid=(i, 1, 1)) for i, name in enumerate(names)]
+    s = one_step(trace, 1)
+    assert layout(s, 3) == (1, 3)
+    assert "| layer, kernel 2 | split_kernel |" in table(s, 3)
+    with pytest.raises(RuntimeError, match="3 attention kernels and 1 norm kernels for 2"):
+        layout(s, 2)
+
+
 def test_a_trace_that_is_not_whole_steps_or_layers_says_so():
     with pytest.raises(RuntimeError, match="kernels in 2 replays"):
         one_step(step(0)[:-1] + step(100), 2)
-    with pytest.raises(RuntimeError, match="norm kernels for 3 layers"):
+    with pytest.raises(RuntimeError, match="2 attention kernels and 3 norm kernels for 3 layers"):
         layout(one_step(step(0), 1), 3)
+    uneven = step(0)
+    uneven.insert(5, kernel("_gemm_kernel", 14, 1))  # the second layer runs a kernel more
+    with pytest.raises(RuntimeError, match="do not run the same kernels"):
+        layout(one_step(uneven, 1), 2)
 
 
 @pytest.mark.parametrize("argv,says", [(["--rows", "3"], "--rows must be a decode bucket"),
