@@ -135,7 +135,12 @@ def torch_add_norm(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor,
     """``add_norm`` in torch, with its rounding."""
     xn = torch_add(x, parts)
     if rms:
-        v = xn.float()
-        h = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-        return xn, weight * h
+        return xn, rms_norm(xn, weight, eps)
     return xn, F.layer_norm(xn, (x.shape[-1],), weight, bias, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers' Llama and Qwen2 compute it (and the kernels
+    here): in float32, rounded to x's dtype, then times the weight."""
+    v = x.float()
+    return weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

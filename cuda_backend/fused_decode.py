@@ -39,6 +39,7 @@ from torch import nn
 from bubblefree.cuda_backend import pdl_step, skinny_gemm
 from bubblefree.cuda_backend.attention import (CONTEXT_KWARG, PagedContext, decode_attention,
                                                prefill_attention, store_kv)
+from bubblefree.cuda_backend.add_norm import rms_norm
 from bubblefree.cuda_backend.kernel_config import KernelConfig, TileTable
 from bubblefree.cuda_backend.pdl import supported as pdl_supported
 from bubblefree.cuda_backend.rope_attention import ACTIVATIONS, rope_attend, rotate
@@ -143,13 +144,6 @@ def _fuse_columns(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
     biases = [lin.bias.float() for lin in linears if lin.bias is not None]
     bias = torch.stack(biases).sum(0).to(weight.dtype) if biases else None
     return weight, bias
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm (Llama, Qwen2): float32 statistics, weight after."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 @attrs.frozen
@@ -261,11 +255,11 @@ def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims: Dims, act, window):
     """Llama, Qwen2; the residual stream as in ``parallel_layer``."""
     norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
     x = x + delta
-    norm = _rms_norm(x, norm1, dims.eps)
+    norm = rms_norm(x, norm1, dims.eps)
     q, k, v = _linear(norm, w_qkv, b_qkv, dims.tiles).split(dims.split, dim=-1)
     x = x + _linear(_attend(q, k, v, cos, sin, kv, ctx, None, dims, window), w_o, b_o,
                     dims.tiles)
-    norm = _rms_norm(x, norm2, dims.eps)
+    norm = rms_norm(x, norm2, dims.eps)
     gate, up = _linear(norm, w_gu, b_gu, dims.tiles).split(dims.inter, dim=-1)
     return x, _linear(act(gate) * up, w_down, b_down, dims.tiles)
 
