@@ -302,7 +302,9 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # the gate and up GEMM wrote silu(gate) * up itself
 # (docs/runs/pdl-run-2026-12-01b.txt), then to 0.66 with Qwen2's output
 # projections cut into slices that need not divide K
-# (docs/runs/pdl-slices-2026-12-01f.txt).
+# (docs/runs/pdl-slices-2026-12-01f.txt), then to 0.62 (Llama's 0.86 to
+# 0.85) with the q, k, v projection cut into slices that the attention
+# kernels add (``pdl_step.project_attend``; docs/runs/qkv-slices-2026-12-01h.txt).
 MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable]]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
         PHI_15: (8, TileTable({
@@ -311,14 +313,14 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable]]] = types.Mappin
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
         })),
         LLAMA_32_1B: (8, TileTable({
-            (2048, 3072): ((8, Tile(32, 256, 1, 4, 3)),),  # q, k, v
+            (2048, 3072): ((8, Tile(64, 256, 4, 4, 3)),),  # q, k, v, sums to attention
             (2048, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # o, sums
             (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (8192, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # down, sums
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
         })),
         QWEN2_05B: (8, TileTable({
-            (896, 1152): ((1, Tile(32, 128, 1, 4, 3)), (8, Tile(16, 128, 1, 4, 3))),  # q, k, v
+            (896, 1152): ((8, Tile(32, 128, 4, 4, 3)),),  # q, k, v, sums to attention
             # o and down: slices of K that need not divide it (down's 38 steps of
             # 128 in 8 slices of 4 and 5), timed with the norm that adds them.
             (896, 896): ((1, Tile(32, 64, 8, 4, 3)), (8, Tile(32, 128, 4, 4, 3))),  # o, sums
@@ -348,7 +350,9 @@ class KernelConfig:
     whose kernels are all ours, each launched dependent on the one before
     (``pdl_step``; Hopper and later, with ``new_token``); 0: none. Their
     GEMMs take ``pdl_tiles``' tile for a shape and row count where it has
-    one (``bench.pdl_tune``), else ``step_tile``'s. ``last_combines``: in
+    one (``bench.pdl_tune``), else ``step_tile``'s; a Llama or Qwen2 q, k, v
+    tile that cuts K leaves the sums to the attention kernels
+    (``pdl_step.project_attend``). ``last_combines``: in
     that step the split attention kernel's last program of each (row,
     head) combines the partial states, instead of a second kernel (one
     launch fewer a layer); bit for bit the two kernels' result, and off:

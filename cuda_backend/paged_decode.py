@@ -37,6 +37,10 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+# What the kernels round summed slices to (``NewToken.dtype``).
+_TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
 @attrs.frozen
 class NewToken:
     """The step's own key and value, not yet in the cache: k and v ``[B,
@@ -44,16 +48,27 @@ class NewToken:
     the rows' rotary tables cos and sin ``[B, ROT]`` (transformers' layout:
     the two halves repeat), and ``slot`` ``[B]``, where each row's key and
     value go in the cache. The kernels then take q before its rotary
-    embedding too, and rotary, the KV write and attention run as one."""
+    embedding too, and rotary, the KV write and attention run as one.
+
+    ``slices`` > 1: q, k and v are the first of that many float32 slices of
+    the projection's partial sums, ``slice_stride`` elements apart; the
+    kernels add them and round the sum to ``dtype``, the projection's
+    output dtype (and the attention output's)."""
     k: torch.Tensor
     v: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     slot: torch.Tensor
+    slices: int = 1
+    slice_stride: int = 0
+    dtype: torch.dtype | None = None
 
     def rotary_args(self) -> dict:
-        """The rotary tables, as every kernel names them."""
-        return {"cs_ptr": self.cos, "sn_ptr": self.sin, "scs_b": self.cos.stride(0)}
+        """The rotary tables and the slices, as every kernel names them."""
+        dtype = self.dtype if self.dtype is not None else self.k.dtype
+        return {"cs_ptr": self.cos, "sn_ptr": self.sin, "scs_b": self.cos.stride(0),
+                "sp_s": self.slice_stride, "SLICES": self.slices,
+                "DT": getattr(kernels.tl, _TL_DTYPES[dtype])}
 
     def token_args(self) -> dict:
         """The own key and value and their slots, as the kernels that write
@@ -78,11 +93,18 @@ class Activation:
     kind: int
 
 
+def out_dtype(q: torch.Tensor, new: NewToken | None) -> torch.dtype:
+    """The attention output's dtype: q's, or with slices of sums the dtype
+    they are rounded to."""
+    return new.dtype if new is not None and new.dtype is not None else q.dtype
+
+
 def _rotary_args(new: NewToken | None, q: torch.Tensor) -> dict:
     """``new``'s rotary arguments and flags; without one, placeholders the
     kernels never read (NEW is a compile-time flag)."""
     if new is None:
-        return {"cs_ptr": q, "sn_ptr": q, "scs_b": 0, "NEW": False, "ROT": 0}
+        return {"cs_ptr": q, "sn_ptr": q, "scs_b": 0, "sp_s": 0, "SLICES": 1,
+                "DT": kernels.tl.float32, "NEW": False, "ROT": 0}
     return {**new.rotary_args(), **new.flags()}
 
 
@@ -154,7 +176,7 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
     l = torch.empty_like(m)
     acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
     if out is None:
-        out = torch.empty((b, h, values.shape[2]), dtype=q.dtype, device=q.device)
+        out = torch.empty((b, h, values.shape[2]), dtype=out_dtype(q, new), device=q.device)
     if counters is not None and (counters.dtype != torch.int32 or counters.numel() < b * h):
         raise ValueError(f"split_attention: counters must be int32 with at least {b * h} entries")
     group = h // keys.shape[1]
@@ -188,7 +210,7 @@ def run(q, keys, values, page_table, positions, page_size: int, scale: float, wi
     programs combine (``split_attention``)."""
     b, h, d = q.shape
     if out is None:
-        out = torch.empty((b, h, values.shape[2]), dtype=q.dtype, device=q.device)
+        out = torch.empty((b, h, values.shape[2]), dtype=out_dtype(q, new), device=q.device)
     length = page_table.shape[1] * page_size
     # A bucket's shapes are fixed at capture, so is this choice.
     launch = dispatch.choose(b, h, length)

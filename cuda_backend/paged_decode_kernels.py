@@ -13,7 +13,10 @@ once, with an online softmax in float32:
 
 With NEW (a compile-time flag) q arrives before its rotary embedding and the
 step's own key and value come raw: rotary, the KV write and attention run as
-one kernel (``_new_token``). With ACT the programs of a row also apply an
+one kernel (``_new_token``). With SLICES > 1 as well, q, k and v arrive as
+a projection's float32 partial sums, SLICES slices ``sp_s`` apart, which
+the kernels add and round to DT as the projection's whole output would be
+(``_load_sum``). With ACT the programs of a row also apply an
 MLP activation to a share of its columns (``_activate``). With PDL each is
 launched dependent on the kernel before it (``cuda_backend.pdl``).
 
@@ -29,15 +32,28 @@ from bubblefree.cuda_backend.pdl import enter, tl, triton
 if triton is not None:
 
     @triton.jit
-    def _rope(ptr, d, cs_ptr, sn_ptr, mask, ROT: tl.constexpr):
+    def _load_sum(ptr, offs, mask, sp_s, SLICES: tl.constexpr, DT: tl.constexpr):
+        """``ptr[offs]`` in float32; with SLICES > 1 the sum of SLICES float32
+        slices ``sp_s`` apart, rounded to DT (the projection's own output)."""
+        x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if SLICES > 1:
+            for i in tl.static_range(1, SLICES):  # every slice asked for at once
+                x += tl.load(ptr + i * sp_s + offs, mask=mask, other=0.0)
+            x = x.to(DT).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _rope(ptr, d, cs_ptr, sn_ptr, mask, ROT: tl.constexpr, sp_s, SLICES: tl.constexpr,
+              DT: tl.constexpr):
         """``ptr[d]`` in float32 after transformers' rotary embedding on its
-        first ROT dims (``x * cos + rotate_half(x) * sin``); the rest pass."""
-        x = tl.load(ptr + d, mask=mask, other=0.0).to(tl.float32)
+        first ROT dims (``x * cos + rotate_half(x) * sin``); the rest pass.
+        ``ptr`` is SLICES slices of sums (``_load_sum``)."""
+        x = _load_sum(ptr, d, mask, sp_s, SLICES, DT)
         if ROT > 0:
             half = ROT // 2
             rot = mask & (d < ROT)
-            partner = tl.load(ptr + tl.where(d < half, d + half, d - half), mask=rot,
-                              other=0.0).to(tl.float32)
+            partner = _load_sum(ptr, tl.where(d < half, d + half, d - half), rot, sp_s, SLICES,
+                                DT)
             c = tl.load(cs_ptr + d, mask=rot, other=1.0).to(tl.float32)
             sn = tl.load(sn_ptr + d, mask=rot, other=0.0).to(tl.float32)
             x = x * c + tl.where(d < half, -partner, partner) * sn
@@ -46,16 +62,17 @@ if triton is not None:
     @triton.jit
     def _new_token(b, h, kvh, d, mask, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
                    kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, skn_b, skn_h, svn_b, svn_h, scs_b,
-                   GROUP: tl.constexpr, ROT: tl.constexpr):
+                   GROUP: tl.constexpr, ROT: tl.constexpr, sp_s, SLICES: tl.constexpr,
+                   DT: tl.constexpr):
         """The step's own key (rotated) and value of row ``b`` for query heads
         ``h``, as the cache holds them (its dtype), in float32. The first
         query head of each KV group writes them into the cache at the row's
         slot, for later steps; this step uses them from registers, so no
         program reads a position another program is writing."""
         cs, sn = cs_ptr + b * scs_b, sn_ptr + b * scs_b
-        kn = _rope(kn_ptr + b * skn_b + kvh * skn_h, d, cs, sn, mask, ROT)
+        kn = _rope(kn_ptr + b * skn_b + kvh * skn_h, d, cs, sn, mask, ROT, sp_s, SLICES, DT)
         kn = kn.to(k_ptr.dtype.element_ty)
-        vn = tl.load(vn_ptr + b * svn_b + kvh * svn_h + d, mask=mask, other=0.0)
+        vn = _load_sum(vn_ptr + b * svn_b + kvh * svn_h, d, mask, sp_s, SLICES, DT)
         vn = vn.to(v_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + b)
         writer = mask & (h % GROUP == 0)
@@ -90,11 +107,12 @@ if triton is not None:
                 kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr, fo_ptr,
                 sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, spt_b, so_b, so_h,
                 skn_b, skn_h, svn_b, svn_h, scs_b, sf_b, sfo_b, f_per, f_n,
-                scale, window,
+                scale, window, sp_s,
                 GROUP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
                 STAGES: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
-                ACT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
+                ACT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr,
+                SLICES: tl.constexpr, DT: tl.constexpr):
         """One row's query heads ``HEADS * j ..`` over its whole context. The
         heads share the page-table walk, and in the ``[tokens, heads, D]``
         cache their keys for one position are one contiguous run. With NEW,
@@ -114,10 +132,10 @@ if triton is not None:
         first = (start // BLOCK_N) * BLOCK_N
         if NEW:
             q = _rope(q_ptr + b * sq_b + h[:, None] * sq_h, d[None, :], cs_ptr + b * scs_b,
-                      sn_ptr + b * scs_b, hd_mask, ROT)
+                      sn_ptr + b * scs_b, hd_mask, ROT, sp_s, SLICES, DT)
             kn, vn = _new_token(b, h[:, None], kvh[:, None], d[None, :], hd_mask, k_ptr, v_ptr,
                                 sk_t, sk_h, sv_t, sv_h, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr,
-                                skn_b, skn_h, svn_b, svn_h, scs_b, GROUP, ROT)
+                                skn_b, skn_h, svn_b, svn_h, scs_b, GROUP, ROT, sp_s, SLICES, DT)
             # The softmax starts from the step's own key (position pos), so
             # the running max is finite from the start; the loop reads the
             # cache below pos.
@@ -170,10 +188,12 @@ if triton is not None:
         return valid, page * PS + kpos % PS, valid[:, None] & dmask[None, :]
 
     @triton.jit
-    def _query(ptr, d, cs, sn, dmask, NEW: tl.constexpr, ROT: tl.constexpr):
-        """One query head in float32; with NEW, after its rotary embedding."""
+    def _query(ptr, d, cs, sn, dmask, NEW: tl.constexpr, ROT: tl.constexpr, sp_s,
+               SLICES: tl.constexpr, DT: tl.constexpr):
+        """One query head in float32; with NEW, after its rotary embedding
+        (from SLICES slices of sums: ``_load_sum``)."""
         if NEW:
-            q = _rope(ptr, d, cs, sn, dmask, ROT)
+            q = _rope(ptr, d, cs, sn, dmask, ROT, sp_s, SLICES, DT)
         else:
             q = tl.load(ptr + d, mask=dmask, other=0.0).to(tl.float32)
         return q
@@ -184,12 +204,12 @@ if triton is not None:
                       sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, spt_b, scs_b,
                       scale, window, chunk, splits, heads,
                       cnt_ptr, out_ptr, so_b, so_h, kn_ptr, vn_ptr, slot_ptr, f_ptr, fo_ptr,
-                      skn_b, skn_h, svn_b, svn_h, sf_b, sfo_b, f_per, f_n,
+                      skn_b, skn_h, svn_b, svn_h, sf_b, sfo_b, f_per, f_n, sp_s,
                       GROUP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
                       ROT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                       LAST_COMBINES: tl.constexpr, BLOCK_S: tl.constexpr, ACT: tl.constexpr,
-                      BLOCK_F: tl.constexpr):
+                      BLOCK_F: tl.constexpr, SLICES: tl.constexpr, DT: tl.constexpr):
         """Keys ``s * chunk ..`` of one (row, head): the partial softmax state
         (max, sum, unnormalised output) for ``combine_kernel``. With NEW, q
         arrives before its rotary embedding and the step's own key (position
@@ -217,7 +237,7 @@ if triton is not None:
         dmask = d < D
         if not PREFETCH:
             q = _query(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
-                       dmask, NEW, ROT)
+                       dmask, NEW, ROT, sp_s, SLICES, DT)
         if NEW:
             end = pos
         else:
@@ -243,7 +263,7 @@ if triton is not None:
                          other=0.0)
             enter(PDL)
             q = _query(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
-                       dmask, NEW, ROT)
+                       dmask, NEW, ROT, sp_s, SLICES, DT)
             if lo < hi:  # the first block, from registers
                 sc = tl.sum(k0.to(tl.float32) * q[None, :], 1) * scale
                 sc = tl.where(valid0, sc, -float("inf"))
@@ -279,17 +299,18 @@ if triton is not None:
                 _combine(b, h, m_ptr, l_ptr, acc_ptr, out_ptr, splits, heads, so_b, so_h,
                          q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr,
                          fo_ptr, sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h, svn_b, svn_h,
-                         scs_b, sf_b, sfo_b, f_per, f_n, scale,
-                         D, BLOCK_D, BLOCK_S, GROUP, NEW, ROT, ACT, BLOCK_F, True)
+                         scs_b, sf_b, sfo_b, f_per, f_n, scale, sp_s,
+                         D, BLOCK_D, BLOCK_S, GROUP, NEW, ROT, ACT, BLOCK_F, True, SLICES, DT)
 
     @triton.jit
     def _combine(b, h, m_ptr, l_ptr, acc_ptr, out_ptr, splits, heads, so_b, so_h,
                  q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr, fo_ptr,
                  sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h, svn_b, svn_h, scs_b,
-                 sf_b, sfo_b, f_per, f_n, scale,
+                 sf_b, sfo_b, f_per, f_n, scale, sp_s,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                  GROUP: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
-                 ACT: tl.constexpr, BLOCK_F: tl.constexpr, PAST_L1: tl.constexpr):
+                 ACT: tl.constexpr, BLOCK_F: tl.constexpr, PAST_L1: tl.constexpr,
+                 SLICES: tl.constexpr, DT: tl.constexpr):
         """One (row, head): its splits' partial states into the output. An
         empty split (max -inf) weighs exp(-inf) = 0. With NEW the step's own
         key and value join here as one more state (``_new_token``); with ACT
@@ -313,10 +334,10 @@ if triton is not None:
             acc = tl.load(states, mask=smask[:, None] & dmask[None, :], other=0.0)
         if NEW:
             q = _rope(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
-                      dmask, ROT)
+                      dmask, ROT, sp_s, SLICES, DT)
             kn, vn = _new_token(b, h, h // GROUP, d, dmask, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
                                 kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, skn_b, skn_h, svn_b,
-                                svn_h, scs_b, GROUP, ROT)
+                                svn_h, scs_b, GROUP, ROT, sp_s, SLICES, DT)
             m_new = tl.sum(kn * q, 0) * scale
             top = tl.maximum(tl.max(m, 0), m_new)
             w = tl.exp(m - top)
@@ -334,14 +355,15 @@ if triton is not None:
                         q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, f_ptr,
                         fo_ptr,
                         sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h, svn_b, svn_h, scs_b,
-                        sf_b, sfo_b, f_per, f_n, scale,
+                        sf_b, sfo_b, f_per, f_n, scale, sp_s,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                         GROUP: tl.constexpr, NEW: tl.constexpr, ROT: tl.constexpr,
-                        ACT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
+                        ACT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr,
+                        SLICES: tl.constexpr, DT: tl.constexpr):
         """One program per (row, head): ``_combine``."""
         enter(PDL)
         _combine(tl.program_id(0), tl.program_id(1), m_ptr, l_ptr, acc_ptr, out_ptr, splits,
                  heads, so_b, so_h, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, cs_ptr, sn_ptr,
                  slot_ptr, f_ptr, fo_ptr, sq_b, sq_h, sk_t, sk_h, sv_t, sv_h, skn_b, skn_h,
-                 svn_b, svn_h, scs_b, sf_b, sfo_b, f_per, f_n, scale,
-                 D, BLOCK_D, BLOCK_S, GROUP, NEW, ROT, ACT, BLOCK_F, False)
+                 svn_b, svn_h, scs_b, sf_b, sfo_b, f_per, f_n, scale, sp_s,
+                 D, BLOCK_D, BLOCK_S, GROUP, NEW, ROT, ACT, BLOCK_F, False, SLICES, DT)

@@ -15,7 +15,8 @@ each takes to get going. Here:
   itself (``skinny_gemm``'s GLU: each program owns the same columns of
   both), so the down projection reads it as is;
 - the attention kernels (rotary, the KV write, and Phi's activation inside
-  them) launch dependent too; with ``KernelConfig.last_combines`` the
+  them) launch dependent too, and add Llama's and Qwen2's q, k, v where
+  that projection leaves slices of sums; with ``KernelConfig.last_combines`` the
   split kernel's last programs combine its states, without a second
   kernel.
 
@@ -65,20 +66,37 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
     return skinny_gemm.run(x, w, bias, tile, pdl=True)
 
 
-def attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, mlp=None) -> torch.Tensor:
+def attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, mlp=None,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rotary, the KV write and paged attention as one op (and with ``mlp``,
-    Phi's activation of it beside): ``[B, H * D (+ I)]``."""
-    b = q.shape[0]
-    q = q.view(b, dims.heads, dims.head_dim)
-    k = k.view(b, dims.kv_heads, dims.head_dim)
-    v = v.view(b, dims.kv_heads, dims.head_dim)
+    Phi's activation of it beside): ``[B, H * D (+ I)]``. q, k, v ``[B, *]``,
+    or ``[S, B, *]`` slices of sums that the kernels add and round to
+    ``dtype`` (``rope_attention.rope_attend``)."""
+    lead, b = q.shape[:-2], q.shape[-2]
+    q = q.view(*lead, b, dims.heads, dims.head_dim)
+    k = k.view(*lead, b, dims.kv_heads, dims.head_dim)
+    v = v.view(*lead, b, dims.kv_heads, dims.head_dim)
     if qk_norm is not None:  # Phi's optional per-head LayerNorms: torch's kernels
         q = F.layer_norm(q, (dims.head_dim,), qk_norm[0], qk_norm[1], dims.eps)
         k = F.layer_norm(k, (dims.head_dim,), qk_norm[2], qk_norm[3], dims.eps)
     out = rope_attend(q, k, v, cos, sin, kv, ctx.slot_mapping, ctx.page_table, ctx.q_pos[:, 0],
                       ctx.cache.page_size, dims.scaling, window, mlp, dims.act,
-                      dispatch=ctx.dispatch, pdl=True, counters=dims.counters)
+                      dispatch=ctx.dispatch, pdl=True, counters=dims.counters, dtype=dtype)
     return out if mlp is not None else out.reshape(b, -1)
+
+
+def project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window) -> torch.Tensor:
+    """Llama's and Qwen2's q, k, v projection of ``h`` and attention over it.
+    Where ``dims.pdl_tiles``' tile for the projection cuts K into slices,
+    the projection leaves its partial sums (the bias in the first) and the
+    attention kernels add them: more programs for a projection too narrow
+    to cover the GPU, and no kernel to add the slices."""
+    tile = dims.pdl_tiles.tile_for(h.shape[0], w_qkv.shape[1], w_qkv.shape[0])
+    if tile is not None and tile.split > 1 and tile.fits(w_qkv.shape[1]):
+        q, k, v = gemm(h, w_qkv, b_qkv, dims, partial=True).split(dims.split, dim=-1)
+        return attend(q, k, v, cos, sin, kv, ctx, None, dims, window, dtype=h.dtype)
+    q, k, v = gemm(h, w_qkv, b_qkv, dims).split(dims.split, dim=-1)
+    return attend(q, k, v, cos, sin, kv, ctx, None, dims, window)
 
 
 def parallel_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
@@ -99,8 +117,7 @@ def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
     norm, gate and up as ``silu(gate) * up``, down."""
     norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
     x, h = add_norm(x, delta, norm1, None, dims.eps, rms=True, pdl=True)
-    q, k, v = gemm(h, w_qkv, b_qkv, dims).split(dims.split, dim=-1)
-    a = attend(q, k, v, cos, sin, kv, ctx, None, dims, window)
+    a = project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window)
     x, h = add_norm(x, gemm(a, w_o, b_o, dims, partial=True), norm2, None, dims.eps, rms=True,
                     pdl=True)
     if dims.glu:

@@ -50,7 +50,8 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
                 page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                 scaling: float | None, window: int | None, mlp: torch.Tensor | None = None,
                 act: int = 0, *, dispatch: Dispatch, pdl: bool = False,
-                counters: torch.Tensor | None = None) -> torch.Tensor:
+                counters: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
     """One decode query per row. q ``[B, H, D]``, k and v ``[B, KVH, D]``
     before rotary; cos, sin ``[B, ROT]``; kv the layer's cache ``[2, N *
     page_size, KVH, D]``, written at ``slot`` ``[B]``; page table ``[B, P]``;
@@ -67,7 +68,25 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
 
     With ``mlp`` ``[B, I]`` (a parallel block's fc1 output) the result is
     ``[B, H * Dv + I]``: the attention, then ``ACTIVATIONS`` kind ``act`` of
-    ``mlp``, the input of a GEMM over both (Phi's dense and fc2, fused)."""
+    ``mlp``, the input of a GEMM over both (Phi's dense and fc2, fused).
+
+    q, k and v may instead be ``[S, B, *, D]`` float32: S slices of the
+    projection's partial sums, one stride apart in one buffer (the bias in
+    one of them), which the kernels add and round to ``dtype`` (the
+    projection's output dtype, and the result's), with no kernel before
+    them to add the slices (no ``mlp`` then)."""
+    sliced = q.dim() == 4
+    if sliced:
+        if (k.dim() != 4 or v.dim() != 4 or mlp is not None
+                or dtype not in (torch.bfloat16, torch.float16, torch.float32)
+                or {q.dtype, k.dtype, v.dtype} != {torch.float32}
+                or len({q.shape[0], k.shape[0], v.shape[0]}) != 1
+                or len({q.stride(0), k.stride(0), v.stride(0)}) != 1):
+            raise ValueError("rope_attend: slices of sums are float32 q, k and v [S, B, *, D] "
+                             "of one buffer, with a dtype to round to and no mlp")
+    whole = (q, k, v)
+    if sliced:
+        q, k, v = q[0], k[0], v[0]
     named = {"q": q, "k": k, "v": v, "cos": cos, "sin": sin, "kv": kv}
     if mlp is not None:
         named["mlp"] = mlp
@@ -90,9 +109,10 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
             raise ValueError(f"rope_attend: {name} {tuple(shape)} must have one entry per row "
                              f"({b})")
     scale = scaling if scaling is not None else d ** -0.5
-    return _rope_attend(q, k, v, cos, sin, kv, slot, page_table, positions, page_size,
+    return _rope_attend(*whole, cos, sin, kv, slot, page_table, positions, page_size,
                         float(scale), int(window) if window is not None else paged_decode.NO_WINDOW,
-                        mlp, act if mlp is not None else 0, dispatch.scalars(), pdl, counters)
+                        mlp, act if mlp is not None else 0, dispatch.scalars(), pdl, counters,
+                        dtype if sliced else q.dtype)
 
 
 # Takes the dispatch as integers (Dispatch.scalars), as paged_decode's op does.
@@ -105,7 +125,15 @@ def _rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
                  page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                  scale: float, window: int, mlp: torch.Tensor | None,
                  act: int, dispatch: list[int], pdl: bool,
-                 counters: torch.Tensor | None) -> torch.Tensor:
+                 counters: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    # [S, B, *, D] slices of sums (rope_attend): the kernels add them; elsewhere
+    # they are added here first.
+    slices, stride = (q.shape[0], q.stride(0)) if q.dim() == 4 else (1, 0)
+    if q.dim() == 4 and (slices == 1 or not paged_decode.available(q)):
+        q, k, v = (_summed(t, dtype) for t in (q, k, v))
+        slices = 1
+    elif q.dim() == 4:
+        q, k, v = q[0], k[0], v[0]
     b, h, _ = q.shape
     dv = kv.shape[3]
     if not paged_decode.available(q):
@@ -114,7 +142,7 @@ def _rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
         if mlp is None:
             return out
         return torch.cat((out.reshape(b, -1), _torch_act(mlp, act).to(q.dtype)), dim=-1)
-    new = paged_decode.NewToken(k, v, cos, sin, slot)
+    new = paged_decode.NewToken(k, v, cos, sin, slot, slices, stride, dtype)
     chosen = Dispatch.from_scalars(dispatch)
     if mlp is None:
         return paged_decode.run(q, kv[0], kv[1], page_table, positions, page_size, scale,
@@ -129,10 +157,20 @@ def _rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
 
 @_rope_attend.register_fake
 def _(q, k, v, cos, sin, kv, slot, page_table, positions, page_size, scale, window, mlp, act,
-      dispatch, pdl, counters):
+      dispatch, pdl, counters, dtype):
+    b, h = q.shape[-3], q.shape[-2]
     if mlp is None:
-        return q.new_empty((q.shape[0], q.shape[1], kv.shape[3]))
-    return q.new_empty((q.shape[0], q.shape[1] * kv.shape[3] + mlp.shape[1]))
+        return q.new_empty((b, h, kv.shape[3]), dtype=dtype)
+    return q.new_empty((b, h * kv.shape[3] + mlp.shape[1]), dtype=dtype)
+
+
+def _summed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Slices of sums ``[S, ...]`` added in float32 in order and rounded to
+    ``dtype``, as the kernels add them."""
+    out = t[0].clone()
+    for s in range(1, t.shape[0]):
+        out += t[s]
+    return out.to(dtype)
 
 
 def _torch_act(x: torch.Tensor, act: int) -> torch.Tensor:

@@ -48,11 +48,11 @@ if triton is not None:
         cs, sn = cs_ptr + t * scs_t, sn_ptr + t * scs_t
         if part == 0:
             mask = (h < HEADS) & (d < D)
-            x = _rope(q_ptr + t * sq_t + h * sq_h, d, cs, sn, mask, ROT)
+            x = _rope(q_ptr + t * sq_t + h * sq_h, d, cs, sn, mask, ROT, 0, 1, tl.float32)
             tl.store(qo_ptr + t * sqo_t + h * D + d, x.to(qo_ptr.dtype.element_ty), mask=mask)
         elif part == 1:
             mask = (h < KV_HEADS) & (d < D)
-            x = _rope(k_ptr + t * sk_t + h * sk_h, d, cs, sn, mask, ROT)
+            x = _rope(k_ptr + t * sk_t + h * sk_h, d, cs, sn, mask, ROT, 0, 1, tl.float32)
             slot = tl.load(slot_ptr + t)
             tl.store(keys_ptr + slot * skc_t + h * skc_h + d,
                      x.to(keys_ptr.dtype.element_ty), mask=mask)

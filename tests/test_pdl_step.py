@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from bubblefree.cuda_backend import pdl
 from bubblefree.cuda_backend.add_norm import add_norm, torch_add, torch_add_norm
 from bubblefree.cuda_backend.drive import generate
-from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, step_tile
+from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable, step_tile
 from bubblefree.cuda_backend.tiny import tiny_model
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Triton kernels")
@@ -196,6 +196,49 @@ def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, til
         skinny_gemm.launch(x, w2, b2, whole, glu=True, partial=True)
 
 
+@CUDA
+@pytest.mark.parametrize("kernel", ["split", "1x16w1s1", "4x32w4s3"])
+@pytest.mark.parametrize("slices", [2, 5])
+@pytest.mark.parametrize("launch_pdl", LAUNCHES)
+def test_the_attention_kernels_add_q_k_v_slices_as_the_projection_would(kernel, slices,
+                                                                        launch_pdl):
+    """q, k and v as float32 slices of a projection's sums: the kernels'
+    output and the cache they write are bit for bit those of the slices
+    added in order and rounded to bf16 first (the projection's own output)."""
+    from bubblefree.cuda_backend.kernel_config import Dispatch, Launch
+    from bubblefree.cuda_backend.kv_cache import PagedKVCache
+    from bubblefree.cuda_backend.rope_attention import rope_attend
+    torch.manual_seed(slices)
+    rows, heads, kv_heads, dim, ps, pages = 5, 8, 2, 64, 16, 6
+    cache = PagedKVCache(layers=1, kv_heads=kv_heads, head_dim=dim, num_pages=rows * pages,
+                         page_size=ps, dtype=torch.bfloat16, device=torch.device("cuda"))
+    cache.data.normal_()
+    before = cache.data.clone()
+    table = torch.randperm(rows * pages, device="cuda").view(rows, pages)
+    positions = torch.tensor([0, 3, 16, 40, pages * ps - 1], device="cuda")
+    slot = table.gather(1, (positions // ps)[:, None])[:, 0] * ps + positions % ps
+    cuts = (heads * dim, kv_heads * dim, kv_heads * dim)
+    parts = torch.randn(slices, rows, sum(cuts) + 8, device="cuda")  # a wider buffer's columns
+    summed = parts[0].clone()
+    for i in range(1, slices):
+        summed += parts[i]
+    views = parts[..., :-8].split(cuts, dim=-1)
+    sliced = [t.view(slices, rows, -1, dim) for t in views]
+    rounded = [t.view(rows, -1, dim).to(torch.bfloat16) for t in summed[:, :-8].split(cuts, -1)]
+    theta = torch.rand(rows, dim // 2, device="cuda") * 6
+    cos, sin = (f(torch.cat((theta, theta), 1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    dispatch = (Dispatch().forced(split_below=1 << 30) if kernel == "split"
+                else Dispatch().forced(split_below=0, launch=Launch.parse(kernel)))
+    args = (cos, sin, cache.layer_kv(0), slot, table, positions, ps, None, None)
+    got = rope_attend(*sliced, *args, dispatch=dispatch, pdl=launch_pdl, dtype=torch.bfloat16)
+    written = cache.data.clone()
+    cache.data.copy_(before)
+    want = rope_attend(*rounded, *args, dispatch=dispatch, pdl=launch_pdl)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want) and torch.equal(written, cache.data)
+    assert not torch.equal(written, before)
+
+
 def _small(model, **kw):
     from bubblefree.cuda_backend.backend import CudaBackend
     args = dict(page_size=16, num_pages=64, max_rows=8, max_seqs=16, max_prefill_tokens=256,
@@ -292,12 +335,23 @@ def test_the_measured_defaults_name_their_shape():
     assert KernelConfig.for_gpu("NVIDIA H200", None).pdl_rows == 0
 
 
-@pytest.mark.parametrize("arch", ["phi", "llama", "qwen2"])
-def test_the_dependent_steps_layers_compute_the_usual_step(arch):
+def _qkv_in_slices(model) -> TileTable:
+    """A tile table whose q, k, v tile cuts K in two (the attention kernels
+    then add the slices)."""
+    cfg = model.config
+    d, head = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    qkv = d + 2 * cfg.num_key_value_heads * head
+    return TileTable({(d, qkv): ((64, Tile(16, 16, 2, 4, 3)),)})
+
+
+@pytest.mark.parametrize("arch,sliced", [("phi", False), ("llama", False), ("qwen2", False),
+                                         ("llama", True), ("qwen2", True)])
+def test_the_dependent_steps_layers_compute_the_usual_step(arch, sliced, monkeypatch):
     """The layer functions themselves, on the CPU, where every kernel has
     its torch stand-in: the norms over partial sums, the fused GEMMs' splits,
     the gated MLP as one output and the final norm give the usual step's
-    logits (the kernels are checked against torch on the GPU, above)."""
+    logits (the kernels are checked against torch on the GPU, above).
+    ``sliced``: q, k, v handed to attention as slices of sums."""
     from tests.test_cuda_fused import backend, decode_logits
     model = tiny_model(arch, seed=7)
     with torch.no_grad():  # norms and biases of their own, so that mixing them up shows
@@ -307,7 +361,12 @@ def test_the_dependent_steps_layers_compute_the_usual_step(arch):
     plain = backend(model)
     be = backend(model)
     decoder = be._runner.decoder
-    decoder.dims = attrs.evolve(decoder.dims, pdl_rows=64)  # as a Hopper GPU would run it
+    decoder.dims = attrs.evolve(decoder.dims, pdl_rows=64,  # as a Hopper GPU would run it
+                                pdl_tiles=_qkv_in_slices(model) if sliced else TileTable())
+    from bubblefree.cuda_backend import pdl_step
+    attend, dims_seen = pdl_step.attend, []
+    monkeypatch.setattr(pdl_step, "attend", lambda q, *a, **kw: dims_seen.append(q.dim())
+                        or attend(q, *a, **kw))
     assert decoder.dims.glu == (arch != "phi")
     torch.manual_seed(0)
     plain.cache.data.normal_()
@@ -316,6 +375,7 @@ def test_the_dependent_steps_layers_compute_the_usual_step(arch):
     want = decode_logits(plain, plain._runner.decoder, [1, 6, 17, 9])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(be.cache.data, plain.cache.data)  # the same keys and values written
+    assert set(dims_seen) == {3 if sliced else 2}  # slices [S, B, N] went to attention
 
 
 def _split_case(pages: int, seed: int):
@@ -409,6 +469,21 @@ def test_the_dependent_step_with_the_last_programs_combining_decodes_the_same_to
     assert "dependent launches up to 8 rows" in be.decode_path
     assert "last programs combining" in str(be.kernels)
     assert generate(be, PROMPTS, 10) == want
+
+
+@PDL
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_dependent_step_with_q_k_v_in_slices_decodes_the_same_tokens(arch):
+    """The q, k, v projection cutting K (its sums added by the attention
+    kernels): in graphs, greedy tokens equal the usual step's and
+    transformers' generate."""
+    from tests.test_cuda_gpu import reference
+    model = tiny_model(arch, device="cuda", seed=4)
+    first = reference(model, PROMPTS, 10)
+    want = generate(_small(model, kernels=KernelConfig.measured("cuda")), PROMPTS, 10)
+    kernels = attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8,
+                           pdl_tiles=_qkv_in_slices(model))
+    assert generate(_small(model, kernels=kernels), PROMPTS, 10) == want == first
 
 
 @PDL

@@ -1,7 +1,8 @@
 """Rotary, the KV write and paged decode attention as one op
 (cuda_backend/rope_attention.py), on the CPU: the op equals the three steps
 it replaces, output and cache alike; compiled, it writes the layer's cache in
-place rather than copying it; bad shapes are named. The Triton kernels that
+place rather than copying it; q, k and v as slices of a projection's sums
+are added and rounded as its output would be; bad shapes are named. The Triton kernels that
 run it on CUDA are checked against this path in tests/test_cuda_gpu.py."""
 
 from __future__ import annotations
@@ -75,6 +76,58 @@ def test_with_an_mlp_input_the_op_returns_the_output_gemms_row(act):
                             None, None, dispatch=DEFAULT)
     gelu = torch.nn.functional.gelu(mlp, approximate="tanh" if act == 1 else "none")
     torch.testing.assert_close(row, torch.cat((attention.reshape(len(positions), -1), gelu), 1))
+
+
+def _slices(q, k, v, count: int, seed: int):
+    """q, k, v as ``count`` float32 slices of sums of one ``[S, B, N]``
+    buffer (a projection that cut K), and their sums rounded to bf16."""
+    g = torch.Generator().manual_seed(seed)
+    whole = torch.cat([t.reshape(len(t), -1) for t in (q, k, v)], 1)
+    parts = torch.randn(count, *whole.shape, generator=g)
+    parts[-1] = whole - parts[:-1].sum(0)  # the slices add up to q, k, v
+    summed = parts[0].clone()
+    for s in range(1, count):
+        summed += parts[s]
+    cuts = [t[0].numel() for t in (q, k, v)]
+    sliced = [p.view(count, len(q), *t.shape[1:]) for p, t in zip(parts.split(cuts, -1), (q, k, v))]
+    rounded = [p.view(t.shape).to(torch.bfloat16) for p, t in zip(summed.split(cuts, -1), (q, k, v))]
+    return sliced, rounded
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_slices_of_sums_are_added_and_rounded_as_the_projection_would(count):
+    """q, k and v as ``[S, B, *, D]`` float32 slices of a projection's sums
+    (``dtype`` the projection's): the same output and cache as the summed q,
+    k and v rounded to that dtype, in it."""
+    cache, table, positions, q, k, v, cos, sin = case(11, 4, 2, D)
+    cache = PagedKVCache(layers=1, kv_heads=2, head_dim=D, num_pages=PAGES, page_size=PS,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    cache.data.normal_(generator=torch.Generator().manual_seed(3))
+    before = cache.data.clone()
+    slot = decode_context(cache, positions, table, DEFAULT).slot_mapping
+    (qs, ks, vs), (qr, kr, vr) = _slices(q, k, v, count, count)
+    cos, sin = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+    args = (cos, sin, cache.layer_kv(0), slot, table, positions, PS, None, None)
+    got = rope_attend(qs, ks, vs, *args, dispatch=DEFAULT, dtype=torch.bfloat16)
+    written = cache.data.clone()
+    cache.data.copy_(before)
+    want = rope_attend(qr, kr, vr, *args, dispatch=DEFAULT)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want) and torch.equal(written, cache.data)
+    assert not torch.equal(written, before)  # the rows' keys and values were written
+
+
+def test_slices_of_sums_must_be_float32_of_one_buffer_with_a_dtype():
+    cache, table, positions, q, k, v, cos, sin = case(12, 4, 2, D)
+    slot = decode_context(cache, positions, table, DEFAULT).slot_mapping
+    (qs, ks, vs), _ = _slices(q, k, v, 2, 0)
+    args = (cos, sin, cache.layer_kv(0), slot, table, positions, PS, None, None)
+    for bad in ((qs, ks, vs, {}), (qs.to(torch.bfloat16), ks, vs, {"dtype": torch.bfloat16}),
+                (qs.clone(), ks, vs, {"dtype": torch.bfloat16}),  # another buffer's stride
+                (qs, ks[:1], vs, {"dtype": torch.bfloat16}), (qs, k, vs, {"dtype": torch.bfloat16})):
+        *qkv, kw = bad
+        with pytest.raises(ValueError, match="slices of sums are float32 q, k and v"):
+            rope_attend(*qkv, *args, dispatch=DEFAULT, **kw)
 
 
 def _allocations(code: str) -> list[int]:
