@@ -1,0 +1,119 @@
+"""Whole decode steps of one model shape under several GEMM tile tables,
+each built in the same process (a step's time moves by a few percent
+between processes and machines; a comparison holds only within one).
+
+    python -m bubblefree.bench.step_ab --model qwen05b
+        --variant base --variant 896,1152=32n128k4s4w3p
+        [--variant 2048,3072=64n256k4s4w3p+2048,2048=64n256k8s4w3p]
+        [--rows 1,8] [--context 128] [--increments 896,1152=32n128k4s4w3p]
+
+A variant is ``base`` (the defaults measured for the GPU and the shape:
+``KernelConfig.measured``) or ``+``-joined ``K,N=TILE`` entries that
+replace the dependent-launch step's tile for the GEMM of that weight shape
+(``KernelConfig.pdl_tiles``) in every bucket it runs. A q, k, v tile that
+cuts K hands its sums to the attention kernels (``pdl_step.project_attend``).
+Each is timed as ``bench.profile_step`` times a captured step (GPU ms by
+CUDA events; here the better of two timings of 200 replays), and the table
+printed at the end; ``--increments`` adds ``bench.step_increments``' table
+for one variant at the first row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import attrs
+import torch
+
+from bubblefree.bench.profile_step import time_graph
+from bubblefree.bench.speed_setup import SHAPES, build_model
+from bubblefree.bench.step_increments import report
+from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.graphs import batch_buckets, bucket
+from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
+
+
+def variant(default: KernelConfig, text: str) -> KernelConfig:
+    """``default`` with ``text``'s tiles in its dependent step's table (see
+    the module's doc); a clear error naming the part that is wrong."""
+    if text == "base":
+        return default
+    if not default.pdl_rows:
+        raise ValueError(f"variant {text!r}: this GPU and shape run no dependent-launch step "
+                         "(KernelConfig.pdl_rows is 0), so its tiles change nothing")
+    entries = dict(default.pdl_tiles.entries)
+    for item in text.split("+"):
+        shape, _, tile = item.partition("=")
+        k, _, n = shape.partition(",")
+        if not (k.strip().isdigit() and n.strip().isdigit() and tile):
+            raise ValueError(f"variant {text!r}: {item!r} is not K,N=TILE (e.g. "
+                             "2048,3072=64n256k4s4w3p)")
+        try:
+            parsed = Tile.parse(tile)
+        except ValueError as err:
+            raise ValueError(f"variant {text!r}: {err}") from None
+        if not parsed.fits(int(k)):
+            raise ValueError(f"variant {text!r}: {tile} does not cut K={k} into whole steps of "
+                             f"{parsed.block_k}, at least {parsed.ahead} a slice")
+        entries[int(k), int(n)] = ((default.pdl_rows, parsed),)
+    return attrs.evolve(default, pdl_tiles=TileTable(entries))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=list(SHAPES), default="phi")
+    ap.add_argument("--variant", action="append", default=[], help="base, or K,N=TILE[+...]")
+    ap.add_argument("--rows", default="1,8", help="decode buckets' rows, comma-separated")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--increments", default="", help="a variant whose step_increments table "
+                    "to print")
+    args = ap.parse_args(argv)
+    variants = args.variant or ["base"]
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows must be comma-separated integers, not {args.rows!r}")
+    if bad := [r for r in rows if r not in batch_buckets(64)]:
+        ap.error(f"--rows must be decode buckets, of {batch_buckets(64)}, not {bad}")
+    if args.context < 1:
+        ap.error(f"--context must be at least 1, not {args.context}")
+    if args.increments and args.increments not in variants:
+        ap.error(f"--increments {args.increments!r} is not one of the --variant values")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.step_ab needs CUDA")
+    model, label = build_model(False, shape=args.model)
+    default = KernelConfig.measured("cuda", model.config)
+    try:
+        configs = {v: variant(default, v) for v in variants}
+    except ValueError as err:
+        ap.error(str(err))
+    print(f"{label}; dependent launches up to {default.pdl_rows} rows", flush=True)
+    results: dict[str, list[float]] = {}
+    for name, kernels in configs.items():
+        t = time.perf_counter()
+        be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=max(rows),
+                         max_seqs=max(rows), max_prefill_tokens=2048,
+                         max_context=max(256, 1 << args.context.bit_length()), kernels=kernels,
+                         compile_decode=True)
+        p = bucket(args.context // be.capacity.page_size + 1, be._pages)
+        results[name] = [min(time_graph(be, b, p, args.context, iters=200) for _ in range(2))
+                         for b in rows]
+        print(f"{name}: built in {time.perf_counter() - t:.0f} s; "
+              + ", ".join(f"{ms:.3f} ms at {b} rows" for b, ms in zip(rows, results[name])),
+              flush=True)
+        if name == args.increments:
+            print(report(be, model.config.num_hidden_layers, rows[0], args.context), flush=True)
+        del be
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\nGPU ms per captured decode step, context {args.context}")
+    print("| variant | " + " | ".join(f"{b} rows" for b in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    for name, ms in results.items():
+        print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in ms) + " |")
+
+
+if __name__ == "__main__":
+    main()
