@@ -123,10 +123,16 @@ def torch_add(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
     """``x`` plus the sums of ``parts``, rounded to x's dtype before the add
     as the kernel rounds them (the slices summed in another order: equal to
     float32 rounding)."""
-    delta = parts[0].clone()
+    return x + sum_slices(parts).to(x.dtype)
+
+
+def sum_slices(parts: torch.Tensor) -> torch.Tensor:
+    """Slices of sums ``[S, ...]`` (float32) added one after the other, in
+    float32: the order the kernels that read them add them in."""
+    total = parts[0].clone()
     for s in range(1, parts.shape[0]):
-        delta += parts[s]
-    return x + delta.to(x.dtype)
+        total += parts[s]
+    return total
 
 
 def torch_add_norm(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor,

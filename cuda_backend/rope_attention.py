@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bubblefree.cuda_backend import paged_decode
+from bubblefree.cuda_backend.add_norm import sum_slices
 from bubblefree.cuda_backend.attention import _decode_attention, _gather, row_keys, store_kv
 from bubblefree.cuda_backend.kernel_config import Dispatch
 
@@ -130,7 +131,7 @@ def _rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     # they are added here first.
     slices, stride = (q.shape[0], q.stride(0)) if q.dim() == 4 else (1, 0)
     if q.dim() == 4 and (slices == 1 or not paged_decode.available(q)):
-        q, k, v = (_summed(t, dtype) for t in (q, k, v))
+        q, k, v = (sum_slices(t).to(dtype) for t in (q, k, v))
         slices = 1
     elif q.dim() == 4:
         q, k, v = q[0], k[0], v[0]
@@ -163,14 +164,6 @@ def _(q, k, v, cos, sin, kv, slot, page_table, positions, page_size, scale, wind
         return q.new_empty((b, h, kv.shape[3]), dtype=dtype)
     return q.new_empty((b, h * kv.shape[3] + mlp.shape[1]), dtype=dtype)
 
-
-def _summed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Slices of sums ``[S, ...]`` added in float32 in order and rounded to
-    ``dtype``, as the kernels add them."""
-    out = t[0].clone()
-    for s in range(1, t.shape[0]):
-        out += t[s]
-    return out.to(dtype)
 
 
 def _torch_act(x: torch.Tensor, act: int) -> torch.Tensor:
