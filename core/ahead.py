@@ -1,16 +1,26 @@
 """Launch ahead or not: the per-tick choice of ``Engine(pipelined="auto")``.
 
-Two orders of one tick, both sequences of the same three phases::
+Each auto tick is the seed's pipelined tick, launch t+1, commit t (none if
+the last tick committed its step), finalize t+1; at its end the Engine
+chooses::
 
-    ahead    launch t+1, commit t, finalize t+1   (the seed's pipelined tick)
-    behind   commit t, launch t+1, finalize t+1   (t+1 planned after t's commit)
+    ahead    leave t+1 in flight: the next tick launches t+2 before it
+             commits t+1 (pipelined)
+    behind   commit t+1 now: its ends reach the caller, and the next tick
+             plans t+2 after them (blocking's tick exactly)
 
-Either leaves one finalized step in flight, so the next tick may take either
-order again; the choice changes timing only, never what is committed (I8):
-masks are built after the commit in both (I9), and a row that ends at t is a
-zombie of t+1 only when t+1 was launched first, which the refcounts already
-keep safe (I3, I6). The exhaustive search and the state machine let an
-oracle pick the order at every tick, so every policy is covered at once.
+Behind is blocking's order with respect to the caller too: a caller that
+answers an end with its next request (a closed loop, in a listener or
+between ticks) has it in the next launch, as in blocking. Committing first
+and launching in the same tick, before delivery, made those requests miss
+the step, and on the simulated GPU auto then lost to both modes on skills
+that end often (0.70-0.75 of the better at 8 streams, ``bench.auto_sim``).
+
+The choice changes timing only, never what is committed (I8): masks are
+built after the commit in both (I9), and a row that ends at t+1 is a zombie
+of t+2 only when t+2 was launched first, which the refcounts already keep
+safe (I3, I6). The exhaustive search and the state machine let an oracle
+make the choice at every tick, so every policy is covered at once.
 
 The rule. Launching ahead hides the bubble, ``b``: the host time from a
 commit's copy arriving to the next forward's launch (commit bookkeeping,
@@ -61,10 +71,10 @@ def launch_ahead(rows: int, zombies: float, bubble: float, forward: float) -> bo
 
 
 def outlook(sched: "Scheduler", rates: "EndRates") -> tuple[int, float, tuple[tuple[int, Hashable], ...]]:
-    """What the core knows before this tick's launch, without the device: the
-    would-be decode step's row count, its expected zombies, and which of its
-    rows may end at the uncommitted step ((seq id, skill) pairs). Pure: it
-    plans nothing and admits nobody."""
+    """What the core knows at the end of a tick, without the device: the next
+    tick's would-be decode step's row count, its expected zombies, and which
+    of its rows may end at the uncommitted step ((seq id, skill) pairs).
+    Pure: it plans nothing and admits nobody."""
     if not sched.inflight or sched.pool.free_slot() is None:
         return 0, 0.0, ()
     chosen = sched.preview()

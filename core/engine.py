@@ -9,9 +9,11 @@ Pipelined (the default), each ``tick()`` is the seed's three phases::
 
 Blocking mode is the same machine in series — launch, finalize, commit — and
 is one flag away (``pipelined=False``): the baseline for every comparison.
-``pipelined="auto"`` chooses per tick whether to launch before the commit or
-after it (``ahead.py``: the rule, and why either order is safe); the clock
-it measures the bubble with is injected (``clock``), so tests fix it.
+``pipelined="auto"`` runs the pipelined tick and chooses at its end whether
+to commit the step it finalized now (blocking's tick) or leave it for the
+next launch to go ahead of (``ahead.py``: the rule, and why both are safe);
+the clock it measures the bubble with is injected (``clock``), so tests fix
+it.
 
 A backend fault (``StepFailed``) fails the rows of the step it hit; their
 resources come back and the engine keeps serving (I7).
@@ -133,29 +135,37 @@ class Engine:
         False when there was nothing to do."""
         # Blocking starts with a commit, a no-op but right after a switch from
         # pipelined: the step that mode left in flight must commit before a
-        # new step's masks are built, or they miss its token (I9). Behind
-        # (auto's other order) is blocking without its last commit.
+        # new step's masks are built, or they miss its token (I9).
         if self.pipelined is False:
             phases = (self._commit, self._launch, self._finalize, self._commit)
-        elif self.pipelined is True or self._ahead():
-            phases = (self._launch, self._commit, self._finalize)
         else:
-            phases = (self._commit, self._launch, self._finalize)
+            phases = (self._launch, self._commit, self._finalize)
         progress = False
         for phase in phases:
             progress = phase() or progress
             self._absorb()
         self._learn()
+        if self.pipelined == "auto" and self.scheduler.inflight and not self._ahead():
+            # Behind: the step just finalized commits now, in this tick, as
+            # blocking's does, so its ends reach the caller (the listeners
+            # below, and whatever the caller does before the next tick: a
+            # closed loop's next request) before the next step is planned.
+            # Ahead: it stays in flight, and the next tick launches first.
+            progress = self._commit() or progress
+            self._absorb()
+            self._learn()
         self._deliver()
         return progress
 
     def _ahead(self) -> bool:
-        """Auto mode: launch this tick's step before the pending commit?"""
+        """Auto mode, at the end of a tick: leave the step just finalized in
+        flight, so that the next tick launches before committing it?"""
         rows, zombies, self._may_end = outlook(self.scheduler, self.end_rates)
         return launch_ahead(rows, zombies, self.timings.bubble, self.timings.forward or 0.0)
 
     def _learn(self) -> None:
-        """Count, per skill, whether the rows that could end at the commit did."""
+        """Count, per skill, whether the rows that could end at the commit the
+        last choice was about did (a cancel in between counts as an end)."""
         for sid, skill in self._may_end:
             seq = self.scheduler.seqs.get(sid)
             self.end_rates.record(skill, seq is None or seq.finalized)

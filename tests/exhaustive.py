@@ -3,8 +3,9 @@ through the real core on the fake backend, every invariant checked in every
 state.
 
 Between two ticks the search branches on everything a caller or the device
-could do (and, in "choice" mode, the engine: launch this tick's step ahead
-of the pending commit or behind it, ``core/ahead.py``): which requests arrive now (and what each is: EOS at token 1..4,
+could do (and, in "choice" mode, the engine: at the tick's end, leave the
+step it finalized in flight for the next launch to go ahead of, or commit it
+now, ``core/ahead.py``): which requests arrive now (and what each is: EOS at token 1..4,
 never, or a constrained request whose skill cycles two masks), whether one
 live request is cancelled now (queued, admitted, in flight, or a zombie's
 last step pending), how long the step launched in this tick takes
@@ -57,8 +58,8 @@ else:  # imported by the tests, whose directory pytest puts on the path
 #   full       the full workload with all four timings (about a minute)
 #   listeners  cancels also from a token listener (own request or another),
 #              that is in the middle of a commit
-#   mixed      run in "choice" mode: the oracle picks ahead or behind at every
-#              tick, on the timings workload with two timings
+#   mixed      run in "choice" mode: the oracle picks ahead or behind at the end
+#              of every tick, on the timings workload with two timings
 BOUNDS = {
     "quick": Bounds(requests=2, max_tokens=3, last_arrival=1, eos=(0, 1, 2), timings=("fast", "slow"),
                     num_pages=4, max_rows=2, max_prefill_tokens=4),
@@ -101,10 +102,10 @@ class Probe:
 
 def _moves(world: World, requests: tuple) -> list[tuple[tuple, int | None, bool | None, str, str | None]]:
     """(arrivals, cancel, ahead, timing, fault) choices before the next tick;
-    ``ahead`` is the oracle's (None outside "choice" mode, or with no commit
-    pending: then both orders are one)."""
+    ``ahead`` is the oracle's choice at the tick's end (None outside "choice"
+    mode; with no work, the tick launches nothing and both are one)."""
     b = world.bounds
-    oracle = hasattr(world.engine, "oracle") and world.engine.scheduler.inflight
+    oracle = hasattr(world.engine, "oracle") and (world.engine.has_work() or world.arrivals_open())
     aheads = (True, False) if oracle else (None,)
     if world.arrivals_open():
         left = b.requests - len(world.handles)

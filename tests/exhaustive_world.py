@@ -50,7 +50,8 @@ class PhaseChecked(Engine):
 @attrs.define(eq=False)
 class Choosing(PhaseChecked):
     """The auto mode with a choice oracle: the search sets ``oracle`` before
-    each tick to launch ahead (True) or behind (False), so mixed ticks of
+    each tick, for the choice at its end: ahead (True, the step finalized
+    stays in flight) or behind (False, it commits now), so mixed ticks of
     every policy are explored at once. The engine's own choice still runs
     (its outlook must leave the state untouched) and is overruled."""
 

@@ -1,6 +1,6 @@
 """The CPU benchmark commands run end to end, so they cannot rot."""
 
-from bubblefree.bench import bookkeeping, fake_pipeline
+from bubblefree.bench import auto_sim, bookkeeping, fake_pipeline
 
 
 def test_fake_pipeline_demo_runs_and_modes_agree(capsys):
@@ -17,3 +17,22 @@ def test_bookkeeping_bench_prints_every_stream_count(tmp_path):
         for mode in ("pipelined", "blocking", "auto"):
             assert f"| {streams} | {mode} |" in table
     assert "Core bookkeeping" in out.read_text()
+
+
+def test_auto_sim_prints_every_cell_and_appends_its_table(tmp_path):
+    out = tmp_path / "a.md"
+    table = auto_sim.main(["--seeds", "1", "--per-stream", "2", "--streams", "1,2", "--out", str(out)])
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(auto_sim.REGIMES) * len(auto_sim.SKILLS) * 2
+    assert "--streams 1,2" in out.read_text() and table in out.read_text()
+
+
+def test_auto_sim_runs_each_mode_on_the_same_ends():
+    # The skill's ends come from its own seeded stream, so a request ends at
+    # the same token in every mode (the table compares like with like).
+    regime = auto_sim.REGIMES[0]
+    reqs = auto_sim.requests(0.5, 6, seed=1)
+    runs = [auto_sim.run(mode, regime, 2, reqs) for mode, _ in auto_sim.MODES]
+    assert runs[0][1] == runs[1][1] == runs[2][1]
+    assert len({len(tokens) for tokens in runs[0][1]}) > 1  # the ends vary between requests
+    assert runs[0][0] != runs[1][0]  # and the orders' times differ

@@ -377,3 +377,53 @@ def test_the_mode_is_true_false_or_auto():
         with pytest.raises(ValueError, match="pipelined"):
             Engine(FakeBackend(zero_cost=True), pipelined=bad)
     assert engine.pipelined is False
+
+
+@attrs.define
+class EndsAt:
+    """Done after ``n`` tokens, and says so: ``may_end`` only before the last."""
+
+    n: int
+    at: int = 0
+
+    def mask_id(self):
+        return None
+
+    def advance(self, token, value):
+        self.at += 1
+        return self.at == self.n
+
+    def may_end(self):
+        return self.at == self.n - 1
+
+
+def closed_loop(pipelined, each=6):
+    """Two callers, each answering its request's end with its next request
+    from a listener, ``each`` requests apiece: one caller's requests end at their
+    third token, the other's at their fifth, so ends come one at a time
+    while the other row decodes. With a 2.0 forward and a bubble of 0.1 the
+    rule chooses behind where a row may end."""
+    backend = FakeBackend(model=FakeModel(), timing=Timing(forward=2.0, sampling=0.0, copy=0.0))
+    engine = Recording(backend, pipelined=pipelined, clock=lambda: backend.clock.host)
+    handles = []
+
+    def submit(n, left):
+        handles.append(engine.submit(Request(prompt=(3, 5), max_tokens=8, decode_state=lambda: EndsAt(n))))
+        handles[-1].listeners.append(lambda h, token: token is None and left > 1 and submit(n, left - 1))
+
+    submit(3, each)
+    submit(5, each)
+    engine.run_until_idle(max_ticks=500)
+    prefills = [e[4] for e in engine.trace if e[0] == "launch" and e[2] == StepKind.PREFILL.value]
+    return sorted(h.result.tokens for h in handles), prefills, backend.clock.host, engine
+
+
+def test_behind_hands_the_ends_to_the_caller_before_the_next_launch_as_blocking_does():
+    # A caller's next request, sent from the end's listener, is in the very
+    # next launch, as in blocking: ends come one at a time here, and each
+    # replacement's prefill is the step right after its predecessor's last.
+    blocking, block_prefills, block_time, _ = closed_loop(False)
+    auto, auto_prefills, auto_time, engine = closed_loop("auto")
+    assert auto == blocking and False in engine.choices
+    assert auto_prefills == block_prefills
+    assert auto_time <= block_time

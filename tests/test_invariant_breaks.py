@@ -7,8 +7,7 @@ finalized sequence, tear a zombie down early, release pages twice, hand a
 cancelled zombie's pages or adapter slot to the next request while its step
 is in flight, drop or double a result, build masks before the commit, read
 the wrong row, keep a committed token from the skill, forget an image's
-prefix in kv_len or the pages, drop the value kinds or the values, in the
-auto mode's behind order finalize the new step before the commit — or into
+prefix in kv_len or the pages, drop the value kinds or the values — or into
 the simulated GPU's (feed a value row's token instead of its value) — and
 the exhaustive search on its quick bound must report a violation naming
 what broke (an invariant id, or the simulated GPU's misuse error).
@@ -183,13 +182,6 @@ BREAKS = [
                                     'done, error = (False, None) if s.state is None or len(s.tokens) >= '
                                     'req.max_tokens else guarded(')),),
           r"skill: .* received \(\(\d+, \d+\), .*\), committed \[?\(?\d+, \d+, \d+"),
-    # The auto mode's behind order must commit before it finalizes: here it
-    # launches and finalizes first, so the masks miss the pending token. Only
-    # a search that chooses the order per tick reaches it.
-    Break("I9", "the behind order builds masks before the commit",
-          (P(Engine, "tick", ("phases = (self._commit, self._launch, self._finalize)",
-                              "phases = (self._launch, self._finalize, self._commit)")),),
-          r"I9", modes=("choice",)),
     Break("I9", "the mask is not sent to sampling",
           (P(Scheduler, "plan_finalize", ('mask, error = guarded(s.request, "mask_id", lambda: s.state.mask_id())',
                                          "mask, error = None, None")),), r"I9"),

@@ -5,8 +5,9 @@ or not, sampled or greedy, with an image or not, asking coordinate and size
 values or not), tick, cancel, inject faults, exhaust pages and send bad
 input; the timing of every step (slow forwards, delayed copies) is drawn
 from the test's data, and so is each tick's order: the engine runs in the
-auto mode with a choice oracle (launch ahead of the pending commit, behind
-it, or the auto rule's own choice), and a rule switches the mode to
+auto mode with a choice oracle (at the tick's end, leave the step it
+finalized in flight for the next launch, commit it now, or the auto rule's
+own choice), and a rule switches the mode to
 pipelined, blocking or auto mid-flight, so ticks of every order mix. After
 every step each invariant is checked by its id.
 At teardown the engine is drained and the same workload is replayed in
@@ -115,9 +116,10 @@ def build_request(spec: Spec, mask_ids: tuple[int, ...], states: list) -> Reques
 
 @attrs.define(eq=False)
 class Choosing(Engine):
-    """Auto mode with a choice oracle: ``oracle`` True launches ahead of the
-    pending commit, False behind it, None leaves it to the auto rule (which
-    runs either way: its outlook must change nothing)."""
+    """Auto mode with a choice oracle, for the choice at a tick's end:
+    ``oracle`` True leaves the step finalized in flight (the next launch goes
+    ahead of its commit), False commits it now, None leaves it to the auto
+    rule (which runs either way: its outlook must change nothing)."""
 
     oracle: bool | None = None
 
@@ -200,7 +202,7 @@ class PipelineMachine(RuleBasedStateMachine):
     def tick(self, forward, copy, ahead):
         step = self._next_step()
         self.forward[step], self.copy[step] = forward, copy  # slow forwards, delayed copies
-        self.engine.oracle = ahead  # the order of this tick, in auto mode
+        self.engine.oracle = ahead  # the choice at this tick's end, in auto mode
         self.engine.tick()
 
     @rule(n=st.integers(2, 8))

@@ -1,0 +1,143 @@
+"""Auto's per-tick choice on the simulated GPU, beside pipelined and blocking.
+
+Closed loops of callers (each answers its request's end with the next, sent
+between ticks as ``bench.speed`` does) on the fake backend's virtual clock,
+across host and device costs, stream counts and skills that end rarely or
+often. Each cell runs the three modes on the same requests; the outputs
+must agree (I8). The table gives each mode's simulated time and auto's
+speed over the better of the other two (issue 14's target: >= 0.98).
+
+Simulated time units (a decode forward of 1.0 when the device is the
+limit): these compare the modes' orders, not any GPU.
+
+    python -m bubblefree.bench.auto_sim [--seeds 3] [--per-stream 12] [--out docs/auto-sim.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import random
+import sys
+from pathlib import Path
+
+import attrs
+
+from bubblefree.core import Engine, Request
+from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
+
+MODES = ((True, "pipelined"), (False, "blocking"), ("auto", "auto"))
+STREAMS = (1, 8, 32)
+PREFILL = 3.0  # a prefill step costs this many decode forwards (an image prefill is about ten)
+# (name, decode forward, launch host, finalize host, commit host per row)
+REGIMES = (("device-bound", 1.0, 0.1, 0.05, 0.002),
+           ("balanced", 0.4, 0.15, 0.1, 0.002),
+           ("host-bound", 0.2, 0.15, 0.1, 0.01))
+# (name, chance a request ends at each token after its first, or None: ends at a fixed length)
+SKILLS = (("text", 0.02), ("ends 30%", 0.3), ("ends 90%", 0.9), ("point (3 tokens)", None))
+
+
+@attrs.define
+class Ending:
+    """A skill that ends at each token with chance ``p`` (drawn from its own
+    seeded stream, so every mode sees the same ends), or, with ``p`` None,
+    at its third token, saying so (``may_end``) only there, as point does."""
+
+    rng: random.Random
+    p: float | None
+    at: int = 0
+
+    def mask_id(self) -> None:
+        return None
+
+    def advance(self, token: int, value: float | None) -> bool:
+        self.at += 1
+        return self.at == 3 if self.p is None else self.rng.random() < self.p
+
+    def may_end(self) -> bool:
+        return self.p is not None or self.at == 2
+
+
+def requests(p: float | None, n: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(prompt=(1, 2, 3), max_tokens=40, skill="sim",
+                    decode_state=lambda s=rng.random(): Ending(random.Random(s), p)) for _ in range(n)]
+
+
+def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request]) -> tuple[float, list]:
+    """Simulated time to answer ``reqs`` with ``streams`` callers, and the outputs."""
+    _, forward, launch, finalize, per_row = regime
+    timing = Timing(forward=lambda w: forward * (1.0 if w.kind.value == "decode" else PREFILL),
+                    sampling=0.0, copy=0.0, launch_cost=launch, finalize_cost=finalize,
+                    commit_cost_per_row=per_row)
+    backend = FakeBackend(model=FakeModel(), timing=timing, max_rows=streams, max_seqs=4 * streams,
+                          num_pages=8192, page_size=16, max_prefill_tokens=64 * streams)
+    engine = Engine(backend, pipelined=pipelined, clock=lambda: backend.clock.host)
+    todo, handles, ended = list(reversed(reqs)), [], []
+
+    def submit() -> None:
+        handles.append(engine.submit(todo.pop()))
+        handles[-1].listeners.append(lambda h, token: token is None and ended.append(h))
+
+    for _ in range(min(streams, len(todo))):
+        submit()
+    while engine.has_work():
+        engine.tick()
+        while ended and todo:  # between ticks, like a caller's loop
+            ended.pop()
+            submit()
+    return backend.clock.host, [h.result.tokens for h in handles]
+
+
+def cell(regime: tuple, streams: int, p: float | None, seeds: int, per_stream: int) -> dict[str, float]:
+    times = dict.fromkeys((name for _, name in MODES), 0.0)
+    for seed in range(seeds):
+        reqs = requests(p, max(per_stream * streams, 24), seed)
+        outputs = {}
+        for pipelined, name in MODES:
+            t, outputs[name] = run(pipelined, regime, streams, reqs)
+            times[name] += t
+        if len({tuple(o) for o in outputs.values()}) != 1:
+            raise AssertionError(f"I8: the modes' outputs differ ({regime[0]}, {streams} streams, p={p})")
+    return times
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--per-stream", type=int, default=12, help="requests per stream in each run")
+    ap.add_argument("--streams", default=",".join(map(str, STREAMS)))
+    ap.add_argument("--out", default="docs/auto-sim.md", help="append the table here ('' for none)")
+    args = ap.parse_args(argv)
+    streams = [int(s) for s in args.streams.split(",")]
+    lines = ["| regime | skill | streams | pipelined | blocking | auto | auto ÷ better |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    misses = 0
+    for regime in REGIMES:
+        for skill, p in SKILLS:
+            for n in streams:
+                t = cell(regime, n, p, args.seeds, args.per_stream)
+                ratio = min(t["pipelined"], t["blocking"]) / t["auto"]
+                misses += ratio < 0.98
+                lines.append(f"| {regime[0]} | {skill} | {n} | {t['pipelined']:.1f} | {t['blocking']:.1f} | "
+                             f"{t['auto']:.1f} | {ratio:.3f}{'' if ratio >= 0.98 else ' (miss)'} |")
+                print(lines[-1], flush=True)
+    cells = len(lines) - 2
+    table = "\n".join(lines) + f"\n\nauto >= 0.98x the better mode in {cells - misses} of {cells} cells."
+    print("\n" + table)
+    if args.out:
+        path = Path(args.out)
+        old = path.read_text() if path.exists() else (
+            "# Auto's choice on the simulated GPU\n\n`python -m bubblefree.bench.auto_sim`: simulated time "
+            "to answer every request (lower is better), the sum over the seeds.\n")
+        header = (f"## {datetime.date.today().isoformat()}\n\nCommand: `python -m bubblefree.bench.auto_sim "
+                  f"--seeds {args.seeds} --per-stream {args.per_stream} --streams {args.streams}`. "
+                  f"Decode forward, launch, finalize and per-row commit host costs per regime: "
+                  + "; ".join(f"{r[0]} {r[1]}, {r[2]}, {r[3]}, {r[4]}" for r in REGIMES)
+                  + f"; a prefill costs {PREFILL:g} forwards.\n\n")
+        path.write_text(old.rstrip() + "\n\n" + header + table + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
