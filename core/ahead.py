@@ -22,17 +22,23 @@ of t+2 only when t+2 was launched first, which the refcounts already keep
 safe (I3, I6). The exhaustive search and the state machine let an oracle
 make the choice at every tick, so every policy is covered at once.
 
-The rule. Launching ahead hides the bubble, ``b``: the host time from a
-commit's copy arriving to the next forward's launch (commit bookkeeping,
-planning, the launch call). It costs the forward share of the rows that end
-at t, since they are already in t+1: ``F * z / n`` for a step of ``n`` rows,
-``z`` of them expected to end, ``F`` the device time of a step. So::
+The rule. Call the step the tick finalized u and the next tick's step v.
+Launching v ahead of u's commit hides the bubble, ``b``: the host time from
+a commit's copy arriving to the next forward's launch (commit bookkeeping,
+planning, the launch call). It costs a row's share of a forward, ``F / n``
+for a step of ``n`` rows and ``F`` the device time of a step, for each row
+that ends at u: one that v takes is a zombie there, and one whose caller
+answers its end with a next request (a closed loop) sees that request
+miss v, planned before the end reached it. So::
 
     ahead  iff  z == 0  or  b >= F * z / n
 
-``z`` sums, over the rows of the would-be step that are in the uncommitted
-step and may end there (a stop id its mask allows, or a skill whose
-``may_end()`` says so), that skill's measured rate of ending when it may.
+``z`` sums, over u's rows that may end there (a stop id its mask allows,
+or a skill whose ``may_end()`` says so), that skill's measured rate of
+ending when it may, weighted 1 for a row v takes and, for the others, by
+the measured share of ends followed by a new request before the next
+launch (``Successors``: an HTTP client's next request comes too late to
+matter, an in-process loop's does not); ``n`` is u's row count.
 No row can end: ahead, never worse. Every row surely ends (rate 1): ahead
 only when the bubble is at least a whole forward, i.e. when the zombie step
 runs entirely inside time the host spends anyway. The length cap makes no
@@ -70,25 +76,28 @@ def launch_ahead(rows: int, zombies: float, bubble: float, forward: float) -> bo
     return bubble >= forward * min(zombies, rows) / rows
 
 
-def outlook(sched: "Scheduler", rates: "EndRates") -> tuple[int, float, tuple[tuple[int, Hashable], ...]]:
-    """What the core knows at the end of a tick, without the device: the next
-    tick's would-be decode step's row count, its expected zombies, and which
-    of its rows may end at the uncommitted step ((seq id, skill) pairs).
-    Pure: it plans nothing and admits nobody."""
+def outlook(sched: "Scheduler", rates: "EndRates",
+            follow: float = 0.0) -> tuple[int, float, tuple[tuple[int, Hashable], ...]]:
+    """What the core knows at the end of a tick, without the device: the row
+    count of the uncommitted step u, the expected cost in rows of launching
+    the next step v ahead of its commit (the rule's ``z``: each row of u that
+    may end, by its skill's rate, weighted 1 where v takes it and ``follow``
+    elsewhere), and u's rows that may end ((seq id, skill) pairs, for
+    ``EndRates``). Pure: it plans nothing and admits nobody."""
     if not sched.inflight or sched.pool.free_slot() is None:
         return 0, 0.0, ()
+    step = sched.inflight[-1]  # u: with a slot free, the only step in flight
     chosen = sched.preview()
-    if chosen is None or chosen[0] is not StepKind.DECODE:
-        return 0, 0.0, ()  # a prefill's rows are in no uncommitted step
-    pending = {sid: (step, row) for step in sched.inflight for row, sid in enumerate(step.seq_ids)}
-    may = []
-    for s in chosen[1]:
-        if s.seq_id in pending:
-            step, row = pending[s.seq_id]
-            # Its step was finalized in the tick that launched it: it has its masks.
-            if may_end(s, step.mask_ids[row], sched.masks):
-                may.append((s.seq_id, s.request.skill))
-    return len(chosen[1]), sum(rates.rate(skill) for _, skill in may), tuple(may)
+    taken = {s.seq_id for s in chosen[1]} if chosen is not None and chosen[0] is StepKind.DECODE else set()
+    may, zombies = [], 0.0
+    for row, sid in enumerate(step.seq_ids):
+        s = sched.seqs.get(sid)
+        # Finalized (ended or cancelled): it ends at no commit. Masks: u was
+        # finalized in the tick that launched it.
+        if s is not None and not s.finalized and may_end(s, step.mask_ids[row], sched.masks):
+            may.append((sid, s.request.skill))
+            zombies += rates.rate(s.request.skill) * (1.0 if sid in taken else follow)
+    return len(step.seq_ids), zombies, tuple(may)
 
 
 def may_end(s: Sequence, mask_id: int | None, masks: Mapping[int, frozenset[int]]) -> bool:
@@ -127,6 +136,25 @@ class EndRates:
 
 def _mean(old: float | None, sample: float) -> float:
     return sample if old is None else old + SMOOTHING * (sample - old)
+
+
+@attrs.define
+class Successors:
+    """How often the caller answers an end with a new request before the
+    next launch: a running mean, per launch that had ends before it, of the
+    requests submitted since (at most one per end) over those ends. Starts
+    at one half. Counts submissions, not their cause: arrivals that would
+    have come anyway count too, which leans the rule towards behind only
+    where rows are likely to end."""
+
+    rate: float = 0.5
+    ends: int = 0  # ended since the last launch
+    submitted: int = 0  # requests submitted since the last launch
+
+    def launching(self) -> None:
+        if self.ends:
+            self.rate = _mean(self.rate, min(self.submitted, self.ends) / self.ends)
+        self.ends = self.submitted = 0
 
 
 @attrs.define

@@ -37,7 +37,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Literal
 import attrs
 
 from bubblefree.core.protocol import Backend
-from bubblefree.core.ahead import EndRates, Timings, check_mode, launch_ahead, outlook
+from bubblefree.core.ahead import EndRates, Successors, Timings, check_mode, launch_ahead, outlook
 from bubblefree.core.decode_state import guarded
 from bubblefree.core.events import TokenCommitted
 from bubblefree.core.handle import Handle
@@ -59,6 +59,7 @@ class Engine:
     scheduler: Scheduler = attrs.field(init=False)
     timings: Timings = attrs.field(init=False)
     end_rates: EndRates = attrs.Factory(EndRates)
+    successors: Successors = attrs.Factory(Successors)
     handles: dict[int, Handle] = attrs.Factory(dict)
     trace: list[tuple] = attrs.Factory(list)  # event log, for replay hashing
     # A long-lived server must not keep every step forever: past twice this
@@ -106,6 +107,7 @@ class Engine:
         handle = Handle(seq_id, request, self)
         self.handles[seq_id] = handle
         self.scheduler.add(Sequence(seq_id, request))
+        self.successors.submitted += 1
         self._log(("submit", seq_id))
         return handle
 
@@ -160,7 +162,7 @@ class Engine:
     def _ahead(self) -> bool:
         """Auto mode, at the end of a tick: leave the step just finalized in
         flight, so that the next tick launches before committing it?"""
-        rows, zombies, self._may_end = outlook(self.scheduler, self.end_rates)
+        rows, zombies, self._may_end = outlook(self.scheduler, self.end_rates, self.successors.rate)
         return launch_ahead(rows, zombies, self.timings.bubble, self.timings.forward or 0.0)
 
     def _learn(self) -> None:
@@ -196,6 +198,7 @@ class Engine:
         if planned is None:
             return False
         slot, plan = planned
+        self.successors.launching()
         try:
             self.backend.launch(slot.index, plan)
         except StepFailed as fault:
@@ -261,6 +264,7 @@ class Engine:
             handle = self.handles.pop(event.seq_id, None)
             if handle is None or handle.result is not None:
                 raise InvariantViolation(f"I7: request {event.seq_id} answered twice")
+            self.successors.ends += 1
             handle.result = self._result(event.seq)
             self._log(("end", event.seq_id, handle.result.status.value, handle.result.finish_reason))
             self._outbox.append((handle, None))

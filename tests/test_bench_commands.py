@@ -23,7 +23,7 @@ def test_auto_sim_prints_every_cell_and_appends_its_table(tmp_path):
     out = tmp_path / "a.md"
     table = auto_sim.main(["--seeds", "1", "--per-stream", "2", "--streams", "1,2", "--out", str(out)])
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == len(auto_sim.REGIMES) * len(auto_sim.SKILLS) * 2
+    assert len(rows) == len(auto_sim.REGIMES) * len(auto_sim.SKILLS) * len(auto_sim.CALLERS) * 2
     assert "--streams 1,2" in out.read_text() and table in out.read_text()
 
 

@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from bubblefree.core import Capacity, Engine, Request, Scheduler, StepKind, StepOutput
-from bubblefree.core.ahead import EndRates, Timings, launch_ahead, may_end, outlook
+from bubblefree.core.ahead import EndRates, Successors, Timings, launch_ahead, may_end, outlook
 from bubblefree.core.sequence import Sequence
 from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 from bubblefree.skills import Kind, SkillSet, demo_tokenizer
@@ -40,6 +40,25 @@ def test_the_zombies_cost_their_share_of_the_forward():
     assert launch_ahead(rows=4, zombies=1.0, bubble=0.5, forward=2.0)
     assert not launch_ahead(rows=4, zombies=1.0, bubble=0.49, forward=2.0)
     assert not launch_ahead(rows=1, zombies=5.0, bubble=0.99, forward=1.0)  # never more than all rows
+
+
+def test_successors_learn_the_share_of_ends_answered_before_the_next_launch():
+    follow = Successors()
+    assert follow.rate == 0.5
+    follow.launching()  # no end before this launch: nothing to learn from
+    assert follow.rate == 0.5
+    for _ in range(30):  # two ends, one next request, before each launch
+        follow.ends, follow.submitted = 2, 1
+        follow.launching()
+    assert follow.rate == pytest.approx(0.5, abs=1e-9) and follow.ends == follow.submitted == 0
+    for _ in range(30):  # more requests than ends: at most one per end counts
+        follow.ends, follow.submitted = 1, 3
+        follow.launching()
+    assert follow.rate == pytest.approx(1.0, abs=1e-2)
+    for _ in range(30):
+        follow.ends = 4
+        follow.launching()
+    assert follow.rate == pytest.approx(0.0, abs=1e-2)
 
 
 def test_end_rates_start_at_a_half_and_learn_per_skill():
@@ -254,13 +273,17 @@ def test_outlook_is_empty_with_no_free_slot():
     assert outlook(sched, EndRates()) == (0, 0.0, ())
 
 
-def test_outlook_is_empty_when_a_prefill_is_next():
+def test_when_a_prefill_is_next_a_row_that_may_end_weighs_as_its_callers_follow():
     sched = scheduler(ONE_ROW, plain(), plain())
     launch(sched)  # prefill of 0; 1 admitted, waiting
     launch(sched)  # the decode of 0: now the prefill's turn
     commit(sched, 1)
     assert sched.inflight and sched.preview()[0] is StepKind.PREFILL
-    assert outlook(sched, EndRates()) == (0, 0.0, ())  # a prefill's rows are in no uncommitted step
+    # Row 0 may end at the pending decode; the prefill launched ahead does
+    # not take it, so it is no zombie: it costs only a next request that
+    # would miss the prefill, as often as callers send one.
+    assert outlook(sched, EndRates()) == (1, 0.0, ((0, None),))
+    assert outlook(sched, EndRates(), follow=0.5) == (1, 0.25, ((0, None),))
 
 
 def test_preview_alternates_like_the_launch_it_foresees():
@@ -427,3 +450,32 @@ def test_behind_hands_the_ends_to_the_caller_before_the_next_launch_as_blocking_
     assert auto == blocking and False in engine.choices
     assert auto_prefills == block_prefills
     assert auto_time <= block_time
+
+
+def test_the_engine_learns_whether_its_callers_answer_an_end_with_a_request():
+    # Callers that send their next request from the end's listener: each
+    # end before a launch is answered but their last ones (the running mean
+    # keeps the recent past). Callers that send nothing more: none.
+    _, _, _, looping = closed_loop("auto")
+    assert looping.successors.rate > 0.75
+    backend = FakeBackend(model=FakeModel(), timing=Timing(forward=2.0, sampling=0.0, copy=0.0))
+    engine = Engine(backend, pipelined="auto", clock=lambda: backend.clock.host)
+    for n in range(2, 14):  # one end a step
+        engine.submit(Request(prompt=(3, 5), max_tokens=16, decode_state=lambda n=n: EndsAt(n)))
+    engine.run_until_idle(max_ticks=200)
+    assert engine.successors.rate < 0.1
+
+
+def test_a_prefill_next_goes_ahead_of_a_likely_end_only_when_no_caller_would_answer_it():
+    # Row 0 surely ends at its pending decode (rate 1); the next step is the
+    # prefill of row 1, which takes no zombie. Launched ahead, it leaves out
+    # the request row 0's caller would send: that costs a row's share of a
+    # forward (2.0 / 1) against a bubble of 0.5, as often as callers answer.
+    sched = scheduler(ONE_ROW, plain(), plain())
+    launch(sched)
+    launch(sched)
+    commit(sched, 1)
+    rates = EndRates(counts={None: (98, 98)})  # plain text ends where it may
+    for follow, ahead in ((0.0, True), (0.2, True), (0.3, False), (1.0, False)):
+        rows, zombies, _ = outlook(sched, rates, follow)
+        assert launch_ahead(rows, zombies, bubble=0.5, forward=2.0) is ahead, follow
