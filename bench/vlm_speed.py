@@ -8,7 +8,8 @@ Phi-1.5 24 x 2048, region head), through the public API
 (``engine.point(image, object)`` and friends), *streams* client threads
 each asking about a fresh image (never encoded before) and, once answered,
 the next. Each cell runs pipelined, blocking and the per-tick choice
-("auto") alternating (P B A A B P), so drift hits all alike. Reported per
+("auto") alternating (P B A A B P, ``--rounds`` times), so drift hits all
+alike. Reported per
 cell: req/s, p50 and p99 latency, auto against the better of the other
 two; per image size: the image encoder on the device, per image and crop.
 The peer (``vlm_peer.py``) is timed in the same run: plain ``generate``
@@ -97,15 +98,16 @@ def run_cell(engine, workload: str, pictures: list[Image.Image], streams: int) -
                 p99_ms=1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))])
 
 
-def measure(engine, workload: str, side: int, streams: int, count: int, seed: int) -> dict:
+def measure(engine, workload: str, side: int, streams: int, count: int, seed: int, rounds: int = 1) -> dict:
     """Pipelined, blocking and the per-tick choice ("auto"), alternating
-    (P B A A B P) so drift hits all alike; req/s is each mode's median."""
+    (P B A A B P, ``rounds`` times) so drift hits all alike; req/s is each
+    mode's median."""
     modes: tuple = (True, False, "auto")
     runs: dict = {mode: [] for mode in modes}
     warm = images(max(2, streams), side, seed + 7)
     engine.pipelined = True
     run_cell(engine, workload, warm, streams)  # shapes, graphs, allocator
-    for i, mode in enumerate(modes + modes[::-1]):
+    for i, mode in enumerate((modes + modes[::-1]) * rounds):
         engine.pipelined = mode
         runs[mode].append(run_cell(engine, workload, images(count, side, seed + i), streams))
     engine.pipelined = "auto"
@@ -294,6 +296,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--workloads", default="point,detect,caption,query")
     ap.add_argument("--quick", action="store_true", help="the tiny random config (a CPU smoke run)")
     ap.add_argument("--per-stream", type=int, default=6, help="requests per run: per-stream x streams + 16")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times each cell runs P B A A B P (2 x rounds runs per mode, the median kept)")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--crops-on-host", action="store_true",
                     help="callers' images resized and cut by Pillow on their threads, not on the GPU "
@@ -309,6 +313,8 @@ def main(argv: list[str] | None = None) -> str:
     streams = [int(s) for s in args.streams.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     workloads = args.workloads.split(",")
+    if args.rounds < 1:
+        ap.error(f"--rounds: must be at least 1, got {args.rounds}")
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         ap.error(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
@@ -321,7 +327,8 @@ def main(argv: list[str] | None = None) -> str:
             for n in streams:
                 count = args.per_stream * n + 16
                 try:
-                    rows.append(measure(engine, workload, side, n, count, seed=side * 1000 + n))
+                    rows.append(measure(engine, workload, side, n, count, seed=side * 1000 + n,
+                                        rounds=args.rounds))
                 except Exception as err:  # noqa: BLE001 - the cell says why
                     rows.append(dict(workload=workload, side=side, streams=n, error=f"{type(err).__name__}: {err}"))
                 print(rows[-1], flush=True)

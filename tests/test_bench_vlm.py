@@ -52,6 +52,31 @@ def test_unknown_workloads_are_refused_by_name(capsys):
     assert "unknown dance" in capsys.readouterr().err
 
 
+def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatch):
+    order, rates = [], {True: iter([10, 30, 20, 99]), False: iter([5, 6, 7, 8]), "auto": iter([9, 1, 2, 3])}
+
+    class Engine:
+        pipelined = True
+
+    def cell(engine, workload, pictures, streams):
+        order.append(engine.pipelined)
+        rate = next(rates[engine.pipelined]) if len(order) > 1 else 0  # the first run warms up
+        return dict(req_s=rate, p50_ms=1.0, p99_ms=2.0)
+
+    monkeypatch.setattr(vlm_speed, "run_cell", cell)
+    monkeypatch.setattr(vlm_speed, "images", lambda count, side, seed: [])
+    row = vlm_speed.measure(Engine(), "point", 378, 1, 3, seed=0, rounds=2)
+    assert order[1:] == [True, False, "auto", "auto", False, True] * 2
+    assert (row["p_req_s"], row["b_req_s"], row["a_req_s"]) == (25, 6.5, 2.5)
+    assert row["a_vs_better"] == 2.5 / 25
+
+
+def test_rounds_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        vlm_speed.main(["--rounds", "0", "--device", "cpu"])
+    assert "--rounds: must be at least 1" in capsys.readouterr().err
+
+
 def test_a_run_with_auto_reports_it_against_the_better_mode():
     row = dict(workload="point", side=378, streams=1, requests=17, p_req_s=10.0, b_req_s=12.0, ratio=10 / 12,
                p_p50=20.0, p_p99=30.0, b_p50=18.0, b_p99=25.0, a_req_s=11.0, a_vs_better=11 / 12)
