@@ -87,16 +87,18 @@ def outlook(sched: "Scheduler", rates: "EndRates",
     if not sched.inflight or sched.pool.free_slot() is None:
         return 0, 0.0, ()
     step = sched.inflight[-1]  # u: with a slot free, the only step in flight
-    chosen = sched.preview()
-    taken = {s.seq_id for s in chosen[1]} if chosen is not None and chosen[0] is StepKind.DECODE else set()
-    may, zombies = [], 0.0
+    may = []
     for row, sid in enumerate(step.seq_ids):
         s = sched.seqs.get(sid)
         # Finalized (ended or cancelled): it ends at no commit. Masks: u was
         # finalized in the tick that launched it.
         if s is not None and not s.finalized and may_end(s, step.mask_ids[row], sched.masks):
             may.append((sid, s.request.skill))
-            zombies += rates.rate(s.request.skill) * (1.0 if sid in taken else follow)
+    if not may:  # the common tick of a skill that ends at known tokens: no need to foresee v
+        return len(step.seq_ids), 0.0, ()
+    chosen = sched.preview()
+    taken = {s.seq_id for s in chosen[1]} if chosen is not None and chosen[0] is StepKind.DECODE else set()
+    zombies = sum(rates.rate(skill) * (1.0 if sid in taken else follow) for sid, skill in may)
     return len(step.seq_ids), zombies, tuple(may)
 
 
