@@ -58,8 +58,21 @@ class Choosing(PhaseChecked):
     oracle: bool | None = None
 
     def _ahead(self) -> bool:
+        before = scheduler_state(self.scheduler)
         own = super()._ahead()
+        if scheduler_state(self.scheduler) != before:
+            raise InvariantViolation("I8: the auto rule's outlook changed the state it looked at")
         return own if self.oracle is None else self.oracle
+
+
+def scheduler_state(s) -> tuple:
+    """What a look at the scheduler must leave as it was: the queue, each
+    sequence's phase and resources, the pools, the steps in flight, the
+    events not yet taken and the step ids and kinds planned so far."""
+    seqs = tuple((sid, q.phase, q.row_slot, q.pages, q.adapter_slot, q.inflight_refs, q.launched, len(q.tokens))
+                 for sid, q in sorted(s.seqs.items()))
+    return (tuple(s.queue), seqs, s.pages.num_free, s.rows.num_free, s.adapters.num_free,
+            tuple(st.step_id for st in s.inflight), len(s.events), s._next_step, s._last_kind)
 
 
 @attrs.define(eq=False)

@@ -7,7 +7,8 @@ finalized sequence, tear a zombie down early, release pages twice, hand a
 cancelled zombie's pages or adapter slot to the next request while its step
 is in flight, drop or double a result, build masks before the commit, read
 the wrong row, keep a committed token from the skill, forget an image's
-prefix in kv_len or the pages, drop the value kinds or the values — or into
+prefix in kv_len or the pages, drop the value kinds or the values, leave the auto mode's behind commit
+unabsorbed — or into
 the simulated GPU's (feed a value row's token instead of its value) — and
 the exhaustive search on its quick bound must report a violation naming
 what broke (an invariant id, or the simulated GPU's misuse error).
@@ -182,6 +183,12 @@ BREAKS = [
                                     'done, error = (False, None) if s.state is None or len(s.tokens) >= '
                                     'req.max_tokens else guarded(')),),
           r"skill: .* received \(\(\d+, \d+\), .*\), committed \[?\(?\d+, \d+, \d+"),
+    # Auto's behind branch commits at a tick's end: an end it leaves
+    # unabsorbed reaches no one once the engine has nothing left to do.
+    Break("I7", "the behind commit's events are not absorbed",
+          (P(Engine, "tick", ("progress = self._commit() or progress\nself._absorb()\nself._learn()",
+                              "progress = self._commit() or progress\nself._learn()")),),
+          r"I7", modes=("choice",)),
     Break("I9", "the mask is not sent to sampling",
           (P(Scheduler, "plan_finalize", ('mask, error = guarded(s.request, "mask_id", lambda: s.state.mask_id())',
                                          "mask, error = None, None")),), r"I9"),
