@@ -39,10 +39,12 @@ ending when it may, weighted 1 for a row v takes and, for the others, by
 the measured share of ends followed by a new request before the next
 launch (``Successors``: an HTTP client's next request comes too late to
 matter, an in-process loop's does not); ``n`` is u's row count.
-No row can end: ahead, never worse. Every row surely ends (rate 1): ahead
-only when the bubble is at least a whole forward, i.e. when the zombie step
-runs entirely inside time the host spends anyway. The length cap makes no
-zombies (a row at its last token is not planned again: ``policy``).
+A row at its last token (the length cap) surely ends and makes no zombie
+(it is not planned again: ``policy``): it weighs the share alone, and
+teaches no skill's rate. No row can end: ahead, never worse. Every row
+surely ends (rate 1): ahead only when the bubble is at least a whole
+forward, i.e. when the zombie step runs entirely inside time the host
+spends anyway.
 
 Pure and torch-free: the Engine measures with the clock it was given and
 hands this module numbers.
@@ -82,24 +84,27 @@ def outlook(sched: "Scheduler", rates: "EndRates",
     count of the uncommitted step u, the expected cost in rows of launching
     the next step v ahead of its commit (the rule's ``z``: each row of u that
     may end, by its skill's rate, weighted 1 where v takes it and ``follow``
-    elsewhere), and u's rows that may end ((seq id, skill) pairs, for
-    ``EndRates``). Pure: it plans nothing and admits nobody."""
+    elsewhere; ``follow`` for each row at its last token), and u's rows that
+    may end ((seq id, skill) pairs, for ``EndRates``). Pure: it plans
+    nothing and admits nobody."""
     if not sched.inflight or sched.pool.free_slot() is None:
         return 0, 0.0, ()
     step = sched.inflight[-1]  # u: with a slot free, the only step in flight
-    may = []
+    may, last = [], 0
     for row, sid in enumerate(step.seq_ids):
         s = sched.seqs.get(sid)
-        # Finalized (ended or cancelled): it ends at no commit. Masks: u was
-        # finalized in the tick that launched it.
-        if s is not None and not s.finalized and may_end(s, step.mask_ids[row], sched.masks):
+        if s is None or s.finalized:  # ended or cancelled: it ends at no commit
+            continue
+        if len(s.tokens) + 1 >= s.request.max_tokens:
+            last += 1  # u's token is its last: it surely ends, and v does not take it (``policy``)
+        elif may_end(s, step.mask_ids[row], sched.masks):  # u was finalized when launched: masks
             may.append((sid, s.request.skill))
     if not may:  # the common tick of a skill that ends at known tokens: no need to foresee v
-        return len(step.seq_ids), 0.0, ()
+        return len(step.seq_ids), last * follow, ()
     chosen = sched.preview()
     taken = {s.seq_id for s in chosen[1]} if chosen is not None and chosen[0] is StepKind.DECODE else set()
     zombies = sum(rates.rate(skill) * (1.0 if sid in taken else follow) for sid, skill in may)
-    return len(step.seq_ids), zombies, tuple(may)
+    return len(step.seq_ids), zombies + last * follow, tuple(may)
 
 
 def may_end(s: Sequence, mask_id: int | None, masks: Mapping[int, frozenset[int]]) -> bool:

@@ -369,7 +369,10 @@ def test_auto_launches_ahead_once_text_rarely_ends():
     assert auto == blocking
     # The prior (one end in two chances) blocks the first decodes; each
     # step that did not end teaches the rate down until the bubble wins.
-    assert False in engine.choices[:5] and all(engine.choices[-20:])
+    # The last token ends the request for sure: a caller's next request
+    # (the prior share of ½; none has been measured) would miss a launch
+    # ahead, so the last step commits at once.
+    assert False in engine.choices[:5] and all(engine.choices[-20:-1]) and engine.choices[-1] is False
     assert engine.end_rates.rate(None) < 0.1
     assert engine.timings.forward == pytest.approx(2.0, rel=0.1)
 
@@ -479,3 +482,36 @@ def test_a_prefill_next_goes_ahead_of_a_likely_end_only_when_no_caller_would_ans
     for follow, ahead in ((0.0, True), (0.2, True), (0.3, False), (1.0, False)):
         rows, zombies, _ = outlook(sched, rates, follow)
         assert launch_ahead(rows, zombies, bubble=0.5, forward=2.0) is ahead, follow
+
+
+def test_a_row_at_its_last_token_weighs_its_callers_share_and_teaches_no_rate():
+    sched = scheduler(CAP, Request(prompt=(1, 2), max_tokens=2), plain())
+    launch(sched)  # both prefilled
+    commit(sched, 1, 1)
+    launch(sched)  # row 0's second token is its last; row 1 (stop id 0) may end
+    rows, zombies, may = outlook(sched, EndRates(), follow=0.5)
+    # Row 0: certain, weighs 0.5; row 1: rate ½, taken by the next decode: 0.5.
+    assert (rows, zombies, may) == (2, 1.0, ((1, None),))
+
+
+def test_closed_loops_that_end_by_length_go_behind_at_each_last_token():
+    # Plain requests (no stop id, no skill) end only by their length cap;
+    # callers answer each end at once. Launching ahead of a last token
+    # would leave the next request out of the next step.
+    def loop(pipelined):
+        backend = FakeBackend(model=FakeModel(), timing=Timing(forward=2.0, sampling=0.0, copy=0.0))
+        engine = Engine(backend, pipelined=pipelined, clock=lambda: backend.clock.host)
+        handles = []
+
+        def submit(n, left):
+            handles.append(engine.submit(Request(prompt=(3, 5), max_tokens=n)))
+            handles[-1].listeners.append(lambda h, token: token is None and left > 1 and submit(n, left - 1))
+
+        submit(3, 6)
+        submit(5, 6)
+        engine.run_until_idle(max_ticks=500)
+        return backend.clock.host, sorted(h.result.tokens for h in handles)
+
+    (ahead, out_a), (block, out_b), (auto, out_c) = loop(True), loop(False), loop("auto")
+    assert out_a == out_b == out_c
+    assert auto <= min(ahead, block)
