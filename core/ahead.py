@@ -7,7 +7,7 @@ chooses::
     ahead    leave t+1 in flight: the next tick launches t+2 before it
              commits t+1 (pipelined)
     behind   commit t+1 now: its ends reach the caller, and the next tick
-             plans t+2 after them (blocking's tick exactly)
+             plans t+2 after them, as blocking does
 
 Behind is blocking's order with respect to the caller too: a caller that
 answers an end with its next request (a closed loop, in a listener or

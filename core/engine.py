@@ -10,7 +10,7 @@ Pipelined (the default), each ``tick()`` is the seed's three phases::
 Blocking mode is the same machine in series — launch, finalize, commit — and
 is one flag away (``pipelined=False``): the baseline for every comparison.
 ``pipelined="auto"`` runs the pipelined tick and chooses at its end whether
-to commit the step it finalized now (blocking's tick) or leave it for the
+to commit the step it finalized now (as blocking does) or leave it for the
 next launch to go ahead of (``ahead.py``: the rule, and why both are safe);
 the clock it measures the bubble with is injected (``clock``), so tests fix
 it.
