@@ -423,18 +423,22 @@ class EndsAt:
         return self.at == self.n - 1
 
 
-def closed_loop(pipelined, each=6):
+def ends_at(n):
+    return Request(prompt=(3, 5), max_tokens=8, decode_state=lambda: EndsAt(n))
+
+
+def closed_loop(pipelined, each=6, request=ends_at):
     """Two callers, each answering its request's end with its next request
     from a listener, ``each`` requests apiece: one caller's requests end at their
-    third token, the other's at their fifth, so ends come one at a time
-    while the other row decodes. With a 2.0 forward and a bubble of 0.1 the
-    rule chooses behind where a row may end."""
+    third token, the other's at their fifth (``request(n)``), so ends come
+    one at a time while the other row decodes. With a 2.0 forward and a
+    bubble of 0.1 the rule chooses behind where a row may end."""
     backend = FakeBackend(model=FakeModel(), timing=Timing(forward=2.0, sampling=0.0, copy=0.0))
     engine = Recording(backend, pipelined=pipelined, clock=lambda: backend.clock.host)
     handles = []
 
     def submit(n, left):
-        handles.append(engine.submit(Request(prompt=(3, 5), max_tokens=8, decode_state=lambda: EndsAt(n))))
+        handles.append(engine.submit(request(n)))
         handles[-1].listeners.append(lambda h, token: token is None and left > 1 and submit(n, left - 1))
 
     submit(3, each)
@@ -498,20 +502,9 @@ def test_closed_loops_that_end_by_length_go_behind_at_each_last_token():
     # Plain requests (no stop id, no skill) end only by their length cap;
     # callers answer each end at once. Launching ahead of a last token
     # would leave the next request out of the next step.
-    def loop(pipelined):
-        backend = FakeBackend(model=FakeModel(), timing=Timing(forward=2.0, sampling=0.0, copy=0.0))
-        engine = Engine(backend, pipelined=pipelined, clock=lambda: backend.clock.host)
-        handles = []
+    def plain_of(n):
+        return Request(prompt=(3, 5), max_tokens=n)
 
-        def submit(n, left):
-            handles.append(engine.submit(Request(prompt=(3, 5), max_tokens=n)))
-            handles[-1].listeners.append(lambda h, token: token is None and left > 1 and submit(n, left - 1))
-
-        submit(3, 6)
-        submit(5, 6)
-        engine.run_until_idle(max_ticks=500)
-        return backend.clock.host, sorted(h.result.tokens for h in handles)
-
-    (ahead, out_a), (block, out_b), (auto, out_c) = loop(True), loop(False), loop("auto")
-    assert out_a == out_b == out_c
-    assert auto <= min(ahead, block)
+    runs = {mode: closed_loop(mode, request=plain_of) for mode in (True, False, "auto")}
+    assert runs[True][0] == runs[False][0] == runs["auto"][0]
+    assert runs["auto"][2] <= min(runs[True][2], runs[False][2])
