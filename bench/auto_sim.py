@@ -3,9 +3,10 @@
 Closed loops of callers (each answers its request's end with the next, sent
 between ticks as ``bench.speed`` does, at once or a while later, as a
 client across a network would) on the fake backend's virtual clock, across
-host and device costs, stream counts and skills that end rarely or often. Each cell runs the three modes on the same requests; the outputs
-must agree (I8). The table gives each mode's simulated time and auto's
-speed over the better of the other two (issue 14's target: >= 0.98).
+host and device costs, stream counts and skills that end rarely or often.
+Each cell runs the three modes on the same requests; the outputs must agree
+(I8). The table gives each mode's simulated time and auto's speed over the
+better of the other two (issue 14's target: >= 0.98).
 
 Simulated time units (a decode forward of 1.0 when the device is the
 limit): these compare the modes' orders, not any GPU.
@@ -29,7 +30,9 @@ from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 
 MODES = ((True, "pipelined"), (False, "blocking"), ("auto", "auto"))
 STREAMS = (1, 8, 32)
-PREFILL = 3.0  # a prefill step costs this many decode forwards (an image prefill is about ten)
+# A prefill step costs this many decode forwards, whatever its rows (a text
+# prefill of short prompts; moondream2's image prefill is about ten, and grows with its rows).
+PREFILL = 3.0
 # (name, decode forward, launch host, finalize host, commit host per row)
 REGIMES = (("device-bound", 1.0, 0.1, 0.05, 0.002),
            ("balanced", 0.4, 0.15, 0.1, 0.002),
