@@ -30,9 +30,10 @@ from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 
 MODES = ((True, "pipelined"), (False, "blocking"), ("auto", "auto"))
 STREAMS = (1, 8, 32)
-# A prefill step costs this many decode forwards, whatever its rows (a text
-# prefill of short prompts; moondream2's image prefill is about ten, and grows with its rows).
-PREFILL = 3.0
+# A prefill step costs PREFILL + PREFILL_PER_ROW x its rows decode forwards:
+# by default a fixed three (a text prefill of short prompts); moondream2's
+# image prefill of one image is about ten, and grows with its rows.
+PREFILL, PREFILL_PER_ROW = 3.0, 0.0
 # (name, decode forward, launch host, finalize host, commit host per row)
 REGIMES = (("device-bound", 1.0, 0.1, 0.05, 0.002),
            ("balanced", 0.4, 0.15, 0.1, 0.002),
@@ -72,7 +73,7 @@ def requests(p: float | None, n: int, seed: int) -> list[Request]:
 
 
 def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
-        think: float = 0.0) -> tuple[float, list]:
+        think: float = 0.0, prefill: tuple[float, float] = (PREFILL, PREFILL_PER_ROW)) -> tuple[float, list]:
     """Simulated time to answer ``reqs`` with ``streams`` callers, each
     sending its next request ``think`` after its last one's end reached it,
     and the outputs."""
@@ -81,7 +82,9 @@ def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
     # scheduler's commit, where the engine's clock sees it, as it sees the
     # real commit's bookkeeping (the fake's own commit costs fall inside
     # ``wait``, where they would pass for device time).
-    timing = Timing(forward=lambda w: forward * (1.0 if w.kind.value == "decode" else PREFILL),
+    fixed, per_row_prefill = prefill
+    timing = Timing(forward=lambda w: forward * (1.0 if w.kind.value == "decode" else
+                                                 fixed + per_row_prefill * w.rows),
                     sampling=0.0, copy=0.0, launch_cost=launch, finalize_cost=finalize,
                     commit_cost_per_row=0.0, release_cost=lambda w: per_row * w.rows)
     backend = FakeBackend(model=FakeModel(), timing=timing, max_rows=streams, max_seqs=4 * streams,
@@ -112,13 +115,13 @@ def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
 
 
 def cell(regime: tuple, streams: int, p: float | None, think: float, seeds: int,
-         per_stream: int) -> dict[str, float]:
+         per_stream: int, prefill: tuple[float, float] = (PREFILL, PREFILL_PER_ROW)) -> dict[str, float]:
     times = dict.fromkeys((name for _, name in MODES), 0.0)
     for seed in range(seeds):
         reqs = requests(p, max(per_stream * streams, 24), seed)
         outputs = {}
         for pipelined, name in MODES:
-            t, outputs[name] = run(pipelined, regime, streams, reqs, think)
+            t, outputs[name] = run(pipelined, regime, streams, reqs, think, prefill)
             times[name] += t
         if len({tuple(o) for o in outputs.values()}) != 1:
             raise AssertionError(f"I8: the modes' outputs differ ({regime[0]}, {streams} streams, p={p})")
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--per-stream", type=int, default=12, help="requests per stream in each run")
     ap.add_argument("--streams", default=",".join(map(str, STREAMS)))
+    ap.add_argument("--prefill", type=float, default=PREFILL, help="a prefill step's fixed cost, in forwards")
+    ap.add_argument("--prefill-per-row", type=float, default=PREFILL_PER_ROW,
+                    help="and its cost per row, in forwards")
     ap.add_argument("--out", default="docs/auto-sim.md", help="append the table here ('' for none)")
     args = ap.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> str:
         for skill, p in SKILLS:
             for caller, think in CALLERS:
                 for n in streams:
-                    t = cell(regime, n, p, think, args.seeds, args.per_stream)
+                    t = cell(regime, n, p, think, args.seeds, args.per_stream,
+                             (args.prefill, args.prefill_per_row))
                     ratio = min(t["pipelined"], t["blocking"]) / t["auto"]
                     misses += ratio < 0.98
                     lines.append(f"| {regime[0]} | {skill} | {caller} | {n} | {t['pipelined']:.1f} | "
@@ -155,11 +162,14 @@ def main(argv: list[str] | None = None) -> str:
         old = path.read_text() if path.exists() else (
             "# Auto's choice on the simulated GPU\n\n`python -m bubblefree.bench.auto_sim`: simulated time "
             "to answer every request (lower is better), the sum over the seeds.\n")
-        header = (f"## {datetime.date.today().isoformat()}\n\nCommand: `python -m bubblefree.bench.auto_sim "
-                  f"--seeds {args.seeds} --per-stream {args.per_stream} --streams {args.streams}`. "
+        header = (f"## {datetime.date.today().isoformat()}, a prefill of {args.prefill:g} forwards "
+                  f"and {args.prefill_per_row:g} a row\n\nCommand: `python -m bubblefree.bench.auto_sim "
+                  f"--seeds {args.seeds} --per-stream {args.per_stream} --streams {args.streams} "
+                  f"--prefill {args.prefill:g} --prefill-per-row {args.prefill_per_row:g}`. "
                   f"Decode forward, launch, finalize and per-row commit host costs per regime: "
                   + "; ".join(f"{r[0]} {r[1]}, {r[2]}, {r[3]}, {r[4]}" for r in REGIMES)
-                  + f"; a prefill costs {PREFILL:g} forwards; the commit's host cost is paid after the "
+                  + f"; a prefill costs {args.prefill:g} forwards and {args.prefill_per_row:g} a row; "
+                  "the commit's host cost is paid after the "
                   "copy's arrival, where the engine's clock sees it. Callers send their next request "
                   + " or ".join(f"{think:g}" for _, think in CALLERS) + " after an end reaches them.\n\n")
         path.write_text(old.rstrip() + "\n\n" + header + table + "\n")
