@@ -165,7 +165,6 @@ def _(q, k, v, cos, sin, kv, slot, page_table, positions, page_size, scale, wind
     return q.new_empty((b, h * kv.shape[3] + mlp.shape[1]), dtype=dtype)
 
 
-
 def _torch_act(x: torch.Tensor, act: int) -> torch.Tensor:
     """``ACTIVATIONS`` kind ``act`` in float32, as the kernels compute it."""
     return F.gelu(x.float(), approximate="tanh" if act == 1 else "none")
