@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping
 
 import attrs
 
-from bubblefree.core.sequence import Sequence
+from bubblefree.core.sequence import ENDED, Sequence
 from bubblefree.core.values import StepKind
 
 if TYPE_CHECKING:
@@ -87,24 +87,77 @@ def outlook(sched: "Scheduler", rates: "EndRates",
     elsewhere; ``follow`` for each row at its last token), and u's rows that
     may end ((seq id, skill) pairs, for ``EndRates``). Pure: it plans
     nothing and admits nobody."""
-    if not sched.inflight or sched.pool.free_slot() is None:
+    pending = _pending(sched)
+    if pending is None:
         return 0, 0.0, ()
-    step = sched.inflight[-1]  # u: with a slot free, the only step in flight
-    may, last = [], 0
-    for row, sid in enumerate(step.seq_ids):
-        s = sched.seqs.get(sid)
-        if s is None or s.finalized:  # ended or cancelled: it ends at no commit
-            continue
-        if len(s.tokens) + 1 >= s.request.max_tokens:
-            last += 1  # u's token is its last: it surely ends, and v does not take it (``policy``)
-        elif may_end(s, step.mask_ids[row], sched.masks):  # u was finalized when launched: masks
-            may.append((sid, s.request.skill))
+    rows, may, last = pending
     if not may:  # the common tick of a skill that ends at known tokens: no need to foresee v
-        return len(step.seq_ids), last * follow, ()
+        return rows, last * follow, ()
+    return rows, _zombies(sched, rates, follow, may, last, _taken(sched)), tuple(may)
+
+
+def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
+           forward: float) -> tuple[bool, tuple[tuple[int, Hashable], ...]]:
+    """``launch_ahead`` of ``outlook``'s rows and ``z``, and u's rows that may
+    end: the same answer, found with less host work, which at 64 rows is
+    what a host-bound step is made of. ``z`` lies between its value with
+    every row that may end weighted ``min(1, follow)`` and with every one
+    weighted ``max(1, follow)``, and the rule is monotone in ``z``: where
+    both bounds give the same answer, which rows v takes cannot change it,
+    and v is not foreseen (``Scheduler.preview`` looks at every sequence)."""
+    pending = _pending(sched)
+    if pending is None:
+        return True, ()
+    rows, may, last = pending
+    if not may:
+        return launch_ahead(rows, last * follow, bubble, forward), ()
+    # Each bound sums its terms in ``_zombies``' order, each term no less
+    # (no more) than that row's there: rounding keeps the order of the sums.
+    rate = _rates(rates, may)
+    lo, hi = min(1.0, follow), max(1.0, follow)
+    ahead_hi = launch_ahead(rows, sum(rate[k] * hi for _, k in may) + last * follow, bubble, forward)
+    if ahead_hi or not launch_ahead(rows, sum(rate[k] * lo for _, k in may) + last * follow,
+                                    bubble, forward):
+        return ahead_hi, tuple(may)
+    return launch_ahead(rows, _zombies(sched, rates, follow, may, last, _taken(sched)),
+                        bubble, forward), tuple(may)
+
+
+def _pending(sched: "Scheduler") -> tuple[int, list[tuple[int, Hashable]], int] | None:
+    """u's row count, its rows that may end, and its rows at their last
+    token; None when nothing is in flight or no slot is free for v."""
+    if not sched.inflight or sched.pool.free_slot() is None:
+        return None
+    step = sched.inflight[-1]  # u: with a slot free, the only step in flight
+    seqs, masks, mask_ids = sched.seqs, sched.masks, step.mask_ids
+    may: list[tuple[int, Hashable]] = []
+    last = 0
+    for row, sid in enumerate(step.seq_ids):  # every row at every tick: kept lean
+        s = seqs.get(sid)
+        if s is None or s.phase in ENDED:  # ended or cancelled (``finalized``): it ends at no commit
+            continue
+        request = s.request
+        if len(s.tokens) + 1 >= request.max_tokens:
+            last += 1  # u's token is its last: it surely ends, and v does not take it (``policy``)
+        elif may_end(s, mask_ids[row], masks):  # u was finalized when launched: masks
+            may.append((sid, request.skill))
+    return len(step.seq_ids), may, last
+
+
+def _taken(sched: "Scheduler") -> set[int]:
+    """The seq ids the next decode step would take (none if a prefill is next)."""
     chosen = sched.preview()
-    taken = {s.seq_id for s in chosen[1]} if chosen is not None and chosen[0] is StepKind.DECODE else set()
-    zombies = sum(rates.rate(skill) * (1.0 if sid in taken else follow) for sid, skill in may)
-    return len(step.seq_ids), zombies + last * follow, tuple(may)
+    return {s.seq_id for s in chosen[1]} if chosen is not None and chosen[0] is StepKind.DECODE else set()
+
+
+def _rates(rates: "EndRates", may: list[tuple[int, Hashable]]) -> dict[Hashable, float]:
+    return {skill: rates.rate(skill) for skill in {k for _, k in may}}
+
+
+def _zombies(sched: "Scheduler", rates: "EndRates", follow: float,
+             may: list[tuple[int, Hashable]], last: int, taken: set[int]) -> float:
+    rate = _rates(rates, may)
+    return sum(rate[skill] * (1.0 if sid in taken else follow) for sid, skill in may) + last * follow
 
 
 def may_end(s: Sequence, mask_id: int | None, masks: Mapping[int, frozenset[int]]) -> bool:

@@ -37,7 +37,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Literal
 import attrs
 
 from bubblefree.core.protocol import Backend
-from bubblefree.core.ahead import EndRates, Successors, Timings, check_mode, launch_ahead, outlook
+from bubblefree.core.ahead import EndRates, Successors, Timings, check_mode, choose
 from bubblefree.core.decode_state import guarded
 from bubblefree.core.events import TokenCommitted
 from bubblefree.core.handle import Handle
@@ -162,8 +162,9 @@ class Engine:
     def _ahead(self) -> bool:
         """Auto mode, at the end of a tick: leave the step just finalized in
         flight, so that the next tick launches before committing it?"""
-        rows, zombies, self._may_end = outlook(self.scheduler, self.end_rates, self.successors.rate)
-        return launch_ahead(rows, zombies, self.timings.bubble, self.timings.forward or 0.0)
+        ahead, self._may_end = choose(self.scheduler, self.end_rates, self.successors.rate,
+                                      self.timings.bubble, self.timings.forward or 0.0)
+        return ahead
 
     def _learn(self) -> None:
         """Count, per skill, whether the rows that could end at the commit the

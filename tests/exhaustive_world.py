@@ -17,6 +17,7 @@ from __future__ import annotations
 import attrs
 
 from bubblefree.core import Engine, InvariantViolation, Phase, Request, SlotState, Status
+from bubblefree.core.ahead import choose, launch_ahead, outlook
 from bubblefree.fake_backend import FakeBackend, FakeModel
 
 if __package__:  # python -m tests.exhaustive
@@ -62,7 +63,28 @@ class Choosing(PhaseChecked):
         own = super()._ahead()
         if scheduler_state(self.scheduler) != before:
             raise InvariantViolation("I8: the auto rule's outlook changed the state it looked at")
+        check_shortcut(self)
         return own if self.oracle is None else self.oracle
+
+
+# Timings and callers' shares the shortcut is checked at in every state, on
+# both sides of the rule's line and on it (a bubble of half a forward).
+SHORTCUT_GRID = tuple((b, f, share) for b in (0.0, 0.5, 2.0) for f in (0.0, 1.0) for share in (0.0, 0.5, 1.0, 2.0))
+
+
+def check_shortcut(engine: Engine) -> None:
+    """``choose`` foresees the next step only where the answer depends on it:
+    its answer and rows must be the rule's on the whole ``outlook``, here
+    and at every timing of ``SHORTCUT_GRID``."""
+    sched, rates = engine.scheduler, engine.end_rates
+    own = (engine.timings.bubble, engine.timings.forward or 0.0, engine.successors.rate)
+    for bubble, forward, share in (own,) + SHORTCUT_GRID:
+        rows, zombies, may = outlook(sched, rates, share)
+        exact = launch_ahead(rows, zombies, bubble, forward)
+        got = choose(sched, rates, share, bubble, forward)
+        if got != (exact, may):
+            raise InvariantViolation(f"the auto rule's shortcut gave {got}, the whole outlook "
+                                     f"{(exact, may)} (bubble {bubble}, forward {forward}, share {share})")
 
 
 def scheduler_state(s) -> tuple:

@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from bubblefree.core import Capacity, Engine, Request, Scheduler, StepKind, StepOutput
-from bubblefree.core.ahead import EndRates, Successors, Timings, launch_ahead, may_end, outlook
+from bubblefree.core.ahead import EndRates, Successors, Timings, choose, launch_ahead, may_end, outlook
 from bubblefree.core.sequence import Sequence
 from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 from bubblefree.skills import Kind, SkillSet, demo_tokenizer
@@ -486,6 +486,32 @@ def test_a_prefill_next_goes_ahead_of_a_likely_end_only_when_no_caller_would_ans
     for follow, ahead in ((0.0, True), (0.2, True), (0.3, False), (1.0, False)):
         rows, zombies, _ = outlook(sched, rates, follow)
         assert launch_ahead(rows, zombies, bubble=0.5, forward=2.0) is ahead, follow
+
+
+def test_choose_foresees_the_next_step_only_where_the_answer_depends_on_it(monkeypatch):
+    # Row 0 ends at its pending decode (rate 0.99); a prefill is next. z is
+    # 0.99 if v took row 0, 0.99 x the callers' share if not, and a bubble
+    # of a quarter of the forward lies between them at shares of 0 and 0.2:
+    # v must be foreseen. With a bubble of a whole forward, or of none, or
+    # a share of 0.5 or 1 (both weights then past the line), both give the
+    # same answer and ``preview`` is never asked.
+    sched = scheduler(ONE_ROW, plain(), plain())
+    launch(sched)
+    launch(sched)
+    commit(sched, 1)
+    rates = EndRates(counts={None: (98, 98)})
+    asked = []
+    real = Scheduler.preview
+    monkeypatch.setattr(Scheduler, "preview", lambda self: asked.append(1) or real(self))
+    for bubble, forward, share, foresees in ((0.5, 2.0, 0.0, True), (0.5, 2.0, 0.2, True),
+                                             (0.5, 2.0, 0.5, False), (0.5, 2.0, 1.0, False),
+                                             (2.0, 2.0, 0.0, False), (0.0, 2.0, 1.0, False)):
+        asked.clear()
+        rows, zombies, may = outlook(sched, rates, share)
+        assert choose(sched, rates, share, bubble, forward) == (launch_ahead(rows, zombies, bubble, forward), may)
+        asked.clear()
+        choose(sched, rates, share, bubble, forward)
+        assert bool(asked) is foresees, (bubble, forward, share)
 
 
 def test_a_row_at_its_last_token_weighs_its_callers_share_and_teaches_no_rate():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from bubblefree.core import InvariantViolation
+from bubblefree.core import InvariantViolation, ahead
 from exhaustive import BOUNDS, Probe, search_modes
 from exhaustive_workload import EVENS, ODDS
 from exhaustive_world import World
@@ -101,16 +101,32 @@ def test_the_choice_search_refuses_an_outlook_that_changes_what_it_looks_at(monk
     # that the scheduler is as it was after each outlook.
     import bubblefree.core.engine as core_engine
 
-    looked = core_engine.outlook
+    looked = core_engine.choose
 
-    def planning(sched, rates, follow=0.0):
+    def planning(sched, rates, follow, bubble, forward):
         sched._next_step += 1  # as if it had planned a step
-        return looked(sched, rates, follow)
+        return looked(sched, rates, follow, bubble, forward)
 
-    monkeypatch.setattr(core_engine, "outlook", planning)
+    monkeypatch.setattr(core_engine, "choose", planning)
     bounds = BOUNDS["quick"]
     world = World.new(bounds, pipelined="choice", probe=Probe())
     requests = bounds.contents((world.engine.register_mask(EVENS), world.engine.register_mask(ODDS)))
     world.submit(requests[0])
     with pytest.raises(InvariantViolation, match="I8: the auto rule's outlook changed"):
         world.engine.tick()
+
+
+def test_the_choice_search_refuses_a_shortcut_that_is_not_the_rule(monkeypatch):
+    # ``choose`` skips foreseeing the next step where the answer cannot
+    # depend on it; the search compares it with the rule on the whole
+    # outlook in every state. A shortcut that weighs every row that may end
+    # as taken by the next step (never foreseeing it) is caught.
+    import exhaustive_world
+
+    def hasty(sched, rates, follow, bubble, forward):
+        rows, zombies, may = ahead.outlook(sched, rates, max(follow, 1.0))
+        return ahead.launch_ahead(rows, zombies, bubble, forward), may
+
+    monkeypatch.setattr(exhaustive_world, "choose", hasty)
+    report, = search_modes(BOUNDS["quick"], parallel=False, modes=("choice",))
+    assert any("the auto rule's shortcut" in m for m, _ in report.violations), report.line()
