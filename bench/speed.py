@@ -124,6 +124,9 @@ def measure_cell(backend, kind: str, streams: int, args, mask_ids) -> list[dict]
         for k in ("idle_ms", "busy_ms", "bookkeeping_ms"):
             row[k] = hooked.get(k)
         row["tok_s_hooked"] = hooked["tok_s"]
+        ticks = row.get("ahead_ticks", 0) + row.get("behind_ticks", 0)
+        if ticks:  # how auto chose in the run the table shows
+            row["note"] = f"behind at {row['behind_ticks'] / ticks:.0%} of ticks"
         rows.append(row)
     return rows
 

@@ -262,6 +262,7 @@ def run_closed_loop(backend: TimedBackend, requests: list[Request], streams: int
     out = dict(requests=len(results), tokens=tokens, wall_s=wall, steps=steps,
                tok_s=tokens / wall, req_s=len(results) / wall, ms_step=wall / steps * 1e3,
                zombie_rows=zombie_rows, wasted_steps=wasted, z=wasted / steps,
+               ahead_ticks=engine.ahead_ticks, behind_ticks=engine.behind_ticks,
                p50_ms=statistics.median(latency) * 1e3, p99_ms=_quantile(latency, 0.99) * 1e3,
                tokens_hash=hash(tuple(r.tokens for r in sorted(results, key=lambda r: r.request_id))),
                # A fresh engine numbers requests in submission order: the list's.

@@ -107,9 +107,12 @@ def measure(engine, workload: str, side: int, streams: int, count: int, seed: in
     warm = images(max(2, streams), side, seed + 7)
     engine.pipelined = True
     run_cell(engine, workload, warm, streams)  # shapes, graphs, allocator
+    core, ticks = engine.core, [0, 0]  # auto's ticks ahead and behind, over its runs
     for i, mode in enumerate((modes + modes[::-1]) * rounds):
         engine.pipelined = mode
+        before = (core.ahead_ticks, core.behind_ticks)
         runs[mode].append(run_cell(engine, workload, images(count, side, seed + i), streams))
+        ticks = [ticks[0] + core.ahead_ticks - before[0], ticks[1] + core.behind_ticks - before[1]]
     engine.pipelined = "auto"
     best = {mode: max(r, key=lambda x: x["req_s"]) for mode, r in runs.items()}
     med = {mode: statistics.median(x["req_s"] for x in r) for mode, r in runs.items()}
@@ -117,7 +120,8 @@ def measure(engine, workload: str, side: int, streams: int, count: int, seed: in
                 p_req_s=med[True], b_req_s=med[False], ratio=med[True] / med[False],
                 p_p50=best[True]["p50_ms"], p_p99=best[True]["p99_ms"],
                 b_p50=best[False]["p50_ms"], b_p99=best[False]["p99_ms"],
-                a_req_s=med["auto"], a_vs_better=med["auto"] / max(med[True], med[False]))
+                a_req_s=med["auto"], a_vs_better=med["auto"] / max(med[True], med[False]),
+                a_behind=ticks[1] / max(1, sum(ticks)))
 
 
 def encode_figures(engine, side: int, images_per_call: int = 4, reps: int = 10) -> dict:
@@ -179,7 +183,9 @@ def table(rows: list[dict], peer: dict[tuple[str, int], dict]) -> str:
                       else f"{pr.get('error', '—')} | ")
         auto_cells = ""
         if auto:
-            auto_cells = (f" {r['a_req_s']:.1f} | {r['a_vs_better']:.2f} |" if "a_req_s" in r else " — | — |")
+            behind = f" (behind at {r['a_behind']:.0%} of ticks)" if "a_behind" in r else ""
+            auto_cells = (f" {r['a_req_s']:.1f} | {r['a_vs_better']:.2f}{behind} |" if "a_req_s" in r
+                          else " — | — |")
         out.append(f"| {r['workload']} | {r['side']} px | {r['streams']} | {r['p_req_s']:.1f} | "
                    f"{r['b_req_s']:.1f} | {r['ratio']:.2f} |{auto_cells} {r['p_p50']:.1f} / {r['p_p99']:.1f} | "
                    f"{r['b_p50']:.1f} / {r['b_p99']:.1f} | {peer_cells} |")

@@ -76,6 +76,10 @@ class Engine:
     _outbox: collections.deque = attrs.Factory(collections.deque)  # (handle, token | None)
     _delivering: bool = False
     _may_end: tuple[tuple[int, Hashable], ...] = ()  # rows that may end at the pending commit
+    # Auto's choices so far, for a user to see how often it blocks: ticks
+    # that left their step in flight, and ticks that committed it at once.
+    ahead_ticks: int = 0
+    behind_ticks: int = 0
 
     def __attrs_post_init__(self) -> None:
         self.scheduler = Scheduler(self.backend.capacity, probe=self.probe, masks=self.masks)
@@ -147,15 +151,19 @@ class Engine:
             progress = phase() or progress
             self._absorb()
         self._learn()
-        if self.pipelined == "auto" and self.scheduler.inflight and not self._ahead():
-            # Behind: the step just finalized commits now, in this tick, as
-            # blocking's does, so its ends reach the caller (the listeners
-            # below, and whatever the caller does before the next tick: a
-            # closed loop's next request) before the next step is planned.
-            # Ahead: it stays in flight, and the next tick launches first.
-            progress = self._commit() or progress
-            self._absorb()
-            self._learn()
+        if self.pipelined == "auto" and self.scheduler.inflight:
+            if self._ahead():  # the step stays in flight, and the next tick launches first
+                self.ahead_ticks += 1
+            else:
+                # Behind: the step just finalized commits now, in this tick,
+                # as blocking's does, so its ends reach the caller (the
+                # listeners below, and whatever the caller does before the
+                # next tick: a closed loop's next request) before the next
+                # step is planned.
+                self.behind_ticks += 1
+                progress = self._commit() or progress
+                self._absorb()
+                self._learn()
         self._deliver()
         return progress
 

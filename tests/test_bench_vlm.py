@@ -55,12 +55,19 @@ def test_unknown_workloads_are_refused_by_name(capsys):
 def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatch):
     order, rates = [], {True: iter([10, 30, 20, 99]), False: iter([5, 6, 7, 8]), "auto": iter([9, 1, 2, 3])}
 
+    class Core:  # auto's counters, moved only by auto's runs (as the core's), and by earlier cells
+        ahead_ticks, behind_ticks = 100, 50
+
     class Engine:
         pipelined = True
+        core = Core()
 
     def cell(engine, workload, pictures, streams):
         order.append(engine.pipelined)
         rate = next(rates[engine.pipelined]) if len(order) > 1 else 0  # the first run warms up
+        if engine.pipelined == "auto":
+            engine.core.ahead_ticks += 3
+            engine.core.behind_ticks += 1
         return dict(req_s=rate, p50_ms=1.0, p99_ms=2.0)
 
     monkeypatch.setattr(vlm_speed, "run_cell", cell)
@@ -69,6 +76,7 @@ def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatc
     assert order[1:] == [True, False, "auto", "auto", False, True] * 2
     assert (row["p_req_s"], row["b_req_s"], row["a_req_s"]) == (25, 6.5, 2.5)
     assert row["a_vs_better"] == 2.5 / 25
+    assert row["a_behind"] == 0.25  # this cell's auto runs only: 4 behind of 16 ticks
 
 
 def test_rounds_below_one_are_refused(capsys):
@@ -80,12 +88,13 @@ def test_rounds_below_one_are_refused(capsys):
 def test_a_run_with_auto_reports_it_against_the_better_mode():
     row = dict(workload="point", side=378, streams=1, requests=17, p_req_s=10.0, b_req_s=12.0, ratio=10 / 12,
                p_p50=20.0, p_p99=30.0, b_p50=18.0, b_p99=25.0, a_req_s=11.0, a_vs_better=11 / 12)
-    good = dict(row, workload="detect", a_req_s=12.0, a_vs_better=1.0)
+    good = dict(row, workload="detect", a_req_s=12.0, a_vs_better=1.0, a_behind=0.125)
     record = dict(env="somewhere", command="c", quick=False, rows=[row, good], encode=[], peer=[],
                   peer_crop_ms=None)
     text = vlm_speed.render(record, None, None)
     assert "| auto req/s | auto ÷ better |" in text
     assert "| point | 378 px | 1 | 10.0 | 12.0 | 0.83 | 11.0 | 0.92 | 20.0 / 30.0 | 18.0 / 25.0 | — |  |" in text
+    assert "| 12.0 | 1.00 (behind at 12% of ticks) |" in text  # records before the count have none
     assert "auto (the per-tick choice) >= 0.98 x the better of pipelined and blocking: 1 of 2 cells " \
            "(below: point 378 px x1 0.92)" in text
 

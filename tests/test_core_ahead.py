@@ -377,6 +377,16 @@ def test_auto_launches_ahead_once_text_rarely_ends():
     assert engine.timings.forward == pytest.approx(2.0, rel=0.1)
 
 
+def test_the_engine_counts_auto_s_choices_and_nothing_in_the_other_modes():
+    reqs = [Request(prompt=(0, 5), max_tokens=40, stop_ids={0})]
+    _, _, engine = run("auto", reqs)
+    assert engine.ahead_ticks == engine.choices.count(True) > 0
+    assert engine.behind_ticks == engine.choices.count(False) > 0
+    for mode in (True, False):
+        _, _, other = run(mode, reqs)
+        assert (other.ahead_ticks, other.behind_ticks, other.choices) == (0, 0, [])
+
+
 def test_the_engine_times_each_step_kind_apart():
     _, _, engine = run("auto", [Request(prompt=(0, 5), max_tokens=6, stop_ids={0})])
     assert set(engine.timings.forwards) == set(engine.timings.launch_hosts) == \

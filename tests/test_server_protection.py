@@ -130,6 +130,7 @@ def test_a_client_that_sends_half_a_body_leaves_the_server_serving():
 
 def test_health_stats_and_metrics_report_the_engine():
     engine = fake_engine(num_pages=32)
+    engine.pipelined = "auto"
     with serving(engine) as url, httpx.Client(base_url=url, timeout=10) as client:
         assert client.get("/health").json()["status"] == "ok"
         client.post("/v1/query", json={"question": "what"})
@@ -137,7 +138,13 @@ def test_health_stats_and_metrics_report_the_engine():
         s = client.get("/v1/stats").json()
         assert s["requests_by_status"] == {"200": 2, "422": 1}  # /health, the query; the refusal
         assert s["kv_pages"] == {"free": 32, "total": 32} and s["row_slots"]["free"] == s["row_slots"]["total"]
+        ticks = s["auto_ticks"]
+        assert s["pipelined"] == "auto" and ticks == {"ahead": engine.core.ahead_ticks,
+                                                      "behind": engine.core.behind_ticks}
+        assert ticks["ahead"] + ticks["behind"] > 0
         metrics = client.get("/metrics").text
+        for choice, n in ticks.items():
+            assert f'bubblefree_auto_ticks_total{{choice="{choice}"}} {float(n)}' in metrics
         assert 'bubblefree_http_requests_total{route="/v1/query",status="200"} 1.0' in metrics
         assert 'bubblefree_http_requests_total{route="/v1/query",status="422"} 1.0' in metrics
         assert "bubblefree_kv_pages_free 32.0" in metrics and "bubblefree_queue_depth 0.0" in metrics

@@ -13,6 +13,7 @@ import collections
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from bubblefree.engine import Engine
 from bubblefree.server.admission import Admission
@@ -37,6 +38,7 @@ class Observer:
                   "bubblefree_kv_pages_total": ("KV cache pages", lambda: self._scheduler.pages.size)}
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=self.registry).set_function(read)
+        self.registry.register(_AutoTicks(engine))
 
     @property
     def _scheduler(self) -> Any:
@@ -56,7 +58,34 @@ class Observer:
                 "live_requests": self.admission.live, "max_live_requests": self.admission.limit,
                 "queue_depth": len(s.queue),
                 "kv_pages": {"free": s.pages.num_free, "total": s.pages.size},
-                "row_slots": {"free": s.rows.num_free, "total": s.rows.size}}
+                "row_slots": {"free": s.rows.num_free, "total": s.rows.size},
+                "pipelined": self.engine.pipelined, "auto_ticks": _auto_ticks(self.engine)}
 
     def prometheus(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _auto_ticks(engine: Engine) -> dict[str, int]:
+    core = engine.core
+    return {"ahead": core.ahead_ticks, "behind": core.behind_ticks}
+
+
+class _AutoTicks:
+    """``bubblefree_auto_ticks_total{choice}``: the ticks ``pipelined="auto"``
+    left its step in flight (ahead) or committed it at once (behind), read
+    from the engine when scraped."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def describe(self) -> list:
+        return [CounterMetricFamily("bubblefree_auto_ticks", _AUTO_DOC, labels=("choice",))]
+
+    def collect(self) -> list:
+        family = CounterMetricFamily("bubblefree_auto_ticks", _AUTO_DOC, labels=("choice",))
+        for choice, n in _auto_ticks(self.engine).items():
+            family.add_metric((choice,), n)
+        return [family]
+
+
+_AUTO_DOC = "Ticks of the auto mode, by its choice: the next step launched ahead of the commit, or behind it"
