@@ -75,6 +75,13 @@ class GraphSet:
         eagerly. Returns whether graphs are in use."""
         if not self.enabled:
             return False
+        # Set-up queued on other streams (a backend's buffers are made on the
+        # default stream: ``last_token``'s zeros, the KV cache, the rotary
+        # tables) must be done before the warm-ups really run on this one:
+        # streams do not wait for each other, and a step that read a token id
+        # before its zeros landed read out of bounds (an illegal address, now
+        # and then). Captures run at build time only: a whole-device wait is free.
+        torch.cuda.synchronize(self.device)
         try:
             for key, prepare, fn in items:
                 prepare()

@@ -63,6 +63,32 @@ def test_slots_use_pinned_buffers_events_and_two_streams():
     assert len(be._sample_graphs) == 2 * 2 * len(be._rows)
 
 
+def test_captures_wait_for_the_set_up_on_the_default_stream(monkeypatch):
+    # A backend makes its buffers on the default stream (the runner's
+    # last_token zeros among them) and warms its graphs up on the compute
+    # stream, which does not wait for the default one by itself: a warm-up
+    # that read a token id before its zeros landed read out of bounds. Held
+    # back on purpose (about a second of device sleep after the runner's
+    # set-up), the default stream must still be idle at every capture.
+    from bubblefree.cuda_backend.graphs import GraphSet
+    from bubblefree.cuda_backend.runner import ModelRunner
+    idle = []
+    capture, init = GraphSet.capture, ModelRunner.__init__
+
+    def watched(self, key, fn):
+        idle.append(torch.cuda.default_stream(self.device).query())
+        return capture(self, key, fn)
+
+    def late(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        torch.cuda._sleep(2_000_000_000)
+
+    monkeypatch.setattr(GraphSet, "capture", watched)
+    monkeypatch.setattr(ModelRunner, "__init__", late)
+    small(tiny_model("llama", device="cuda"))
+    assert idle and all(idle)
+
+
 @pytest.mark.parametrize("arch", ["llama", "phi", "qwen2"])
 def test_graphs_decode_like_transformers_in_float32(arch):
     model = tiny_model(arch, device="cuda")
