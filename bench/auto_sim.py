@@ -32,8 +32,11 @@ MODES = ((True, "pipelined"), (False, "blocking"), ("auto", "auto"))
 STREAMS = (1, 8, 32)
 # A prefill step costs PREFILL + PREFILL_PER_ROW x its rows decode forwards:
 # by default a fixed three (a text prefill of short prompts); moondream2's
-# image prefill of one image is about ten, and grows with its rows.
-PREFILL, PREFILL_PER_ROW = 3.0, 0.0
+# image prefill of one image is about ten, and grows with its rows. Its
+# launch call costs PREFILL_LAUNCH times a decode step's host time: 1 by
+# default; about 9 for moondream2's image prefill (1.3-1.5 ms against
+# 0.15-0.2 on the H200, docs/runs/vlm-timeline-2026-12-01.txt).
+PREFILL, PREFILL_PER_ROW, PREFILL_LAUNCH = 3.0, 0.0, 1.0
 # (name, decode forward, launch host, finalize host, commit host per row)
 REGIMES = (("device-bound", 1.0, 0.1, 0.05, 0.002),
            ("balanced", 0.4, 0.15, 0.1, 0.002),
@@ -72,8 +75,8 @@ def requests(p: float | None, n: int, seed: int) -> list[Request]:
                     decode_state=lambda s=rng.random(): Ending(random.Random(s), p)) for _ in range(n)]
 
 
-def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
-        think: float = 0.0, prefill: tuple[float, float] = (PREFILL, PREFILL_PER_ROW)) -> tuple[float, list]:
+def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request], think: float = 0.0,
+        prefill: tuple[float, float, float] = (PREFILL, PREFILL_PER_ROW, PREFILL_LAUNCH)) -> tuple[float, list]:
     """Simulated time to answer ``reqs`` with ``streams`` callers, each
     sending its next request ``think`` after its last one's end reached it,
     and the outputs."""
@@ -82,10 +85,11 @@ def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
     # scheduler's commit, where the engine's clock sees it, as it sees the
     # real commit's bookkeeping (the fake's own commit costs fall inside
     # ``wait``, where they would pass for device time).
-    fixed, per_row_prefill = prefill
+    fixed, per_row_prefill, prefill_launch = prefill
     timing = Timing(forward=lambda w: forward * (1.0 if w.kind.value == "decode" else
                                                  fixed + per_row_prefill * w.rows),
-                    sampling=0.0, copy=0.0, launch_cost=launch, finalize_cost=finalize,
+                    sampling=0.0, copy=0.0, finalize_cost=finalize,
+                    launch_cost=lambda w: launch * (1.0 if w.kind.value == "decode" else prefill_launch),
                     commit_cost_per_row=0.0, release_cost=lambda w: per_row * w.rows)
     backend = FakeBackend(model=FakeModel(), timing=timing, max_rows=streams, max_seqs=4 * streams,
                           num_pages=8192, page_size=16, max_prefill_tokens=64 * streams)
@@ -114,8 +118,8 @@ def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
     return backend.clock.host, [h.result.tokens for h in handles]
 
 
-def cell(regime: tuple, streams: int, p: float | None, think: float, seeds: int,
-         per_stream: int, prefill: tuple[float, float] = (PREFILL, PREFILL_PER_ROW)) -> dict[str, float]:
+def cell(regime: tuple, streams: int, p: float | None, think: float, seeds: int, per_stream: int,
+         prefill: tuple[float, float, float] = (PREFILL, PREFILL_PER_ROW, PREFILL_LAUNCH)) -> dict[str, float]:
     times = dict.fromkeys((name for _, name in MODES), 0.0)
     for seed in range(seeds):
         reqs = requests(p, max(per_stream * streams, 24), seed)
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--prefill", type=float, default=PREFILL, help="a prefill step's fixed cost, in forwards")
     ap.add_argument("--prefill-per-row", type=float, default=PREFILL_PER_ROW,
                     help="and its cost per row, in forwards")
+    ap.add_argument("--prefill-launch", type=float, default=PREFILL_LAUNCH,
+                    help="a prefill's launch call, in decode launches' host time")
     ap.add_argument("--out", default="docs/auto-sim.md", help="append the table here ('' for none)")
     args = ap.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> str:
             for caller, think in CALLERS:
                 for n in streams:
                     t = cell(regime, n, p, think, args.seeds, args.per_stream,
-                             (args.prefill, args.prefill_per_row))
+                             (args.prefill, args.prefill_per_row, args.prefill_launch))
                     ratio = min(t["pipelined"], t["blocking"]) / t["auto"]
                     misses += ratio < 0.98
                     lines.append(f"| {regime[0]} | {skill} | {caller} | {n} | {t['pipelined']:.1f} | "
@@ -163,9 +169,11 @@ def main(argv: list[str] | None = None) -> str:
             "# Auto's choice on the simulated GPU\n\n`python -m bubblefree.bench.auto_sim`: simulated time "
             "to answer every request (lower is better), the sum over the seeds.\n")
         header = (f"## {datetime.date.today().isoformat()}, a prefill of {args.prefill:g} forwards "
-                  f"and {args.prefill_per_row:g} a row\n\nCommand: `python -m bubblefree.bench.auto_sim "
+                  f"and {args.prefill_per_row:g} a row, its launch {args.prefill_launch:g} decode launches"
+                  f"\n\nCommand: `python -m bubblefree.bench.auto_sim "
                   f"--seeds {args.seeds} --per-stream {args.per_stream} --streams {args.streams} "
-                  f"--prefill {args.prefill:g} --prefill-per-row {args.prefill_per_row:g}`. "
+                  f"--prefill {args.prefill:g} --prefill-per-row {args.prefill_per_row:g} "
+                  f"--prefill-launch {args.prefill_launch:g}`. "
                   f"Decode forward, launch, finalize and per-row commit host costs per regime: "
                   + "; ".join(f"{r[0]} {r[1]}, {r[2]}, {r[3]}, {r[4]}" for r in REGIMES)
                   + f"; a prefill costs {args.prefill:g} forwards and {args.prefill_per_row:g} a row; "
