@@ -134,6 +134,30 @@ def test_a_prefills_device_and_launch_times_stay_out_of_the_decode_figures():
     assert not launch_ahead(4, 1.0, t.bubble, (10.0 + 1.0) / 2)
 
 
+def test_another_kind_s_costlier_launch_call_stays_out_of_a_decode_sample():
+    """Between two decode arrivals the host launched an image prefill, its
+    call 1.5 s where a decode launch takes 0.25: the later arrival was seen
+    1.25 s late by a host that was busy, not by the device. Counted in,
+    the forward rose and leaned the rule behind where pipelined won."""
+    clock = FakeClock()
+    t = Timings(clock)
+    clock.now = 0.25
+    t.launched(0, started=0.0)  # decode, 0.25 s launch call
+    clock.now = 1.0
+    t.arrived(0)  # sample 0.75
+    clock.now = 1.25
+    t.launched(1, started=1.0)  # decode, launched behind
+    clock.now = 2.75
+    t.launched(2, started=1.25, kind=StepKind.IMAGE_PREFILL)  # a 1.5-s launch call
+    t.arrived(1)  # at 2.75: 1.5 s after its launch, 1.25 of it the prefill's call beyond a decode launch's
+    assert t.forward == pytest.approx(0.75 + 0.2 * (0.25 - 0.75))
+    clock.now = 3.0
+    t.launched(3, started=2.75)  # no other kind's call in its gap: the whole gap is the sample
+    clock.now = 4.0
+    t.arrived(3)
+    assert t.forward == pytest.approx(0.65 + 0.2 * (1.0 - 0.65))
+
+
 def test_a_forgotten_step_takes_no_sample_when_it_arrives():
     clock = FakeClock()
     t = Timings(clock)
