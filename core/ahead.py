@@ -94,7 +94,7 @@ def outlook(sched: "Scheduler", rates: "EndRates",
     rows, may, last = pending
     if not may:  # the common tick of a skill that ends at known tokens: no need to foresee v
         return rows, last * follow, ()
-    return rows, _zombies(sched, rates, follow, may, last, _taken(sched)), tuple(may)
+    return rows, _zombies(_rates(rates, may), follow, may, last, _taken(sched)), tuple(may)
 
 
 def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
@@ -120,7 +120,7 @@ def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
     if ahead_hi or not launch_ahead(rows, sum(rate[k] * lo for _, k in may) + last * follow,
                                     bubble, forward):
         return ahead_hi, tuple(may)
-    return launch_ahead(rows, _zombies(sched, rates, follow, may, last, _taken(sched)),
+    return launch_ahead(rows, _zombies(rate, follow, may, last, _taken(sched)),
                         bubble, forward), tuple(may)
 
 
@@ -155,9 +155,11 @@ def _rates(rates: "EndRates", may: list[tuple[int, Hashable]]) -> dict[Hashable,
     return {skill: rates.rate(skill) for skill in {k for _, k in may}}
 
 
-def _zombies(sched: "Scheduler", rates: "EndRates", follow: float,
+def _zombies(rate: dict[Hashable, float], follow: float,
              may: list[tuple[int, Hashable]], last: int, taken: set[int]) -> float:
-    rate = _rates(rates, may)
+    """The rule's ``z``: each row that may end by its skill's ``rate``,
+    weighted 1 where v takes it and ``follow`` elsewhere, and ``follow``
+    for each of the ``last`` rows at their last token."""
     return sum(rate[skill] * (1.0 if sid in taken else follow) for sid, skill in may) + last * follow
 
 
