@@ -130,17 +130,20 @@ def _pending(sched: "Scheduler") -> tuple[int, list[tuple[int, Hashable]], int] 
     if not sched.inflight or sched.pool.free_slot() is None:
         return None
     step = sched.inflight[-1]  # u: with a slot free, the only step in flight
-    seqs, masks, mask_ids = sched.seqs, sched.masks, step.mask_ids
+    seqs, masks = sched.seqs, sched.masks
     may: list[tuple[int, Hashable]] = []
     last = 0
-    for row, sid in enumerate(step.seq_ids):  # every row at every tick: kept lean
+    # Every row at every tick, so kept lean: at 64 rows this loop is most of
+    # auto's host work over pipelined's. u was finalized: its masks are set.
+    for sid, mask_id in zip(step.seq_ids, step.mask_ids, strict=True):
         s = seqs.get(sid)
         if s is None or s.phase in ENDED:  # ended or cancelled (``finalized``): it ends at no commit
             continue
         request = s.request
         if len(s.tokens) + 1 >= request.max_tokens:
             last += 1  # u's token is its last: it surely ends, and v does not take it (``policy``)
-        elif may_end(s, mask_ids[row], masks):  # u was finalized when launched: masks
+        elif (request.stop_ids or s.state is not None) and may_end(s, mask_id, masks):
+            # (neither a stop id nor a skill: only the length cap ends it, ``may_end``'s False)
             may.append((sid, request.skill))
     return len(step.seq_ids), may, last
 
