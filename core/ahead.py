@@ -142,9 +142,12 @@ def _pending(sched: "Scheduler") -> tuple[int, list[tuple[int, Hashable]], int] 
         request = s.request
         if len(s.tokens) + 1 >= request.max_tokens:
             last += 1  # u's token is its last: it surely ends, and v does not take it (``policy``)
-        elif (request.stop_ids or s.state is not None) and may_end(s, mask_id, masks):
-            # (neither a stop id nor a skill: only the length cap ends it, ``may_end``'s False)
+        elif request.stop_ids:
+            if may_end(s, mask_id, masks):
+                may.append((sid, request.skill))
+        elif s.state is not None and _skill_may_end(s.state):  # ``may_end`` without a stop id
             may.append((sid, request.skill))
+        # (neither a stop id nor a skill: only the length cap ends it, ``may_end``'s False)
     return len(step.seq_ids), may, last
 
 
@@ -174,11 +177,14 @@ def may_end(s: Sequence, mask_id: int | None, masks: Mapping[int, frozenset[int]
     stops = s.request.stop_ids
     if stops and (mask_id is None or mask_id not in masks or not stops.isdisjoint(masks[mask_id])):
         return True
+    return s.state is not None and _skill_may_end(s.state)  # no skill and no stop id: it cannot end
+
+
+def _skill_may_end(state: Any) -> bool:
+    """A skill's own ``may_end()``; True where it does not say, or raises."""
     try:
-        ask: Any = getattr(s.state, "may_end", None)  # a property may raise too
-        if ask is None:  # no skill and no stop id: it cannot end; a skill that does not say: it may
-            return s.state is not None
-        return bool(ask())
+        ask: Any = getattr(state, "may_end", None)  # a property may raise too
+        return True if ask is None else bool(ask())
     except Exception:  # noqa: BLE001 - the skill's bug shows where it fails its request
         return True
 
