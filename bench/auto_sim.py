@@ -44,18 +44,23 @@ REGIMES = (("device-bound", 1.0, 0.1, 0.05, 0.002),
 # (name, the time from an end reaching its caller to the caller's next request):
 # an in-process loop, and a client a network away (a decode forward's time)
 CALLERS = (("next at once", 0.0), ("next after 1.0", 1.0))
-# (name, chance a request ends at each token after its first, or None: ends at a fixed length)
-SKILLS = (("text", 0.02), ("ends 30%", 0.3), ("ends 90%", 0.9), ("point (3 tokens)", None))
+# (name, chance a request ends at each token after its first, or None: ends at its third token,
+# and whether it also says it may end at its first, as an object list does where it may be empty)
+SKILLS = (("text", 0.02, False), ("ends 30%", 0.3, False), ("ends 90%", 0.9, False),
+          ("point (3 tokens)", None, False), ("detect (3 tokens, may end at 1)", None, True))
 
 
 @attrs.define
 class Ending:
     """A skill that ends at each token with chance ``p`` (drawn from its own
     seeded stream, so every mode sees the same ends), or, with ``p`` None,
-    at its third token, saying so (``may_end``) only there, as point does."""
+    at its third token, saying so (``may_end``) only there, as point does,
+    or (``early``) there and at its first, as moondream2's object lists
+    do: their first token may be the end of an empty list."""
 
     rng: random.Random
     p: float | None
+    early: bool = False
     at: int = 0
 
     def mask_id(self) -> None:
@@ -66,13 +71,13 @@ class Ending:
         return self.at == 3 if self.p is None else self.rng.random() < self.p
 
     def may_end(self) -> bool:
-        return self.p is not None or self.at == 2
+        return self.p is not None or self.at == 2 or (self.early and self.at == 0)
 
 
-def requests(p: float | None, n: int, seed: int) -> list[Request]:
+def requests(p: float | None, n: int, seed: int, early: bool = False) -> list[Request]:
     rng = random.Random(seed)
     return [Request(prompt=(1, 2, 3), max_tokens=40, skill="sim",
-                    decode_state=lambda s=rng.random(): Ending(random.Random(s), p)) for _ in range(n)]
+                    decode_state=lambda s=rng.random(): Ending(random.Random(s), p, early)) for _ in range(n)]
 
 
 def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request], think: float = 0.0,
@@ -119,10 +124,11 @@ def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
 
 
 def cell(regime: tuple, streams: int, p: float | None, think: float, seeds: int, per_stream: int,
-         prefill: tuple[float, float, float] = (PREFILL, PREFILL_PER_ROW, PREFILL_LAUNCH)) -> dict[str, float]:
+         prefill: tuple[float, float, float] = (PREFILL, PREFILL_PER_ROW, PREFILL_LAUNCH),
+         early: bool = False) -> dict[str, float]:
     times = dict.fromkeys((name for _, name in MODES), 0.0)
     for seed in range(seeds):
-        reqs = requests(p, max(per_stream * streams, 24), seed)
+        reqs = requests(p, max(per_stream * streams, 24), seed, early)
         outputs = {}
         for pipelined, name in MODES:
             t, outputs[name] = run(pipelined, regime, streams, reqs, think, prefill)
@@ -142,18 +148,27 @@ def main(argv: list[str] | None = None) -> str:
                     help="and its cost per row, in forwards")
     ap.add_argument("--prefill-launch", type=float, default=PREFILL_LAUNCH,
                     help="a prefill's launch call, in decode launches' host time")
+    ap.add_argument("--skills", default=None, help="a comma-separated subset of the skills, each by its "
+                    "name or its name's first word (default: all)")
     ap.add_argument("--out", default="docs/auto-sim.md", help="append the table here ('' for none)")
     args = ap.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
+    skills = SKILLS
+    if args.skills:
+        wanted = set(args.skills.split(","))
+        skills = tuple(k for k in SKILLS if k[0] in wanted or k[0].split()[0] in wanted)
+        unknown = wanted - {k[0] for k in skills} - {k[0].split()[0] for k in skills}
+        if unknown:
+            ap.error(f"--skills: unknown {sorted(unknown)}; the skills are {[k[0] for k in SKILLS]}")
     lines = ["| regime | skill | callers | streams | pipelined | blocking | auto | auto ÷ better |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     misses = 0
     for regime in REGIMES:
-        for skill, p in SKILLS:
+        for skill, p, early in skills:
             for caller, think in CALLERS:
                 for n in streams:
                     t = cell(regime, n, p, think, args.seeds, args.per_stream,
-                             (args.prefill, args.prefill_per_row, args.prefill_launch))
+                             (args.prefill, args.prefill_per_row, args.prefill_launch), early)
                     ratio = min(t["pipelined"], t["blocking"]) / t["auto"]
                     misses += ratio < 0.98
                     lines.append(f"| {regime[0]} | {skill} | {caller} | {n} | {t['pipelined']:.1f} | "

@@ -35,7 +35,9 @@ miss v, planned before the end reached it. So::
 
 ``z`` sums, over u's rows that may end there (a stop id its mask allows,
 or a skill whose ``may_end()`` says so), that skill's measured rate of
-ending when it may, weighted 1 for a row v takes and, for the others, by
+ending when it may at that token of its output (``EndRates``: a point's
+first token may be the end of an empty list and rarely is, its last
+always is), weighted 1 for a row v takes and, for the others, by
 the measured share of ends followed by a new request before the next
 launch (``Successors``: an HTTP client's next request comes too late to
 matter, an in-process loop's does not); ``n`` is u's row count.
@@ -64,6 +66,8 @@ if TYPE_CHECKING:
     from bubblefree.core.scheduler import Scheduler
 
 SMOOTHING = 0.2  # weight of the newest sample in each running mean
+POSITIONS = 8  # end rates per token position up to here; later positions share this one (``EndRates``)
+PRIOR = 2.0  # a position's end rate starts at its skill's, as if from this many chances
 MODES = (True, False, "auto")  # ``Engine.pipelined``: always ahead, never (blocking), chosen per tick
 
 
@@ -80,13 +84,14 @@ def launch_ahead(rows: int, zombies: float, bubble: float, forward: float) -> bo
 
 
 def outlook(sched: "Scheduler", rates: "EndRates",
-            follow: float = 0.0) -> tuple[int, float, tuple[tuple[int, Hashable], ...]]:
+            follow: float = 0.0) -> tuple[int, float, tuple[tuple[int, Hashable, int], ...]]:
     """What the core knows at the end of a tick, without the device: the row
     count of the uncommitted step u, the expected cost in rows of launching
     the next step v ahead of its commit (the rule's ``z``: each row of u that
-    may end, by its skill's rate, weighted 1 where v takes it and ``follow``
-    elsewhere; ``follow`` for each row at its last token), and u's rows that
-    may end ((seq id, skill) pairs, for ``EndRates``). Pure: it plans
+    may end, by its skill's rate at that token, weighted 1 where v takes it
+    and ``follow`` elsewhere; ``follow`` for each row at its last token), and
+    u's rows that may end ((seq id, skill, position) triples, for
+    ``EndRates``). Pure: it plans
     nothing and admits nobody."""
     pending = _pending(sched)
     if pending is None:
@@ -98,7 +103,7 @@ def outlook(sched: "Scheduler", rates: "EndRates",
 
 
 def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
-           forward: float) -> tuple[bool, tuple[tuple[int, Hashable], ...]]:
+           forward: float) -> tuple[bool, tuple[tuple[int, Hashable, int], ...]]:
     """``launch_ahead`` of ``outlook``'s rows and ``z``, and u's rows that may
     end: the same answer, found with less host work, which at 64 rows is
     what a host-bound step is made of. ``z`` lies between its value with
@@ -116,22 +121,22 @@ def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
     # (no more) than that row's there: rounding keeps the order of the sums.
     rate = _rates(rates, may)
     lo, hi = min(1.0, follow), max(1.0, follow)
-    ahead_hi = launch_ahead(rows, sum(rate[k] * hi for _, k in may) + last * follow, bubble, forward)
-    if ahead_hi or not launch_ahead(rows, sum(rate[k] * lo for _, k in may) + last * follow,
+    ahead_hi = launch_ahead(rows, sum(rate[k, at] * hi for _, k, at in may) + last * follow, bubble, forward)
+    if ahead_hi or not launch_ahead(rows, sum(rate[k, at] * lo for _, k, at in may) + last * follow,
                                     bubble, forward):
         return ahead_hi, tuple(may)
     return launch_ahead(rows, _zombies(rate, follow, may, last, _taken(sched)),
                         bubble, forward), tuple(may)
 
 
-def _pending(sched: "Scheduler") -> tuple[int, list[tuple[int, Hashable]], int] | None:
+def _pending(sched: "Scheduler") -> tuple[int, list[tuple[int, Hashable, int]], int] | None:
     """u's row count, its rows that may end, and its rows at their last
     token; None when nothing is in flight or no slot is free for v."""
     if not sched.inflight or sched.pool.free_slot() is None:
         return None
     step = sched.inflight[-1]  # u: with a slot free, the only step in flight
     seqs, masks = sched.seqs, sched.masks
-    may: list[tuple[int, Hashable]] = []
+    may: list[tuple[int, Hashable, int]] = []
     last = 0
     # Every row at every tick, so kept lean: at 64 rows this loop is most of
     # auto's host work over pipelined's. u was finalized: its masks are set.
@@ -139,14 +144,14 @@ def _pending(sched: "Scheduler") -> tuple[int, list[tuple[int, Hashable]], int] 
         s = seqs.get(sid)
         if s is None or s.phase in ENDED:  # ended or cancelled (``finalized``): it ends at no commit
             continue
-        request = s.request
-        if len(s.tokens) + 1 >= request.max_tokens:
+        request, at = s.request, len(s.tokens)  # u's token is the row's only one uncommitted
+        if at + 1 >= request.max_tokens:
             last += 1  # u's token is its last: it surely ends, and v does not take it (``policy``)
         elif request.stop_ids:
             if may_end(s, mask_id, masks):
-                may.append((sid, request.skill))
+                may.append((sid, request.skill, at if at < POSITIONS else POSITIONS))
         elif s.state is not None and _skill_may_end(s.state):  # ``may_end`` without a stop id
-            may.append((sid, request.skill))
+            may.append((sid, request.skill, at if at < POSITIONS else POSITIONS))
         # (neither a stop id nor a skill: only the length cap ends it, ``may_end``'s False)
     return len(step.seq_ids), may, last
 
@@ -157,16 +162,16 @@ def _taken(sched: "Scheduler") -> set[int]:
     return {s.seq_id for s in chosen[1]} if chosen is not None and chosen[0] is StepKind.DECODE else set()
 
 
-def _rates(rates: "EndRates", may: list[tuple[int, Hashable]]) -> dict[Hashable, float]:
-    return {skill: rates.rate(skill) for skill in {k for _, k in may}}
+def _rates(rates: "EndRates", may: list[tuple[int, Hashable, int]]) -> dict[tuple[Hashable, int], float]:
+    return {key: rates.rate(*key) for key in {(skill, at) for _, skill, at in may}}
 
 
-def _zombies(rate: dict[Hashable, float], follow: float,
-             may: list[tuple[int, Hashable]], last: int, taken: set[int]) -> float:
-    """The rule's ``z``: each row that may end by its skill's ``rate``,
-    weighted 1 where v takes it and ``follow`` elsewhere, and ``follow``
-    for each of the ``last`` rows at their last token."""
-    return sum(rate[skill] * (1.0 if sid in taken else follow) for sid, skill in may) + last * follow
+def _zombies(rate: dict[tuple[Hashable, int], float], follow: float,
+             may: list[tuple[int, Hashable, int]], last: int, taken: set[int]) -> float:
+    """The rule's ``z``: each row that may end by its skill's ``rate`` at
+    its token, weighted 1 where v takes it and ``follow`` elsewhere, and
+    ``follow`` for each of the ``last`` rows at their last token."""
+    return sum(rate[skill, at] * (1.0 if sid in taken else follow) for sid, skill, at in may) + last * follow
 
 
 def may_end(s: Sequence, mask_id: int | None, masks: Mapping[int, frozenset[int]]) -> bool:
@@ -192,18 +197,34 @@ def _skill_may_end(state: Any) -> bool:
 @attrs.define
 class EndRates:
     """Per skill (``Request.skill``, None for plain requests): how often a row
-    that may end at a step did end there. Starts at one half (a prior of one
-    end in two chances), so a skill learns within a few steps."""
+    that may end at a step did end there, over all its tokens, and at each
+    token position (the output's first ``POSITIONS``; later ones share one).
+    A structured answer's chances differ by position: an object list's
+    first token may end an empty list and, where objects are found, does
+    not; its last object's last token always does. Pooled, the two made
+    one half, and auto blocked before every first token for nothing.
+
+    The pooled rate starts at one half (a prior of one end in two chances);
+    a position's starts at the pooled rate (a prior of ``PRIOR`` chances
+    ending at it), so a new position or skill learns within a few steps."""
 
     counts: dict[Hashable, tuple[int, int]] = attrs.Factory(dict)  # skill -> (ended, chances)
+    at: dict[tuple[Hashable, int], tuple[int, int]] = attrs.Factory(dict)  # (skill, position) -> the same
 
-    def rate(self, skill: Hashable) -> float:
+    def rate(self, skill: Hashable, position: int | None = None) -> float:
         ended, chances = self.counts.get(skill, (0, 0))
-        return (ended + 1) / (chances + 2)
+        pooled = (ended + 1) / (chances + 2)
+        if position is None:
+            return pooled
+        ended, chances = self.at.get((skill, position), (0, 0))
+        return (ended + PRIOR * pooled) / (chances + PRIOR)
 
-    def record(self, skill: Hashable, ended: bool) -> None:
+    def record(self, skill: Hashable, ended: bool, position: int | None = None) -> None:
         e, c = self.counts.get(skill, (0, 0))
         self.counts[skill] = (e + ended, c + 1)
+        if position is not None:
+            e, c = self.at.get((skill, position), (0, 0))
+            self.at[skill, position] = (e + ended, c + 1)
 
 
 def _mean(old: float | None, sample: float) -> float:

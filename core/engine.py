@@ -75,7 +75,8 @@ class Engine:
     _ids: Iterator[int] = attrs.Factory(itertools.count)
     _outbox: collections.deque = attrs.Factory(collections.deque)  # (handle, token | None)
     _delivering: bool = False
-    _may_end: tuple[tuple[int, Hashable], ...] = ()  # rows that may end at the pending commit
+    # Rows that may end at the pending commit: (seq id, skill, position), for ``EndRates``.
+    _may_end: tuple[tuple[int, Hashable, int], ...] = ()
     # Auto's choices so far, for a user to see how often it blocks: ticks
     # that left their step in flight, and ticks that committed it at once.
     ahead_ticks: int = 0
@@ -175,11 +176,12 @@ class Engine:
         return ahead
 
     def _learn(self) -> None:
-        """Count, per skill, whether the rows that could end at the commit the
-        last choice was about did (a cancel in between counts as an end)."""
-        for sid, skill in self._may_end:
+        """Count, per skill and position, whether the rows that could end at
+        the commit the last choice was about did (a cancel in between counts
+        as an end)."""
+        for sid, skill, at in self._may_end:
             seq = self.scheduler.seqs.get(sid)
-            self.end_rates.record(skill, seq is None or seq.finalized)
+            self.end_rates.record(skill, seq is None or seq.finalized, at)
         self._may_end = ()
 
     def run_until_idle(self, max_ticks: int | None = None) -> None:

@@ -70,6 +70,18 @@ def test_end_rates_start_at_a_half_and_learn_per_skill():
     assert rates.rate(None) == 0.1 and rates.rate("point") == 2 / 3
 
 
+def test_a_position_s_end_rate_starts_at_its_skill_s_and_learns_apart():
+    rates = EndRates()
+    for _ in range(4):  # an object list: never empty, its last object's token always ends it
+        rates.record("detect", False, 0)
+        rates.record("detect", True, 2)
+    assert rates.rate("detect") == 0.5  # pooled, the two chances look alike
+    assert rates.rate("detect", 0) == pytest.approx((0 + 2 * 0.5) / (4 + 2))
+    assert rates.rate("detect", 2) == pytest.approx((4 + 2 * 0.5) / (4 + 2))
+    assert rates.rate("detect", 5) == rates.rate("detect")  # a position not seen yet: the skill's rate
+    assert rates.rate("point", 0) == 0.5  # a skill not seen yet: the prior
+
+
 # --------------------------------------------------------- measurements
 @attrs.define
 class FakeClock:
@@ -306,8 +318,8 @@ def test_when_a_prefill_is_next_a_row_that_may_end_weighs_as_its_callers_follow(
     # Row 0 may end at the pending decode; the prefill launched ahead does
     # not take it, so it is no zombie: it costs only a next request that
     # would miss the prefill, as often as callers send one.
-    assert outlook(sched, EndRates()) == (1, 0.0, ((0, None),))
-    assert outlook(sched, EndRates(), follow=0.5) == (1, 0.25, ((0, None),))
+    assert outlook(sched, EndRates()) == (1, 0.0, ((0, None, 1),))  # (seq id, skill, position)
+    assert outlook(sched, EndRates(), follow=0.5) == (1, 0.25, ((0, None, 1),))
 
 
 def test_preview_alternates_like_the_launch_it_foresees():
@@ -322,7 +334,7 @@ def test_preview_alternates_like_the_launch_it_foresees():
 def test_outlook_counts_only_the_rows_the_pending_mask_lets_end():
     sched = scheduler(CAP, plain(), plain(decode_state=Quiet))
     launch(sched)  # both prefilled; row 1 masked to {1, 2, 3} and cannot end
-    assert outlook(sched, EndRates()) == (2, 0.5, ((0, None),))
+    assert outlook(sched, EndRates()) == (2, 0.5, ((0, None, 0),))
 
 
 def test_outlook_weighs_each_row_by_its_skills_rate():
@@ -332,7 +344,7 @@ def test_outlook_weighs_each_row_by_its_skills_rate():
     sched = scheduler(CAP, plain(), plain(skill="point"))
     launch(sched)
     rows, zombies, may = outlook(sched, rates)
-    assert (rows, may) == (2, ((0, None), (1, "point"))) and zombies == pytest.approx(1.0)
+    assert (rows, may) == (2, ((0, None, 0), (1, "point", 0))) and zombies == pytest.approx(1.0)
     assert rates.rate(None) != rates.rate("point")
 
 
@@ -555,7 +567,7 @@ def test_a_row_at_its_last_token_weighs_its_callers_share_and_teaches_no_rate():
     launch(sched)  # row 0's second token is its last; row 1 (stop id 0) may end
     rows, zombies, may = outlook(sched, EndRates(), follow=0.5)
     # Row 0: certain, weighs 0.5; row 1: rate ½, taken by the next decode: 0.5.
-    assert (rows, zombies, may) == (2, 1.0, ((1, None),))
+    assert (rows, zombies, may) == (2, 1.0, ((1, None, 1),))
 
 
 def test_closed_loops_that_end_by_length_go_behind_at_each_last_token():
@@ -568,3 +580,35 @@ def test_closed_loops_that_end_by_length_go_behind_at_each_last_token():
     runs = {mode: closed_loop(mode, request=plain_of) for mode in (True, False, "auto")}
     assert runs[True][0] == runs[False][0] == runs["auto"][0]
     assert runs["auto"][2] <= min(runs[True][2], runs[False][2])
+
+
+@attrs.define
+class EmptyOrThree(Three):
+    """Done after three tokens, like ``Three``, but says it may end at its
+    first too, as an object list that could be empty does, and never does
+    there."""
+
+    def may_end(self):
+        return self.at in (0, 2)
+
+
+def test_auto_learns_at_which_token_a_skill_ends_and_goes_ahead_where_it_does_not():
+    # One request at a time, as one stream's caller sends them. Pooled,
+    # the skill's chances end half the time, which blocks both; apart, the
+    # first token's rate falls and the last's rises.
+    backend = FakeBackend(model=FakeModel(), timing=Timing(forward=2.0, sampling=0.0, copy=0.0))
+    engine = Recording(backend, pipelined="auto", clock=lambda: backend.clock.host)
+    per_request = []
+    for _ in range(30):  # the bubble is 1/20 of a forward here: ahead once the first token's rate is below
+        handle = engine.submit(Request(prompt=(3, 5), max_tokens=8, decode_state=EmptyOrThree, skill="detect"))
+        before = len(engine.choices)
+        engine.run_until_idle(max_ticks=50)
+        assert handle.result.tokens == (26, 5, 0)  # I8: what blocking commits (the fake model's tokens)
+        per_request.append(engine.choices[before:])
+    rates = engine.end_rates
+    assert rates.rate("detect") == pytest.approx(0.5, abs=0.05)  # pooled: half the chances end
+    assert rates.rate("detect", 0) < 0.05 and rates.rate("detect", 2) > 0.95
+    assert engine.timings.bubble < 0.05 * engine.timings.forward
+    # Each request: its prefill's token (may end: ahead once learned), its
+    # second (cannot end: ahead), its third (ends: behind, no zombie).
+    assert per_request[-3:] == [[True, True, False]] * 3
