@@ -148,7 +148,7 @@ def _pending(sched: "Scheduler") -> tuple[int, list[tuple[int, Hashable, int]], 
         if at + 1 >= request.max_tokens:
             last += 1  # u's token is its last: it surely ends, and v does not take it (``policy``)
         elif request.stop_ids:
-            if may_end(s, mask_id, masks):
+            if mask_id is None or may_end(s, mask_id, masks):  # unmasked, a stop id may come: ``may_end``'s True
                 may.append((sid, request.skill, at if at < POSITIONS else POSITIONS))
         elif s.state is not None and _skill_may_end(s.state):  # ``may_end`` without a stop id
             may.append((sid, request.skill, at if at < POSITIONS else POSITIONS))
@@ -220,11 +220,15 @@ class EndRates:
         return (ended + PRIOR * pooled) / (chances + PRIOR)
 
     def record(self, skill: Hashable, ended: bool, position: int | None = None) -> None:
+        self.add(skill, position, int(ended), 1)
+
+    def add(self, skill: Hashable, position: int | None, ended: int, chances: int) -> None:
+        """``chances`` at once, ``ended`` of them ended: a tick's rows, tallied."""
         e, c = self.counts.get(skill, (0, 0))
-        self.counts[skill] = (e + ended, c + 1)
+        self.counts[skill] = (e + ended, c + chances)
         if position is not None:
             e, c = self.at.get((skill, position), (0, 0))
-            self.at[skill, position] = (e + ended, c + 1)
+            self.at[skill, position] = (e + ended, c + chances)
 
 
 def _mean(old: float | None, sample: float) -> float:

@@ -44,7 +44,7 @@ from bubblefree.core.handle import Handle
 from bubblefree.core.integrity import InvariantViolation
 from bubblefree.core.pages import pages_needed
 from bubblefree.core.scheduler import Scheduler
-from bubblefree.core.sequence import Sequence
+from bubblefree.core.sequence import ENDED, Sequence
 from bubblefree.core.values import (ImageRef, InvalidRequest, Request, Result, SamplingParams, Status, StepFailed,
                                    bad_prompt_values)
 
@@ -179,9 +179,18 @@ class Engine:
         """Count, per skill and position, whether the rows that could end at
         the commit the last choice was about did (a cancel in between counts
         as an end)."""
+        if not self._may_end:
+            return
+        seqs, tally = self.scheduler.seqs, {}  # (skill, position) -> [ended, chances]: at 64 rows, one or two keys
         for sid, skill, at in self._may_end:
-            seq = self.scheduler.seqs.get(sid)
-            self.end_rates.record(skill, seq is None or seq.finalized, at)
+            seq = seqs.get(sid)
+            counts = tally.get((skill, at))
+            if counts is None:
+                counts = tally[skill, at] = [0, 0]
+            counts[0] += seq is None or seq.phase in ENDED
+            counts[1] += 1
+        for (skill, at), (ended, chances) in tally.items():
+            self.end_rates.add(skill, at, ended, chances)
         self._may_end = ()
 
     def run_until_idle(self, max_ticks: int | None = None) -> None:

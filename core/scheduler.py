@@ -32,6 +32,8 @@ from bubblefree.core.sequence import Phase, Sequence
 from bubblefree.core.slots import DecodeSlot, SlotPool, SlotState, Step
 from bubblefree.core.values import SamplePlan, Status, StepKind, StepOutput, StepPlan, StepRow
 
+DECODE = StepKind.DECODE  # looked up once: an enum member's lookup is slow, and the hot paths ask each step
+
 
 @attrs.define(eq=False)
 class Scheduler:
@@ -111,7 +113,11 @@ class Scheduler:
         if chosen is None:
             return None
         kind, seqs = chosen
-        rows = tuple(self._row(s, kind) for s in seqs)
+        if kind is DECODE:  # its input is read on the device; every row of every step: kept lean
+            rows = tuple(StepRow(s.seq_id, s.row_slot, (), s.kv_len, s.pages, s.request.sampling, s.adapter_slot)
+                         for s in seqs)
+        else:
+            rows = tuple(self._prefill_row(s) for s in seqs)
         return slot, StepPlan(step_id=self._next_step, kind=kind, rows=rows)
 
     def preview(self) -> tuple[StepKind, list[Sequence]] | None:
@@ -119,22 +125,23 @@ class Scheduler:
         queue: pure, for the auto mode's choice (``ahead.outlook``)."""
         return choose_step(self.seqs.values(), self.capacity, self._last_kind)
 
-    def _row(self, s: Sequence, kind: StepKind) -> StepRow:
-        if kind is StepKind.DECODE:  # its input is read on the device
-            return StepRow(seq_id=s.seq_id, row_slot=s.row_slot, tokens=(), position=s.kv_len,
-                           pages=s.pages, sampling=s.request.sampling, adapter_slot=s.adapter_slot)
+    def _prefill_row(self, s: Sequence) -> StepRow:
         return StepRow(seq_id=s.seq_id, row_slot=s.row_slot, tokens=s.request.prompt, position=0,
                        pages=s.pages, sampling=s.request.sampling, adapter_slot=s.adapter_slot,
                        image=s.request.image, prompt_values=s.request.prompt_values)
 
     def launched(self, slot: DecodeSlot, plan: StepPlan) -> Step:
         """The backend accepted ``plan``: every row's sequence gains a ref (I3)."""
-        committing = [st for st in self.inflight if st.kind is StepKind.DECODE]
+        committing = [st for st in self.inflight if st.kind is DECODE]
         slot.move("launch")
         step = Step(step_id=plan.step_id, kind=plan.kind, slot=slot.index,
                     seq_ids=tuple(r.seq_id for r in plan.rows))
         self._next_step += 1
         self._last_kind = plan.kind
+        # The steps in flight that sample values: most steps sample none, and
+        # a row's search through each step's rows, at every row of a decode
+        # step, cost 64 rows x 64 a tick.
+        valued = [st for st in self.inflight if st.value_kinds]
         for sid in step.seq_ids:
             s = self.seqs[sid]
             if plan.kind in PREFILLS:
@@ -146,8 +153,7 @@ class Scheduler:
                 raise InvariantViolation(f"I3: sequence {sid} in {s.inflight_refs} steps")
             if s.inflight_refs == 2:
                 self.probe("two_steps_in_flight_for_one_sequence")
-                if any(st.value_kinds and st.value_kinds[st.seq_ids.index(sid)] for st in self.inflight
-                       if sid in st.seq_ids):
+                if any(st.value_kinds[st.seq_ids.index(sid)] for st in valued if sid in st.seq_ids):
                     # Its input is the value's encoding, on the device: the value is not yet on the host.
                     self.probe("decode_launched_after_an_uncommitted_value")
         self.inflight.append(step)

@@ -277,3 +277,30 @@ def test_an_admitted_request_keeps_nothing_of_its_wait():
     slot, plan = sched.plan_launch()  # 0 is gone: 1 is admitted, its prefill planned
     assert [r.seq_id for r in plan.rows] == [1] and sched.seqs[1].phase is Phase.ADMITTED
     assert seen == ["queued_for_pages", "admitted_after_waiting"] and sched._waited == set()
+
+
+def test_a_decode_row_carries_its_sequence_s_slot_position_pages_and_sampling():
+    # The scheduler builds decode rows positionally (every row of every
+    # step: keyword arguments cost a third more); a reordered StepRow
+    # field would hand a backend swapped values, which this catches.
+    from bubblefree.core import Scheduler, StepKind, StepOutput
+
+    cap = Capacity(num_pages=16, page_size=4, max_rows=4, max_seqs=4, max_prefill_tokens=16, max_context=16)
+    sched = Scheduler(cap)
+    hot = SamplingParams(temperature=0.5, seed=3)
+    for i, sampling in enumerate((SamplingParams(), hot)):
+        sched.add(Sequence(i, Request(prompt=(1, 2, 3), max_tokens=6, sampling=sampling)))
+    for tokens in ((5, 6), (7, 8)):  # the prefill, then a decode, each committed
+        slot, plan = sched.plan_launch()
+        sched.launched(slot, plan)
+        step, _ = sched.plan_finalize()
+        sched.finalized(step)
+        sched.commit(sched.next_commit(), StepOutput(step.step_id, tokens), None)
+    _, plan = sched.plan_launch()
+    assert plan.kind is StepKind.DECODE
+    for row, sampling in zip(plan.rows, (SamplingParams(), hot), strict=True):
+        s = sched.seqs[row.seq_id]
+        assert (row.row_slot, row.tokens, row.position, row.pages, row.sampling, row.adapter_slot) == \
+            (s.row_slot, (), 4, s.pages, sampling, None)  # prompt 3 + one decode launched: position 4
+        assert (row.image, row.prompt_values) == (None, ())
+    assert plan.rows[0].row_slot != plan.rows[1].row_slot and plan.rows[0].pages != plan.rows[1].pages
