@@ -148,7 +148,8 @@ def _pending(sched: "Scheduler") -> tuple[int, list[tuple[int, Hashable, int]], 
         if at + 1 >= request.max_tokens:
             last += 1  # u's token is its last: it surely ends, and v does not take it (``policy``)
         elif request.stop_ids:
-            if mask_id is None or may_end(s, mask_id, masks):  # unmasked, a stop id may come: ``may_end``'s True
+            # Unmasked, a stop id may come: ``may_end``'s True without the call.
+            if mask_id is None or may_end(s, mask_id, masks):
                 may.append((sid, request.skill, at if at < POSITIONS else POSITIONS))
         elif s.state is not None and _skill_may_end(s.state):  # ``may_end`` without a stop id
             may.append((sid, request.skill, at if at < POSITIONS else POSITIONS))

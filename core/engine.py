@@ -181,7 +181,8 @@ class Engine:
         as an end)."""
         if not self._may_end:
             return
-        seqs, tally = self.scheduler.seqs, {}  # (skill, position) -> [ended, chances]: at 64 rows, one or two keys
+        # (skill, position) -> [ended, chances]: at 64 rows, one or two keys a tick
+        seqs, tally = self.scheduler.seqs, {}
         for sid, skill, at in self._may_end:
             seq = seqs.get(sid)
             counts = tally.get((skill, at))

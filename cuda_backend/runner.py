@@ -73,6 +73,10 @@ class ModelRunner:
         # [2 * max_rows + max_rows * max_pages]: the decode graphs' static input
         self.decode_meta = torch.zeros(2 * cap.max_rows + cap.max_rows * self.max_pages,
                                        dtype=torch.long, device=device)
+        # Each row slot's page table on the host, scratch pages past its own
+        # (``pack_decode``), and the pages tuple it was written from.
+        self.host_pages = np.full((cap.max_seqs + 1, self.max_pages), cache.scratch_page, dtype=np.int64)
+        self._pages_of: list[tuple[int, ...] | None] = [None] * (cap.max_seqs + 1)
 
     def use_compiled(self, on: bool) -> None:
         """torch.compile fuses the decode step's small elementwise kernels
@@ -102,15 +106,28 @@ class ModelRunner:
         """Write bucket (b, p)'s metadata into ``staging``; padded rows point
         at the scratch row and scratch page. Returns the element count to copy."""
         row_slots, positions, table = self.meta_views(staging, b, p)
-        row_slots[:] = self.scratch_row
-        positions[:] = 0
-        table[:] = self.cache.scratch_page
-        for i, r in enumerate(plan.rows):
-            row_slots[i] = r.row_slot
-            positions[i] = r.position
-            pages = r.pages[:p]
-            table[i, :len(pages)] = pages
+        rows, n = plan.rows, len(plan.rows)
+        # Each part at once: a host-bound step at 64 rows spent about 45 us
+        # here writing the rows one at a time. A row's page table is a row of
+        # ``host_pages``, written when its pages change (a sequence keeps
+        # them from admission to teardown), so a step copies rows of it.
+        slots = [r.row_slot for r in rows]
+        for r in rows:
+            if self._pages_of[r.row_slot] is not r.pages:
+                self._remember_pages(r.row_slot, r.pages)
+        row_slots[:n] = slots
+        row_slots[n:] = self.scratch_row
+        positions[:n] = [r.position for r in rows]
+        positions[n:] = 0
+        table[:n] = self.host_pages[slots, :p]
+        table[n:] = self.cache.scratch_page
         return 2 * self.cap.max_rows + b * p
+
+    def _remember_pages(self, row_slot: int, pages: tuple[int, ...]) -> None:
+        row, kept = self.host_pages[row_slot], pages[:self.max_pages]  # no bucket reads further
+        row[:] = self.cache.scratch_page
+        row[:len(kept)] = kept
+        self._pages_of[row_slot] = pages
 
     def decode_inputs(self, b: int, p: int) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
         """Input ids ``[B]``, positions ``[B]`` and the attention context of

@@ -84,18 +84,25 @@ def pack_sampling(a: np.ndarray, rows: tuple[StepRow, ...], mask_ids: tuple[int 
     ``[row_slot | mask_id | seed_lo | seed_hi | position | temperature | top_p]``,
     ``b`` each, floats as float64 bits. Padded rows sample into the scratch
     row, unconstrained and greedy. Returns whether every row is greedy."""
-    a[:7 * b] = 0
-    a[:b] = scratch_row
-    a[6 * b:7 * b] = ONE_BITS
-    for i, (r, m) in enumerate(zip(rows, mask_ids)):
-        seed = r.sampling.seed % (1 << 64)
-        a[i], a[b + i] = r.row_slot, UNCONSTRAINED if m is None else m
-        a[2 * b + i], a[3 * b + i] = seed & M32, seed >> 32
-        a[4 * b + i] = r.position + r.num_tokens  # the sampled token's position
+    # Each part a column at once: a host-bound step at 64 rows spent 40-70
+    # us here writing numpy's elements one at a time.
     n = len(rows)
-    a[5 * b:5 * b + n] = np.array([r.sampling.temperature for r in rows]).view(np.int64)
-    a[6 * b:6 * b + n] = np.array([r.sampling.top_p for r in rows]).view(np.int64)
-    return all(r.sampling.temperature == 0 for r in rows)
+    if len(mask_ids) != n:
+        raise ValueError(f"{len(mask_ids)} mask ids for {n} rows")
+    samplings = [r.sampling for r in rows]
+    a[:7 * b] = 0
+    a[:n] = [r.row_slot for r in rows]
+    a[n:b] = scratch_row
+    a[b:b + n] = [UNCONSTRAINED if m is None else m for m in mask_ids]
+    seeds = np.array([s.seed % (1 << 64) for s in samplings], dtype=np.uint64)
+    a[2 * b:2 * b + n] = seeds & np.uint64(M32)
+    a[3 * b:3 * b + n] = seeds >> np.uint64(32)
+    a[4 * b:4 * b + n] = [r.position + r.num_tokens for r in rows]  # the sampled token's position
+    temperatures = [s.temperature for s in samplings]
+    a[5 * b:5 * b + n] = np.array(temperatures, dtype=np.float64).view(np.int64)
+    a[6 * b:6 * b + n] = np.array([s.top_p for s in samplings], dtype=np.float64).view(np.int64)
+    a[6 * b + n:7 * b] = ONE_BITS
+    return not any(temperatures)
 
 
 def unpack_sampling(inputs: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:

@@ -6,17 +6,19 @@ another sequence's pages."""
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from bubblefree.core.protocol import Capacity
-from bubblefree.core.values import StepKind, StepPlan, StepRow
+from bubblefree.core.values import SamplingParams, StepKind, StepPlan, StepRow
 from bubblefree.cuda_backend.graphs import batch_buckets, bucket, page_buckets
 from bubblefree.cuda_backend.kernel_config import Dispatch, KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.runner import ModelRunner, staging_size
+from bubblefree.cuda_backend.sampling import UNCONSTRAINED, pack_sampling, unpack_sampling
 from bubblefree.cuda_backend.token_prefill import TokenPrefill
 
 CAP = Capacity(num_pages=40, page_size=4, max_rows=6, max_seqs=8, max_prefill_tokens=48,
@@ -57,6 +59,8 @@ def test_decode_metadata_sits_at_fixed_offsets(plan_rows):
         assert slots[i] == r.row_slot and positions[i] == r.position
         used = r.position // CAP.page_size + 1  # the pages the kernel may read
         assert list(table[i, :used]) == list(r.pages[:used])
+        kept = r.pages[:p]  # and the rest of its row: its own pages, then the scratch page
+        assert list(table[i]) == list(kept) + [CACHE.scratch_page] * (p - len(kept))
     assert (slots[len(plan_rows):] == RUNNER.scratch_row).all()
     assert (positions[len(plan_rows):] == 0).all()
     assert (table[len(plan_rows):] == CACHE.scratch_page).all()
@@ -111,3 +115,48 @@ def test_an_image_row_of_moondream2_pads_to_768_not_1024():
     from bubblefree.cuda_backend.token_prefill import token_buckets
     sizes = token_buckets(4096, fine_from=730)
     assert bucket(740, sizes) == 768 and bucket(2 * 740, sizes) == 1536 and bucket(4 * 740, sizes) == 3072
+
+
+@st.composite
+def sampled_rows(draw):
+    """Decode rows with any sampling a request may ask for, and their mask ids."""
+    plan_rows = draw(rows(prefill=False))
+    params = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.0, 0.7, 1e-5, 100.0]),
+                       top_p=st.sampled_from([1.0, 0.9, 1e-5]), seed=st.integers(0, 2**64 - 1))
+    plan_rows = tuple(attrs.evolve(r, sampling=draw(params)) for r in plan_rows)
+    masks = tuple(draw(st.lists(st.one_of(st.none(), st.integers(1, 9)),
+                                min_size=len(plan_rows), max_size=len(plan_rows))))
+    return plan_rows, masks
+
+
+@given(sampled_rows(), st.integers(0, 3))
+def test_sampling_inputs_sit_in_their_columns_and_pad_to_greedy_scratch_rows(drawn, extra):
+    plan_rows, masks = drawn
+    n = len(plan_rows)
+    b = n + extra
+    a = np.full(7 * b + 8, -7, dtype=np.int64)
+    greedy = pack_sampling(a, plan_rows, masks, b, RUNNER.scratch_row)
+    slots, mask_ids, seed_lo, seed_hi, position, temperature, top_p = (
+        t.tolist() for t in unpack_sampling(torch.from_numpy(a.copy()), b))
+    assert slots == [r.row_slot for r in plan_rows] + [RUNNER.scratch_row] * extra
+    assert mask_ids == [UNCONSTRAINED if m is None else m for m in masks] + [UNCONSTRAINED] * extra
+    seeds = [lo | hi << 32 for lo, hi in zip(seed_lo, seed_hi)]
+    assert seeds == [r.sampling.seed for r in plan_rows] + [0] * extra
+    assert position == [r.position + 1 for r in plan_rows] + [0] * extra  # a decode row samples the next
+    assert temperature == [np.float32(r.sampling.temperature) for r in plan_rows] + [0.0] * extra
+    assert top_p == [np.float32(r.sampling.top_p) for r in plan_rows] + [1.0] * extra
+    assert greedy is all(r.sampling.temperature == 0 for r in plan_rows)
+    assert (a[7 * b:] == -7).all()  # nothing past the bucket's columns
+
+
+def test_a_row_slot_s_new_pages_replace_the_ones_packed_before():
+    # pack_decode keeps each row slot's page table on the host between
+    # steps; a slot that a new sequence took (new pages) must not keep the
+    # old ones, nor their tail where the new table is shorter.
+    runner = ModelRunner(None, CACHE, CAP, torch.device("cpu"), KernelConfig())
+    staging = np.zeros(staging_size(CAP), dtype=np.int64)
+    for pages in ((3, 4, 5, 6), (7,), (7,)):
+        row = StepRow(seq_id=0, row_slot=2, tokens=(), position=0, pages=pages)
+        runner.pack_decode(StepPlan(0, StepKind.DECODE, (row,)), staging, 1, 4)
+        _, _, table = runner.meta_views(staging, 1, 4)
+        assert list(table[0]) == list(pages) + [CACHE.scratch_page] * (4 - len(pages))
