@@ -8,7 +8,8 @@
 #
 # Knobs (environment): VLM_TESTS (the image path's test files run first;
 # empty: none), TEST_SECONDS (240), PROFILE_MODES (graphs), PROFILE_SECONDS
-# (90 each), VLM_SECONDS (420), PROFILE_ARGS, VLM_ARGS (--tiny and --quick
+# (90 each), VLM_SECONDS (420), VLM_BUDGET (VLM_SECONDS - 120: no cell, nor
+# the peer, starts after it, so the table is written), PROFILE_ARGS, VLM_ARGS (--tiny and --quick
 # --no-peer: a CPU smoke run; --crops-on-host: images cut by Pillow on the callers' threads),
 # LLAVA_SECONDS (180; 0: skip bench.llava_speed, the peer's LLaVA served by cuda_backend/vlm).
 set -u
@@ -36,7 +37,8 @@ for mode in ${PROFILE_MODES:-graphs}; do  # graphs, eager (the prefill before it
 done
 echo "== vlm_speed"
 timeout -k 10 "${VLM_SECONDS:-420}" python3 -m bubblefree.bench.vlm_speed --streams 1,8,32 --sizes 378,756 \
-  --per-stream 3 --out "$out/benchmarks.md" --record "$out/vlm-run-$day.json" ${VLM_ARGS:-} 2>&1 \
+  --per-stream 3 --budget "${VLM_BUDGET:-$(( ${VLM_SECONDS:-420} - 120 ))}" \
+  --out "$out/benchmarks.md" --record "$out/vlm-run-$day.json" ${VLM_ARGS:-} 2>&1 \
   | grep -v -i warn | tee "$out/vlm-speed.txt"
 if [ "${LLAVA_SECONDS:-180}" != 0 ]; then
   echo "== llava_speed (the peer's LLaVA served, against its generate)"

@@ -315,6 +315,10 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="write the table into this markdown file (and the plot beside it)")
     ap.add_argument("--record", default=None, help="write the run's figures as JSON here")
+    ap.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                    help="start no new cell (nor the peer) after this many seconds: the cells left are "
+                         "listed as skipped and the table is still written (default: no bound). A call "
+                         "under a time limit then keeps its table")
     args = ap.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -324,6 +328,12 @@ def main(argv: list[str] | None = None) -> str:
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         ap.error(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    if args.budget is not None and not args.budget >= 0:
+        ap.error(f"--budget: seconds, at least 0, got {args.budget}")
+    started = time.monotonic()
+
+    def over_budget() -> bool:
+        return args.budget is not None and time.monotonic() - started > args.budget
 
     engine = make_engine(args.device, args.quick, not args.crops_on_host, args.torch_greedy,
                          args.torch_inputs)
@@ -332,6 +342,10 @@ def main(argv: list[str] | None = None) -> str:
         for workload in workloads:
             for n in streams:
                 count = args.per_stream * n + 16
+                if over_budget():
+                    rows.append(dict(workload=workload, side=side, streams=n, error="skipped: time budget"))
+                    print(rows[-1], flush=True)
+                    continue
                 try:
                     rows.append(measure(engine, workload, side, n, count, seed=side * 1000 + n,
                                         rounds=args.rounds))
@@ -343,7 +357,10 @@ def main(argv: list[str] | None = None) -> str:
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
     peer: dict[tuple[str, int], dict] = {}
-    if not args.no_peer:
+    if not args.no_peer and over_budget():
+        peer = {(w, n): dict(error="skipped: time budget") for w in workloads for n in streams}
+        crop_ms_peer = None
+    elif not args.no_peer:
         device = torch.device(args.device)
         model = make_peer(device)
         try:

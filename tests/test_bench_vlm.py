@@ -173,3 +173,18 @@ def test_llava_speed_serves_the_peers_model_against_its_generate_and_writes_its_
     assert all(r["same_tokens"] for r in rec["rows"])
     assert all(r["peer"]["req_s"] > 0 for r in rec["rows"])
     assert "vision tower in eager buckets by image count, up to 8 a replay" in rec["model"]  # no CUDA
+
+
+def test_vlm_speed_past_its_budget_lists_the_cells_left_and_still_writes_its_table(tmp_path):
+    record = tmp_path / "run.json"
+    text = vlm_speed.main(["--quick", "--device", "cpu", "--streams", "1,8", "--sizes", "378",
+                           "--workloads", "point", "--per-stream", "1", "--budget", "0",
+                           "--record", str(record)])
+    rows = json.loads(record.read_text())["rows"]
+    assert [(r["streams"], r["error"]) for r in rows] == [(1, "skipped: time budget"), (8, "skipped: time budget")]
+    assert "| point | 378 px | 1 | skipped: time budget |" in text
+    assert "| point | 378 px | 8 | skipped: time budget |" in text
+    peer = json.loads(record.read_text())["peer"]  # the peer skipped too, and says so
+    assert [(w, n, v) for w, n, v in peer] == [("point", n, {"error": "skipped: time budget"}) for n in (1, 8)]
+    with pytest.raises(SystemExit):
+        vlm_speed.main(["--quick", "--device", "cpu", "--budget", "-1"])
