@@ -5,8 +5,10 @@ Runs the real core against a zero-cost GPU (every backend call returns at
 once) and times only the core: each backend call is timed and subtracted.
 Reports microseconds of scheduler work per decode step and per
 sequence-step at 1, 8, 32 and 64 streams, pipelined, blocking and auto
-(the per-tick choice adds its own host work); writes the table to
-docs/bookkeeping.md.
+(the per-tick choice adds its own host work), then the CUDA backend's
+host packing of a decode step (``pack_decode``, ``pack_sampling``: numpy
+on the host, timed on any machine) at the same row counts; writes the
+tables to docs/bookkeeping.md.
 
     python -m bubblefree.bench.bookkeeping [--tokens 200] [--repeats 3]
 """
@@ -19,9 +21,11 @@ import platform
 import statistics
 import sys
 import time
+import timeit
 from pathlib import Path
 
 from bubblefree.core import Capacity, Engine, Request, StepKind, StepOutput
+from bubblefree.core.values import GREEDY, StepPlan, StepRow
 
 STREAMS = (1, 8, 32, 64)
 # Engine.pipelined values and their names; auto's per-tick choice
@@ -80,6 +84,35 @@ def measure(streams: int, tokens: int, pipelined: bool | str) -> tuple[float, fl
     return total / decode_steps * 1e6, total / seq_steps * 1e6
 
 
+def packing(rows: int, repeats: int) -> tuple[float, float]:
+    """µs per decode step of ``rows`` rows (12 pages each, greedy,
+    unconstrained) in the CUDA backend's host packing: ``pack_decode`` and
+    ``pack_sampling``, the best of ``repeats`` timings."""
+    import numpy as np
+    import torch
+
+    from bubblefree.cuda_backend.kernel_config import KernelConfig
+    from bubblefree.cuda_backend.kv_cache import PagedKVCache
+    from bubblefree.cuda_backend.runner import ModelRunner, staging_size
+    from bubblefree.cuda_backend.sampling import pack_sampling
+
+    cap = Capacity(num_pages=8192, page_size=16, max_rows=64, max_seqs=256, max_prefill_tokens=2048,
+                   max_context=4096)
+    cache = PagedKVCache(layers=1, kv_heads=1, head_dim=2, num_pages=cap.num_pages, page_size=cap.page_size,
+                         dtype=torch.float32, device=torch.device("cpu"))
+    runner = ModelRunner(None, cache, cap, torch.device("cpu"), KernelConfig())
+    plan = StepPlan(0, StepKind.DECODE, tuple(StepRow(i, i, (), 100 + i, tuple(range(12 * i, 12 * i + 12)),
+                                                      GREEDY, None) for i in range(rows)))
+    staging, sample = np.zeros(staging_size(cap), dtype=np.int64), np.zeros(8 * cap.max_rows, dtype=np.int64)
+    masks, number = (None,) * rows, 200
+
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
+
+    return (best(lambda: runner.pack_decode(plan, staging, rows, 16)),
+            best(lambda: pack_sampling(sample, plan.rows, masks, rows, runner.scratch_row)))
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=200)
@@ -95,11 +128,18 @@ def main(argv: list[str] | None = None) -> str:
             per_seq = statistics.median(r[1] for r in runs)
             lines.append(f"| {streams} | {mode} | {step:.1f} | {per_seq:.2f} |")
             print(lines[-1], flush=True)
+    lines += ["", "| rows | pack_decode µs a step | pack_sampling µs a step |", "|---:|---:|---:|"]
+    for rows in STREAMS:
+        decode, sampling = packing(rows, max(args.repeats, 3))
+        lines.append(f"| {rows} | {decode:.1f} | {sampling:.1f} |")
+        print(lines[-1], flush=True)
     table = "\n".join(lines)
     header = (f"## Core bookkeeping, {datetime.date.today().isoformat()}\n\n"
               f"CPU: {platform.processor() or platform.machine()}, Python {platform.python_version()}. "
               f"Command: `python -m bubblefree.bench.bookkeeping --tokens {args.tokens} --repeats {args.repeats}`. "
               "A zero-cost GPU; time inside backend calls subtracted; median of the repeats. "
+              "Then the CUDA backend's host packing of a decode step (12 pages a row, greedy), the best "
+              "of the repeats (at least 3) of 200 calls. "
               "Absolute µs are of this CPU: compare rows, not machines.\n\n")
     print("\n" + table)
     if args.out:

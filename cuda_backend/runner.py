@@ -111,16 +111,17 @@ class ModelRunner:
         # here writing the rows one at a time. A row's page table is a row of
         # ``host_pages``, written when its pages change (a sequence keeps
         # them from admission to teardown), so a step copies rows of it.
-        slots = [r.row_slot for r in rows]
+        slots, pages_of = [r.row_slot for r in rows], self._pages_of
         for r in rows:
-            if self._pages_of[r.row_slot] is not r.pages:
+            if pages_of[r.row_slot] is not r.pages:
                 self._remember_pages(r.row_slot, r.pages)
         row_slots[:n] = slots
-        row_slots[n:] = self.scratch_row
         positions[:n] = [r.position for r in rows]
-        positions[n:] = 0
         table[:n] = self.host_pages[slots, :p]
-        table[n:] = self.cache.scratch_page
+        if n < b:  # padded rows
+            row_slots[n:] = self.scratch_row
+            positions[n:] = 0
+            table[n:] = self.cache.scratch_page
         return 2 * self.cap.max_rows + b * p
 
     def _remember_pages(self, row_slot: int, pages: tuple[int, ...]) -> None:

@@ -23,7 +23,6 @@ from bubblefree.core.values import StepRow
 
 M32 = 0xFFFFFFFF
 UNCONSTRAINED = 0  # mask id of the all-true row
-ONE_BITS = np.array([1.0]).view(np.int64)[0]  # float64 1.0 as int64 bits
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -85,23 +84,26 @@ def pack_sampling(a: np.ndarray, rows: tuple[StepRow, ...], mask_ids: tuple[int 
     ``b`` each, floats as float64 bits. Padded rows sample into the scratch
     row, unconstrained and greedy. Returns whether every row is greedy."""
     # Each part a column at once: a host-bound step at 64 rows spent 40-70
-    # us here writing numpy's elements one at a time.
+    # us here writing numpy's elements one at a time. Floats are written
+    # through a float64 view of the same buffer (their bits, as the device
+    # reads them); seeds are SamplingParams', so in [0, 2**64).
     n = len(rows)
     if len(mask_ids) != n:
         raise ValueError(f"{len(mask_ids)} mask ids for {n} rows")
     samplings = [r.sampling for r in rows]
+    seeds = [s.seed for s in samplings]
+    temperatures = [s.temperature for s in samplings]
+    floats = a.view(np.float64)
     a[:7 * b] = 0
     a[:n] = [r.row_slot for r in rows]
     a[n:b] = scratch_row
     a[b:b + n] = [UNCONSTRAINED if m is None else m for m in mask_ids]
-    seeds = np.array([s.seed % (1 << 64) for s in samplings], dtype=np.uint64)
-    a[2 * b:2 * b + n] = seeds & np.uint64(M32)
-    a[3 * b:3 * b + n] = seeds >> np.uint64(32)
+    a[2 * b:2 * b + n] = [seed & M32 for seed in seeds]
+    a[3 * b:3 * b + n] = [seed >> 32 for seed in seeds]
     a[4 * b:4 * b + n] = [r.position + r.num_tokens for r in rows]  # the sampled token's position
-    temperatures = [s.temperature for s in samplings]
-    a[5 * b:5 * b + n] = np.array(temperatures, dtype=np.float64).view(np.int64)
-    a[6 * b:6 * b + n] = np.array([s.top_p for s in samplings], dtype=np.float64).view(np.int64)
-    a[6 * b + n:7 * b] = ONE_BITS
+    floats[5 * b:5 * b + n] = temperatures
+    floats[6 * b:6 * b + n] = [s.top_p for s in samplings]
+    floats[6 * b + n:7 * b] = 1.0
     return not any(temperatures)
 
 

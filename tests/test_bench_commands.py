@@ -17,6 +17,8 @@ def test_bookkeeping_bench_prints_every_stream_count(tmp_path):
         for mode in ("pipelined", "blocking", "auto"):
             assert f"| {streams} | {mode} |" in table
     assert "Core bookkeeping" in out.read_text()
+    for rows in bookkeeping.STREAMS:  # the backend's packing, at the same row counts
+        assert f"| {rows} | " in table.split("pack_decode")[1]
 
 
 def test_auto_sim_prints_every_cell_and_appends_its_table(tmp_path):
