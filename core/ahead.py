@@ -83,77 +83,91 @@ def launch_ahead(rows: int, zombies: float, bubble: float, forward: float) -> bo
     return bubble >= forward * min(zombies, rows) / rows
 
 
-def outlook(sched: "Scheduler", rates: "EndRates",
-            follow: float = 0.0) -> tuple[int, float, tuple[tuple[int, Hashable, int], ...]]:
+# u's rows that may end, by (skill, token position): their seq ids in row
+# order. Grouped, a tick's arithmetic and learning run per key (one or two
+# at 64 rows of one workload), not per row.
+May = dict[tuple[Hashable, int], list[int]]
+
+# The bounds in ``choose`` decide only past this relative margin, so that
+# rounding can never make them disagree with the whole outlook's sum.
+MARGIN = 1e-9
+
+
+def outlook(sched: "Scheduler", rates: "EndRates", follow: float = 0.0) -> tuple[int, float, May]:
     """What the core knows at the end of a tick, without the device: the row
     count of the uncommitted step u, the expected cost in rows of launching
     the next step v ahead of its commit (the rule's ``z``: each row of u that
     may end, by its skill's rate at that token, weighted 1 where v takes it
     and ``follow`` elsewhere; ``follow`` for each row at its last token), and
-    u's rows that may end ((seq id, skill, position) triples, for
-    ``EndRates``). Pure: it plans
+    u's rows that may end (``May``, for ``EndRates``). Pure: it plans
     nothing and admits nobody."""
     pending = _pending(sched)
     if pending is None:
-        return 0, 0.0, ()
+        return 0, 0.0, {}
     rows, may, last = pending
     if not may:  # the common tick of a skill that ends at known tokens: no need to foresee v
-        return rows, last * follow, ()
-    return rows, _zombies(_rates(rates, may), follow, may, last, _taken(sched)), tuple(may)
+        return rows, last * follow, {}
+    return rows, _zombies(_rates(rates, may), follow, may, last, _taken(sched)), may
 
 
 def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
-           forward: float) -> tuple[bool, tuple[tuple[int, Hashable, int], ...]]:
+           forward: float) -> tuple[bool, May]:
     """``launch_ahead`` of ``outlook``'s rows and ``z``, and u's rows that may
     end: the same answer, found with less host work, which at 64 rows is
     what a host-bound step is made of. ``z`` lies between its value with
     every row that may end weighted ``min(1, follow)`` and with every one
     weighted ``max(1, follow)``, and the rule is monotone in ``z``: where
-    both bounds give the same answer, which rows v takes cannot change it,
-    and v is not foreseen (``Scheduler.preview`` looks at every sequence)."""
+    both bounds give the same answer (past ``MARGIN``), which rows v takes
+    cannot change it, and v is not foreseen (``Scheduler.preview`` looks at
+    every sequence)."""
     pending = _pending(sched)
     if pending is None:
-        return True, ()
+        return True, {}
     rows, may, last = pending
     if not may:
-        return launch_ahead(rows, last * follow, bubble, forward), ()
-    # Each bound sums its terms in ``_zombies``' order, each term no less
-    # (no more) than that row's there: rounding keeps the order of the sums.
+        return launch_ahead(rows, last * follow, bubble, forward), {}
     rate = _rates(rates, may)
+    weighed = sum(rate[key] * len(sids) for key, sids in may.items())  # every row weighted 1
     lo, hi = min(1.0, follow), max(1.0, follow)
-    ahead_hi = launch_ahead(rows, sum(rate[k, at] * hi for _, k, at in may) + last * follow, bubble, forward)
-    if ahead_hi or not launch_ahead(rows, sum(rate[k, at] * lo for _, k, at in may) + last * follow,
-                                    bubble, forward):
-        return ahead_hi, tuple(may)
-    return launch_ahead(rows, _zombies(rate, follow, may, last, _taken(sched)),
-                        bubble, forward), tuple(may)
+    if launch_ahead(rows, (weighed * hi + last * follow) * (1 + MARGIN), bubble, forward):
+        return True, may
+    if not launch_ahead(rows, (weighed * lo + last * follow) * (1 - MARGIN), bubble, forward):
+        return False, may
+    return launch_ahead(rows, _zombies(rate, follow, may, last, _taken(sched)), bubble, forward), may
 
 
-def _pending(sched: "Scheduler") -> tuple[int, list[tuple[int, Hashable, int]], int] | None:
+def _pending(sched: "Scheduler") -> tuple[int, May, int] | None:
     """u's row count, its rows that may end, and its rows at their last
     token; None when nothing is in flight or no slot is free for v."""
     if not sched.inflight or sched.pool.free_slot() is None:
         return None
     step = sched.inflight[-1]  # u: with a slot free, the only step in flight
     seqs, masks = sched.seqs, sched.masks
-    may: list[tuple[int, Hashable, int]] = []
+    may: May = {}
+    group, ended, cap = may.get, ENDED, POSITIONS
     last = 0
     # Every row at every tick, so kept lean: at 64 rows this loop is most of
     # auto's host work over pipelined's. u was finalized: its masks are set.
     for sid, mask_id in zip(step.seq_ids, step.mask_ids, strict=True):
         s = seqs.get(sid)
-        if s is None or s.phase in ENDED:  # ended or cancelled (``finalized``): it ends at no commit
+        if s is None or s.phase in ended:  # ended or cancelled (``finalized``): it ends at no commit
             continue
         request, at = s.request, len(s.tokens)  # u's token is the row's only one uncommitted
         if at + 1 >= request.max_tokens:
             last += 1  # u's token is its last: it surely ends, and v does not take it (``policy``)
-        elif request.stop_ids:
+            continue
+        if request.stop_ids:
             # Unmasked, a stop id may come: ``may_end``'s True without the call.
-            if mask_id is None or may_end(s, mask_id, masks):
-                may.append((sid, request.skill, at if at < POSITIONS else POSITIONS))
-        elif s.state is not None and _skill_may_end(s.state):  # ``may_end`` without a stop id
-            may.append((sid, request.skill, at if at < POSITIONS else POSITIONS))
-        # (neither a stop id nor a skill: only the length cap ends it, ``may_end``'s False)
+            if mask_id is not None and not may_end(s, mask_id, masks):
+                continue
+        elif s.state is None or not _skill_may_end(s.state):  # ``may_end`` without a stop id
+            continue  # (neither a stop id nor a skill: only the length cap ends it)
+        key = (request.skill, at if at < cap else cap)
+        sids = group(key)
+        if sids is None:
+            may[key] = [sid]
+        else:
+            sids.append(sid)
     return len(step.seq_ids), may, last
 
 
@@ -163,16 +177,20 @@ def _taken(sched: "Scheduler") -> set[int]:
     return {s.seq_id for s in chosen[1]} if chosen is not None and chosen[0] is StepKind.DECODE else set()
 
 
-def _rates(rates: "EndRates", may: list[tuple[int, Hashable, int]]) -> dict[tuple[Hashable, int], float]:
-    return {key: rates.rate(*key) for key in {(skill, at) for _, skill, at in may}}
+def _rates(rates: "EndRates", may: May) -> dict[tuple[Hashable, int], float]:
+    return {key: rates.rate(*key) for key in may}
 
 
-def _zombies(rate: dict[tuple[Hashable, int], float], follow: float,
-             may: list[tuple[int, Hashable, int]], last: int, taken: set[int]) -> float:
+def _zombies(rate: dict[tuple[Hashable, int], float], follow: float, may: May, last: int,
+             taken: set[int]) -> float:
     """The rule's ``z``: each row that may end by its skill's ``rate`` at
     its token, weighted 1 where v takes it and ``follow`` elsewhere, and
     ``follow`` for each of the ``last`` rows at their last token."""
-    return sum(rate[skill, at] * (1.0 if sid in taken else follow) for sid, skill, at in may) + last * follow
+    z = 0.0
+    for key, sids in may.items():
+        took = sum(1 for sid in sids if sid in taken)
+        z += rate[key] * (took + follow * (len(sids) - took))
+    return z + last * follow
 
 
 def may_end(s: Sequence, mask_id: int | None, masks: Mapping[int, frozenset[int]]) -> bool:

@@ -37,7 +37,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Literal
 import attrs
 
 from bubblefree.core.protocol import Backend
-from bubblefree.core.ahead import EndRates, Successors, Timings, check_mode, choose
+from bubblefree.core.ahead import EndRates, May, Successors, Timings, check_mode, choose
 from bubblefree.core.decode_state import guarded
 from bubblefree.core.events import TokenCommitted
 from bubblefree.core.handle import Handle
@@ -75,8 +75,8 @@ class Engine:
     _ids: Iterator[int] = attrs.Factory(itertools.count)
     _outbox: collections.deque = attrs.Factory(collections.deque)  # (handle, token | None)
     _delivering: bool = False
-    # Rows that may end at the pending commit: (seq id, skill, position), for ``EndRates``.
-    _may_end: tuple[tuple[int, Hashable, int], ...] = ()
+    # Rows that may end at the pending commit, by (skill, position), for ``EndRates``.
+    _may_end: May = attrs.Factory(dict)
     # Auto's choices so far, for a user to see how often it blocks: ticks
     # that left their step in flight, and ticks that committed it at once.
     ahead_ticks: int = 0
@@ -181,18 +181,14 @@ class Engine:
         as an end)."""
         if not self._may_end:
             return
-        # (skill, position) -> [ended, chances]: at 64 rows, one or two keys a tick
-        seqs, tally = self.scheduler.seqs, {}
-        for sid, skill, at in self._may_end:
-            seq = seqs.get(sid)
-            counts = tally.get((skill, at))
-            if counts is None:
-                counts = tally[skill, at] = [0, 0]
-            counts[0] += seq is None or seq.phase in ENDED
-            counts[1] += 1
-        for (skill, at), (ended, chances) in tally.items():
-            self.end_rates.add(skill, at, ended, chances)
-        self._may_end = ()
+        seqs = self.scheduler.seqs
+        for (skill, at), sids in self._may_end.items():  # at 64 rows, one or two keys a tick
+            ended = 0
+            for sid in sids:
+                seq = seqs.get(sid)
+                ended += seq is None or seq.phase in ENDED
+            self.end_rates.add(skill, at, ended, len(sids))
+        self._may_end = {}
 
     def run_until_idle(self, max_ticks: int | None = None) -> None:
         ticks = 0

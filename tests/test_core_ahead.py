@@ -298,7 +298,7 @@ def test_outlook_is_empty_with_no_step_in_flight():
     launch(sched)
     commit(sched, 1)  # running, a decode waits, but nothing is uncommitted
     assert not sched.inflight and sched.preview()[0] is StepKind.DECODE
-    assert outlook(sched, EndRates()) == (0, 0.0, ())
+    assert outlook(sched, EndRates()) == (0, 0.0, {})
 
 
 def test_outlook_is_empty_with_no_free_slot():
@@ -306,7 +306,7 @@ def test_outlook_is_empty_with_no_free_slot():
     launch(sched)
     launch(sched)  # both slots busy: nothing launches this tick
     assert sched.preview()[0] is StepKind.DECODE
-    assert outlook(sched, EndRates()) == (0, 0.0, ())
+    assert outlook(sched, EndRates()) == (0, 0.0, {})
 
 
 def test_when_a_prefill_is_next_a_row_that_may_end_weighs_as_its_callers_follow():
@@ -318,8 +318,8 @@ def test_when_a_prefill_is_next_a_row_that_may_end_weighs_as_its_callers_follow(
     # Row 0 may end at the pending decode; the prefill launched ahead does
     # not take it, so it is no zombie: it costs only a next request that
     # would miss the prefill, as often as callers send one.
-    assert outlook(sched, EndRates()) == (1, 0.0, ((0, None, 1),))  # (seq id, skill, position)
-    assert outlook(sched, EndRates(), follow=0.5) == (1, 0.25, ((0, None, 1),))
+    assert outlook(sched, EndRates()) == (1, 0.0, {(None, 1): [0]})  # (skill, position): seq ids
+    assert outlook(sched, EndRates(), follow=0.5) == (1, 0.25, {(None, 1): [0]})
 
 
 def test_preview_alternates_like_the_launch_it_foresees():
@@ -334,7 +334,7 @@ def test_preview_alternates_like_the_launch_it_foresees():
 def test_outlook_counts_only_the_rows_the_pending_mask_lets_end():
     sched = scheduler(CAP, plain(), plain(decode_state=Quiet))
     launch(sched)  # both prefilled; row 1 masked to {1, 2, 3} and cannot end
-    assert outlook(sched, EndRates()) == (2, 0.5, ((0, None, 0),))
+    assert outlook(sched, EndRates()) == (2, 0.5, {(None, 0): [0]})
 
 
 def test_outlook_weighs_each_row_by_its_skills_rate():
@@ -344,7 +344,7 @@ def test_outlook_weighs_each_row_by_its_skills_rate():
     sched = scheduler(CAP, plain(), plain(skill="point"))
     launch(sched)
     rows, zombies, may = outlook(sched, rates)
-    assert (rows, may) == (2, ((0, None, 0), (1, "point", 0))) and zombies == pytest.approx(1.0)
+    assert (rows, may) == (2, {(None, 0): [0], ("point", 0): [1]}) and zombies == pytest.approx(1.0)
     assert rates.rate(None) != rates.rate("point")
 
 
@@ -567,7 +567,7 @@ def test_a_row_at_its_last_token_weighs_its_callers_share_and_teaches_no_rate():
     launch(sched)  # row 0's second token is its last; row 1 (stop id 0) may end
     rows, zombies, may = outlook(sched, EndRates(), follow=0.5)
     # Row 0: certain, weighs 0.5; row 1: rate ½, taken by the next decode: 0.5.
-    assert (rows, zombies, may) == (2, 1.0, ((1, None, 1),))
+    assert (rows, zombies, may) == (2, 1.0, {(None, 1): [1]})
 
 
 def test_closed_loops_that_end_by_length_go_behind_at_each_last_token():
