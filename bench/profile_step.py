@@ -18,8 +18,9 @@ bucket), ``separate`` (rotary and the KV write as compiled kernels before
 attention, not inside it), ``act-separate`` (only Phi's MLP activation as a
 kernel of its own), ``prefetch`` and ``no-prefetch`` (under dependent
 launches, the split kernel's first keys read before it waits, or not:
-``Dispatch.prefetch``), ``last-combines`` (under dependent launches, the
-split kernel's last programs combine: ``KernelConfig.last_combines``),
+``Dispatch.prefetch``), ``last-combines`` and ``no-last-combines`` (under
+dependent launches, the split kernel's last programs combine in every
+bucket, or in none: ``KernelConfig.last_combines``),
 ``splitsN`` (the split kernel's programs per (row, head) at most N:
 ``Dispatch.max_splits``), or a one-pass launch such as ``1x16w1s1`` (in
 every bucket). ``--context`` sets the step's position, and the page bucket
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
     ap.add_argument("--attention", default="",
                     help="attention choices for the last path: default, split, separate, "
-                    "act-separate, prefetch, no-prefetch, last-combines, splitsN, torch-inputs "
+                    "act-separate, prefetch, no-prefetch, last-combines, no-last-combines, splitsN, "
+                    "torch-inputs "
                     "(a step's inputs gathered by torch's kernels), or launches")
     ap.add_argument("--gemm", default="", help="GEMM choices for the last path: cublas, or "
                     "JSON files of tiles")
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
                  "split": attrs.evolve(default, dispatch=default.dispatch.forced(1 << 30)),
                  "separate": attrs.evolve(default, new_token=False),
                  "act-separate": attrs.evolve(default, mlp_act=False),
-                 "last-combines": attrs.evolve(default, last_combines=True),
+                 "last-combines": attrs.evolve(default, last_combines=64),
+                 "no-last-combines": attrs.evolve(default, last_combines=0),
                  "torch-inputs": attrs.evolve(default, step_inputs=False),
                  **{name: attrs.evolve(default, dispatch=attrs.evolve(default.dispatch, prefetch=on))
                     for name, on in (("prefetch", True), ("no-prefetch", False))}}

@@ -172,10 +172,12 @@ class Dims:
     pdl_tiles: TileTable = TileTable()
     sms: int = 132
     glu: bool = False
-    # In pdl_step's layers, the split attention kernel's last programs
-    # combine (KernelConfig.last_combines): its arrival counters, one per
-    # (row, head), zero between launches (each launch leaves them so).
+    # In pdl_step's buckets of at most ``combine_rows`` rows, the split
+    # attention kernel's last programs combine (KernelConfig.last_combines):
+    # its arrival counters, one per (row, head), zero between launches (each
+    # launch leaves them so).
     counters: torch.Tensor | None = attrs.field(default=None, eq=False)
+    combine_rows: int = 0
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -331,16 +333,16 @@ class FusedDecoder:
         device = self.lm_head.weight.device
         pdl_rows = kernels.pdl_rows if kernels.new_token and pdl_supported(device) else 0
         sms = torch.cuda.get_device_properties(device).multi_processor_count if pdl_rows else 132
-        counters = None
-        if pdl_rows and kernels.last_combines:
-            counters = torch.zeros(pdl_rows * heads, dtype=torch.int32, device=device)
+        counters, combine_rows = None, min(pdl_rows, kernels.last_combines)
+        if combine_rows:
+            counters = torch.zeros(combine_rows * heads, dtype=torch.int32, device=device)
         self.dims = Dims(heads=heads, kv_heads=kv_heads, head_dim=attn.head_dim, eps=eps,
                          scaling=attn.scaling, split=qkv + ((inter,) if parallel else ()),
                          inter=inter, act=act, tiles=kernels.tiles,
                          one_store=kernels.prefill_store, pdl_rows=pdl_rows,
                          pdl_tiles=kernels.pdl_tiles, sms=sms,
                          glu=not parallel and getattr(cfg, "hidden_act", None) == "silu",
-                         counters=counters)
+                         counters=counters, combine_rows=combine_rows)
         self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
         # What the first dependent layer adds to the embeddings: nothing,
         # from one buffer rather than a fill kernel each step.

@@ -294,8 +294,9 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # Where the dependent-launch step (``pdl_step``) was measured faster, per
 # GPU and model shape (``model_shape``: its GEMMs' shapes, which its tiles
 # were tuned for; another shape of the same architecture is unmeasured and
-# keeps the compiled step): the buckets of rows that run it and its GEMM
-# tiles (``bench.pdl_tune``; docs/performance.md, "Dependent launches"). On
+# keeps the compiled step): the buckets of rows that run it, its GEMM
+# tiles (``bench.pdl_tune``; docs/performance.md, "Dependent launches") and
+# the buckets whose split attention's last programs combine. On
 # the H200, at one row: a Phi-1.5-shaped step from 1.18 to 1.03 ms (0.95
 # with the split kernel's keys read before the wait, ``Dispatch.prefetch``),
 # Llama-3.2-1B's from 1.13 to 0.99 and Qwen2-0.5B's from 1.03 to 0.86 once
@@ -305,20 +306,20 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # (docs/runs/pdl-slices-2026-12-01f.txt), then to 0.62 (Llama's 0.86 to
 # 0.85) with the q, k, v projection cut into slices that the attention
 # kernels add (``pdl_step.project_attend``; docs/runs/qkv-slices-2026-12-01h.txt).
-MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable]]] = types.MappingProxyType({
+MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable, int]]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
         PHI_15: (8, TileTable({
             (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
             (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
-        })),
+        }), 2),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         LLAMA_32_1B: (8, TileTable({
             (2048, 3072): ((8, Tile(64, 256, 4, 4, 3)),),  # q, k, v, sums to attention
             (2048, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # o, sums
             (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (8192, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # down, sums
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        })),
+        }), 2),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         QWEN2_05B: (8, TileTable({
             (896, 1152): ((8, Tile(32, 128, 4, 4, 3)),),  # q, k, v, sums to attention
             # o and down: slices of K that need not divide it (down's 38 steps of
@@ -327,7 +328,7 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable]]] = types.Mappin
             (896, 9728): ((8, Tile(32, 128, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (4864, 896): ((1, Tile(64, 128, 8, 4, 3)), (8, Tile(32, 128, 8, 4, 3))),  # down, sums
             (896, 151936): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        })),
+        }), 0),
     }),
 })
 
@@ -353,12 +354,15 @@ class KernelConfig:
     one (``bench.pdl_tune``), else ``step_tile``'s; a Llama or Qwen2 q, k, v
     tile that cuts K leaves the sums to the attention kernels
     (``pdl_step.project_attend``). ``last_combines``: in
-    that step the split attention kernel's last program of each (row,
-    head) combines the partial states, instead of a second kernel (one
-    launch fewer a layer); bit for bit the two kernels' result, and off:
-    on the H200 it moved a step by under 1.5% either way at one row and
-    lost 3% at eight rows of a long context (docs/performance.md, "The
-    last programs combining").
+    that step's buckets of at most this many rows, the split attention
+    kernel's last program of each (row, head) combines the partial states,
+    instead of a second kernel (one launch fewer a layer); bit for bit the
+    two kernels' result. 0: none. Where it pays depends on the rows: on the
+    H200 Llama-3.2-1B's step went 0.857 -> 0.846 ms at one row and 0.888 ->
+    0.865 at two, was even at four and lost 0.021 at eight; Phi-1.5's
+    0.913 -> 0.908 and 0.959 -> 0.938, even at four and eight; Qwen2-0.5B's
+    within 0.002 either way (docs/performance.md, "The last programs
+    combining, per bucket"), so ``MEASURED_PDL`` sets it per shape.
 
     ``greedy_kernel``: a greedy step samples in one kernel
     (``greedy_sample``) instead of torch's seven; ``step_inputs``: a fused
@@ -373,9 +377,14 @@ class KernelConfig:
     tiles: TileTable = TileTable()
     pdl_rows: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     pdl_tiles: TileTable = TileTable()
-    last_combines: bool = False
+    last_combines: int = attrs.field(default=0)
     greedy_kernel: bool = True
     step_inputs: bool = True
+
+    @last_combines.validator
+    def _rows(self, _, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"KernelConfig.last_combines is a row count (0: none), not {value!r}")
 
     @classmethod
     def measured(cls, device: torch.device | str, config: Any = None) -> "KernelConfig":
@@ -390,8 +399,10 @@ class KernelConfig:
         (none elsewhere, so cuBLAS, until it is measured) and, for a model
         of ``config``'s shape, the dependent-launch step where it was
         measured faster on that GPU (``MEASURED_PDL``)."""
-        pdl_rows, pdl_tiles = MEASURED_PDL.get(name, {}).get(model_shape(config), (0, TileTable()))
-        return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles)
+        pdl_rows, pdl_tiles, combines = MEASURED_PDL.get(name, {}).get(model_shape(config),
+                                                                       (0, TileTable(), 0))
+        return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles,
+                   last_combines=combines)
 
     def __str__(self) -> str:
         where = ""
@@ -403,8 +414,8 @@ class KernelConfig:
             where += "; prefill's rotary and KV write in torch"
         if self.pdl_rows:
             where += f"; dependent launches up to {self.pdl_rows} rows"
-            if self.last_combines:
-                where += ", the split kernel's last programs combining"
+            if rows := min(self.last_combines, self.pdl_rows):
+                where += f", the split kernel's last programs combining up to {rows} rows"
         if not self.greedy_kernel:
             where += "; greedy sampling in torch"
         if not self.step_inputs:

@@ -16,9 +16,9 @@ each takes to get going. Here:
   both), so the down projection reads it as is;
 - the attention kernels (rotary, the KV write, and Phi's activation inside
   them) launch dependent too, and add Llama's and Qwen2's q, k, v where
-  that projection leaves slices of sums; with ``KernelConfig.last_combines`` the
-  split kernel's last programs combine its states, without a second
-  kernel.
+  that projection leaves slices of sums; in buckets of up to
+  ``KernelConfig.last_combines`` rows the split kernel's last programs
+  combine its states, without a second kernel.
 
 A Phi layer is four kernels (five with the split attention kernel at few
 rows); a Llama or Qwen2 layer six (seven). The layer functions take and
@@ -81,7 +81,8 @@ def attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, mlp=None,
         k = F.layer_norm(k, (dims.head_dim,), qk_norm[2], qk_norm[3], dims.eps)
     out = rope_attend(q, k, v, cos, sin, kv, ctx.slot_mapping, ctx.page_table, ctx.q_pos[:, 0],
                       ctx.cache.page_size, dims.scaling, window, mlp, dims.act,
-                      dispatch=ctx.dispatch, pdl=True, counters=dims.counters, dtype=dtype)
+                      dispatch=ctx.dispatch, pdl=True, dtype=dtype,
+                      counters=dims.counters if b <= dims.combine_rows else None)
     return out if mlp is not None else out.reshape(b, -1)
 
 

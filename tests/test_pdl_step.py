@@ -112,10 +112,15 @@ def test_add_norm_reads_a_rows_slices_in_as_few_loads_as_its_warps_hold():
 def test_pdl_rows_is_a_count_and_says_itself():
     assert "dependent launches up to 8 rows" in str(KernelConfig(pdl_rows=8))
     assert "dependent" not in str(KernelConfig())
-    assert "last programs combining" in str(KernelConfig(pdl_rows=8, last_combines=True))
-    assert "combining" not in str(KernelConfig(last_combines=True))  # no dependent step: no effect
+    assert "last programs combining up to 2 rows" in str(KernelConfig(pdl_rows=8, last_combines=2))
+    # Capped by the dependent step's rows: its buckets are the only ones it changes.
+    assert "combining up to 8 rows" in str(KernelConfig(pdl_rows=8, last_combines=64))
+    assert "combining" not in str(KernelConfig(last_combines=8))  # no dependent step: no effect
     with pytest.raises(ValueError):
         KernelConfig(pdl_rows=-1)
+    for bad in (True, -1, 2.0, "2", None):  # a row count: not a flag, nor negative
+        with pytest.raises(ValueError, match="last_combines is a row count"):
+            KernelConfig(pdl_rows=8, last_combines=bad)
 
 
 def test_where_it_cannot_launch_dependent_the_step_is_the_usual_one():
@@ -123,7 +128,7 @@ def test_where_it_cannot_launch_dependent_the_step_is_the_usual_one():
     from tests.test_cuda_fused import backend, decode_logits
     model = tiny_model("llama", seed=7)
     plain = backend(model)
-    asked = backend(model, kernels=KernelConfig(pdl_rows=64, last_combines=True))
+    asked = backend(model, kernels=KernelConfig(pdl_rows=64, last_combines=64))
     decoder = asked._runner.decoder
     assert not pdl.supported("cpu") and decoder.dims.pdl_rows == 0 and decoder.dims.counters is None
     assert asked.decode_path == plain.decode_path == "fused llama"
@@ -319,6 +324,10 @@ def test_the_measured_defaults_name_their_shape():
         config = spec["config"]()
         h200 = KernelConfig.for_gpu("NVIDIA H200", config)
         assert h200.pdl_rows == 8, name
+        # The last programs combine where it was measured faster: Llama-3.2-1B
+        # and Phi-1.5 at 1 and 2 rows, not Qwen2-0.5B (even there).
+        assert h200.last_combines == (0 if name == "qwen05b" else 2), name
+        assert KernelConfig.measured("cpu", config).last_combines == 0
         assert KernelConfig.measured("cpu", config).pdl_rows == 0
         assert KernelConfig.for_gpu("NVIDIA H100 80GB HBM3", config).pdl_rows == 0
         d, inter = config.hidden_size, config.intermediate_size
@@ -459,16 +468,22 @@ def test_the_last_programs_combining_changes_nothing(new_token, window, pages, a
 
 @PDL
 @pytest.mark.parametrize("arch", ["phi", "llama", "qwen2"])
-def test_the_dependent_step_with_the_last_programs_combining_decodes_the_same_tokens(arch):
+@pytest.mark.parametrize("combines", [1, 8])
+def test_the_dependent_step_with_the_last_programs_combining_decodes_the_same_tokens(arch, combines):
+    """In the buckets of up to ``last_combines`` rows (one prompt alone, and
+    all four in a bucket of 4 where 8 rows combine, not where 1 does)."""
     from bubblefree.cuda_backend.kernel_config import Dispatch
     model = tiny_model(arch, device="cuda", seed=4)
-    want = generate(_small(model, kernels=KernelConfig.measured("cuda")), PROMPTS, 10)
-    kernels = attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8, last_combines=True,
-                           dispatch=Dispatch(split_below=1 << 30))  # the split kernel everywhere
+    split = dict(pdl_rows=8, dispatch=Dispatch(split_below=1 << 30))  # the split kernel everywhere
+    plain = _small(model, kernels=attrs.evolve(KernelConfig.measured("cuda"), last_combines=0,
+                                               **split))
+    kernels = attrs.evolve(KernelConfig.measured("cuda"), last_combines=combines, **split)
     be = _small(model, kernels=kernels)
     assert "dependent launches up to 8 rows" in be.decode_path
-    assert "last programs combining" in str(be.kernels)
-    assert generate(be, PROMPTS, 10) == want
+    assert f"last programs combining up to {combines} rows" in str(be.kernels)
+    assert be._runner.decoder.dims.combine_rows == combines
+    assert generate(be, PROMPTS, 10) == generate(plain, PROMPTS, 10)
+    assert generate(be, PROMPTS[2:3], 10) == generate(plain, PROMPTS[2:3], 10)
 
 
 @PDL
