@@ -44,7 +44,7 @@ from bubblefree.core.handle import Handle
 from bubblefree.core.integrity import InvariantViolation
 from bubblefree.core.pages import pages_needed
 from bubblefree.core.scheduler import Scheduler
-from bubblefree.core.sequence import ENDED, Sequence
+from bubblefree.core.sequence import Sequence
 from bubblefree.core.values import (ImageRef, InvalidRequest, Request, Result, SamplingParams, Status, StepFailed,
                                    bad_prompt_values)
 
@@ -75,8 +75,11 @@ class Engine:
     _ids: Iterator[int] = attrs.Factory(itertools.count)
     _outbox: collections.deque = attrs.Factory(collections.deque)  # (handle, token | None)
     _delivering: bool = False
-    # Rows that may end at the pending commit, by (skill, position), for ``EndRates``.
+    # Rows that may end at the pending commit, by (skill, position), for
+    # ``EndRates``; and the sequences that ended since that choice (kept only
+    # while there are such rows), so learning does not look up every row.
     _may_end: May = attrs.Factory(dict)
+    _ended: set[int] = attrs.Factory(set)
     # Auto's choices so far, for a user to see how often it blocks: ticks
     # that left their step in flight, and ticks that committed it at once.
     ahead_ticks: int = 0
@@ -173,22 +176,19 @@ class Engine:
         flight, so that the next tick launches before committing it?"""
         ahead, self._may_end = choose(self.scheduler, self.end_rates, self.successors.rate,
                                       self.timings.bubble, self.timings.forward or 0.0)
+        self._ended = set()  # its rows were all live: none has ended since
         return ahead
 
     def _learn(self) -> None:
         """Count, per skill and position, whether the rows that could end at
         the commit the last choice was about did (a cancel in between counts
-        as an end)."""
+        as an end): every end since reached ``_absorb`` as ``SequenceEnded``."""
         if not self._may_end:
             return
-        seqs = self.scheduler.seqs
+        ended = self._ended
         for (skill, at), sids in self._may_end.items():  # at 64 rows, one or two keys a tick
-            ended = 0
-            for sid in sids:
-                seq = seqs.get(sid)
-                ended += seq is None or seq.phase in ENDED
-            self.end_rates.add(skill, at, ended, len(sids))
-        self._may_end = {}
+            self.end_rates.add(skill, at, len(ended.intersection(sids)), len(sids))
+        self._may_end, self._ended = {}, set()
 
     def run_until_idle(self, max_ticks: int | None = None) -> None:
         ticks = 0
@@ -282,6 +282,8 @@ class Engine:
             if handle is None or handle.result is not None:
                 raise InvariantViolation(f"I7: request {event.seq_id} answered twice")
             self.successors.ends += 1
+            if self._may_end:
+                self._ended.add(event.seq_id)
             handle.result = self._result(event.seq)
             self._log(("end", event.seq_id, handle.result.status.value, handle.result.finish_reason))
             self._outbox.append((handle, None))

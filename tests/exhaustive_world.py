@@ -18,6 +18,7 @@ import attrs
 
 from bubblefree.core import Engine, InvariantViolation, Phase, Request, SlotState, Status
 from bubblefree.core.ahead import choose, launch_ahead, outlook
+from bubblefree.core.sequence import ENDED
 from bubblefree.fake_backend import FakeBackend, FakeModel
 
 if __package__:  # python -m tests.exhaustive
@@ -46,6 +47,18 @@ class PhaseChecked(Engine):
         done = super()._finalize()
         self.check_integrity()
         return done
+
+    def _learn(self) -> None:
+        """Auto learns each row's end from the ``SequenceEnded`` events since
+        its choice: in every state the tally must be the rows' own (each
+        ended, or gone, by now)."""
+        seqs = self.scheduler.seqs
+        own = {key: sum(1 for sid in sids if (q := seqs.get(sid)) is None or q.phase in ENDED)
+               for key, sids in self._may_end.items()}
+        told = {key: len(self._ended.intersection(sids)) for key, sids in self._may_end.items()}
+        if own != told:
+            raise InvariantViolation(f"auto's end tally {told} is not its rows' own {own}")
+        super()._learn()
 
 
 @attrs.define(eq=False)
