@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from typing import Callable, Hashable, Iterable, Iterator, Literal
+from typing import Callable, Iterable, Iterator, Literal
 
 import attrs
 
