@@ -78,8 +78,8 @@ class Engine:
     # Rows that may end at the pending commit, by (skill, position), for
     # ``EndRates``; and the sequences that ended since that choice (kept only
     # while there are such rows), so learning does not look up every row.
-    _may_end: May = attrs.Factory(dict)
-    _ended: set[int] = attrs.Factory(set)
+    _may_end: May = attrs.field(factory=dict, init=False)
+    _ended: set[int] = attrs.field(factory=set, init=False)
     # Auto's choices so far, for a user to see how often it blocks: ticks
     # that left their step in flight, and ticks that committed it at once.
     ahead_ticks: int = 0
