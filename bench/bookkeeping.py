@@ -84,10 +84,12 @@ def measure(streams: int, tokens: int, pipelined: bool | str) -> tuple[float, fl
     return total / decode_steps * 1e6, total / seq_steps * 1e6
 
 
-def packing(rows: int, repeats: int) -> tuple[float, float]:
+def packing(rows: int, repeats: int) -> tuple[float, float, float]:
     """µs per decode step of ``rows`` rows (12 pages each, greedy,
     unconstrained) in the CUDA backend's host packing: ``pack_decode`` and
-    ``pack_sampling``, the best of ``repeats`` timings."""
+    ``pack_sampling``; and per prefill step of ``rows`` prompts of 32 tokens
+    (3 pages each) run as token rows (``TokenPrefill.pack``); the best of
+    ``repeats`` timings."""
     import numpy as np
     import torch
 
@@ -95,6 +97,9 @@ def packing(rows: int, repeats: int) -> tuple[float, float]:
     from bubblefree.cuda_backend.kv_cache import PagedKVCache
     from bubblefree.cuda_backend.runner import ModelRunner, staging_size
     from bubblefree.cuda_backend.sampling import pack_sampling
+    from bubblefree.cuda_backend.graphs import bucket
+    from bubblefree.cuda_backend.kernel_config import Dispatch
+    from bubblefree.cuda_backend.token_prefill import TokenPrefill
 
     cap = Capacity(num_pages=8192, page_size=16, max_rows=64, max_seqs=256, max_prefill_tokens=2048,
                    max_context=4096)
@@ -109,8 +114,15 @@ def packing(rows: int, repeats: int) -> tuple[float, float]:
     def best(fn) -> float:
         return min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
 
+    tp = TokenPrefill(None, cache, cap.max_prefill_tokens, cap.max_rows, runner.max_pages,
+                      torch.device("cpu"), Dispatch())
+    prefill = StepPlan(1, StepKind.PREFILL, tuple(
+        StepRow(i, i, tuple(range(100 + i, 132 + i)), 0, (3 * i, 3 * i + 1, 3 * i + 2), GREEDY, None)
+        for i in range(rows)))
+    t, b = bucket(32 * rows, tp.tokens), bucket(rows, tp.rows)
     return (best(lambda: runner.pack_decode(plan, staging, rows, 16)),
-            best(lambda: pack_sampling(sample, plan.rows, masks, rows, runner.scratch_row)))
+            best(lambda: pack_sampling(sample, plan.rows, masks, rows, runner.scratch_row)),
+            best(lambda: tp.pack(prefill, staging, t, b)))
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -128,18 +140,19 @@ def main(argv: list[str] | None = None) -> str:
             per_seq = statistics.median(r[1] for r in runs)
             lines.append(f"| {streams} | {mode} | {step:.1f} | {per_seq:.2f} |")
             print(lines[-1], flush=True)
-    lines += ["", "| rows | pack_decode µs a step | pack_sampling µs a step |", "|---:|---:|---:|"]
+    lines += ["", "| rows | pack_decode µs a step | pack_sampling µs a step | token prefill pack µs a step |",
+              "|---:|---:|---:|---:|"]
     for rows in STREAMS:
-        decode, sampling = packing(rows, max(args.repeats, 3))
-        lines.append(f"| {rows} | {decode:.1f} | {sampling:.1f} |")
+        decode, sampling, prefill = packing(rows, max(args.repeats, 3))
+        lines.append(f"| {rows} | {decode:.1f} | {sampling:.1f} | {prefill:.1f} |")
         print(lines[-1], flush=True)
     table = "\n".join(lines)
     header = (f"## Core bookkeeping, {datetime.date.today().isoformat()}\n\n"
               f"CPU: {platform.processor() or platform.machine()}, Python {platform.python_version()}. "
               f"Command: `python -m bubblefree.bench.bookkeeping --tokens {args.tokens} --repeats {args.repeats}`. "
               "A zero-cost GPU; time inside backend calls subtracted; median of the repeats. "
-              "Then the CUDA backend's host packing of a decode step (12 pages a row, greedy), the best "
-              "of the repeats (at least 3) of 200 calls. "
+              "Then the CUDA backend's host packing of a decode step (12 pages a row, greedy) and of a "
+              "prefill of 32-token prompts as token rows, the best of the repeats (at least 3) of 200 calls. "
               "Absolute µs are of this CPU: compare rows, not machines.\n\n")
     print("\n" + table)
     if args.out:

@@ -98,19 +98,26 @@ class TokenPrefill:
 
     def pack(self, plan: StepPlan, staging: np.ndarray, t: int, r: int) -> int:
         """Bucket (t, r)'s metadata for ``plan`` into ``staging``; returns the
-        element count to copy."""
+        element count to copy. The positions are computed for all rows at
+        once: with an ``arange`` a row, 64 rows of 32 tokens (a closed loop
+        of short requests) took 124 us of host time a step on the
+        development machine, 97 without (one row: 5.0 and 7.5; the column
+        of ``bench.bookkeeping``), host time the device waits for at 64
+        streams."""
         self.harmless(staging, t, r)
         tokens, positions, row_of, last, table = self.views(staging, t, r)
-        at = 0
+        lens, shift, at = [], [], 0
         for i, row in enumerate(plan.rows):
-            n = len(row.tokens)
-            tokens[at:at + n] = row.tokens
-            positions[at:at + n] = np.arange(row.position, row.position + n)
-            row_of[at:at + n] = i
-            last[i] = at + n - 1
+            k = len(row.tokens)
+            tokens[at:at + k] = row.tokens
+            row_of[at:at + k] = i
+            last[i] = at + k - 1
             pages = row.pages[:self.max_pages]
             table[i, :len(pages)] = pages
-            at += n
+            lens.append(k)
+            shift.append(row.position - at)  # a token's position less its index
+            at += k
+        positions[:at] = np.arange(at) + np.repeat(shift, lens)
         return 3 * self.max_tokens + self.max_rows + (r + 1) * self.max_pages
 
     def forward(self, t: int, r: int) -> torch.Tensor:
