@@ -277,7 +277,8 @@ def run(args, command: str) -> str:
         seed_table = "(no detect results in this run)"
     for r in seed_rows:
         report.emit(dict(measure="seed_model", **r))
-    table = report.main_table(rows, floor["floor_ms"], floor["read_gbps"])
+    table = report.main_table(rows, floor["floor_ms"], floor["read_gbps"]) + "\n\n" + \
+        report.auto_summary(rows)
     if args.out:
         notes = report.notes(args.tokens, args.repeats)
         report.append_docs(args.out, report.header(env, command, floor, notes),

@@ -86,6 +86,34 @@ def main_table(rows: list[dict], floor_ms: float | None, read_gbps: float | None
     return "\n".join(lines)
 
 
+AUTO_TARGET = 0.98  # issue 14: the default at least this share of the better mode, in every cell
+
+
+def auto_summary(rows: list[dict]) -> str:
+    """One line: in how many cells auto (the per-tick choice, the default)
+    reached ``AUTO_TARGET`` of the better of pipelined and blocking, and
+    each cell under it; cells missing any of the three modes (an error, a
+    skip) are named apart, not counted."""
+    tok = {(r["workload"], r["streams"], r["mode"]): r.get("tok_s") for r in rows if not r.get("error")}
+    cells = list(dict.fromkeys((r["workload"], r["streams"]) for r in rows if r["mode"] in MODES))
+    ratios, incomplete = {}, []
+    for cell in cells:
+        p, b, a = (tok.get((*cell, m)) for m in MODES)
+        if p and b and a is not None:
+            ratios[cell] = a / max(p, b)
+        else:
+            incomplete.append(cell)
+    if not ratios:
+        return "auto against the better mode: no cell ran all three modes"
+    under = [f"{w} x{n} {x:.3f}" for (w, n), x in ratios.items() if x < AUTO_TARGET]
+    line = (f"auto >= {AUTO_TARGET} x the better of pipelined and blocking in "
+            f"{len(ratios) - len(under)} of {len(ratios)} cells"
+            + (f" (under: {', '.join(under)})" if under else ""))
+    if incomplete:
+        line += f"; not all three modes ran in {', '.join(f'{w} x{n}' for w, n in incomplete)}"
+    return line
+
+
 def seed_model(rows: list[dict], workload: str = "detect") -> tuple[str, list[dict]]:
     """The seed's model, T_block / T_pipe × (1 − z), against the measurement.
 

@@ -111,6 +111,23 @@ def test_the_table_divides_each_step_by_the_read_floor():
     assert len(table) == 5 and "skipped: time budget" in table[-1]
 
 
+def test_the_auto_summary_counts_each_cell_against_its_better_mode():
+    def cell(workload, streams, mode, tok_s):
+        return dict(_cell(mode, 1.0, tok_s), workload=workload, streams=streams)
+    rows = [cell("text", 1, "pipelined", 1000.0), cell("text", 1, "blocking", 900.0),
+            cell("text", 1, "auto", 985.0),  # 0.985 of pipelined: counted as met
+            cell("point", 1, "pipelined", 800.0), cell("point", 1, "blocking", 900.0),
+            cell("point", 1, "auto", 870.0),  # 0.967 of blocking, the better there: under
+            cell("text", 8, "pipelined", 1000.0),
+            dict(workload="text", streams=8, mode="blocking", error="skipped: time budget"),
+            cell("text", 8, "auto", 1000.0),
+            cell("text", 1, "hf generate (static cache)", 300.0)]  # a peer is no cell of the three
+    line = speed_report.auto_summary(rows)
+    assert line.startswith("auto >= 0.98 x the better of pipelined and blocking in 1 of 2 cells")
+    assert "(under: point x1 0.967)" in line and "not all three modes ran in text x8" in line
+    assert speed_report.auto_summary(rows[6:]).endswith("no cell ran all three modes")
+
+
 def test_without_a_floor_the_column_says_so():
     table = speed_report.main_table([_cell("blocking", 1.0, 1000.0)], None, None).splitlines()
     assert "| ÷ read floor |" in table[0]
