@@ -93,12 +93,11 @@ def packing(rows: int, repeats: int) -> tuple[float, float, float]:
     import numpy as np
     import torch
 
-    from bubblefree.cuda_backend.kernel_config import KernelConfig
+    from bubblefree.cuda_backend.graphs import bucket
+    from bubblefree.cuda_backend.kernel_config import Dispatch, KernelConfig
     from bubblefree.cuda_backend.kv_cache import PagedKVCache
     from bubblefree.cuda_backend.runner import ModelRunner, staging_size
     from bubblefree.cuda_backend.sampling import pack_sampling
-    from bubblefree.cuda_backend.graphs import bucket
-    from bubblefree.cuda_backend.kernel_config import Dispatch
     from bubblefree.cuda_backend.token_prefill import TokenPrefill
 
     cap = Capacity(num_pages=8192, page_size=16, max_rows=64, max_seqs=256, max_prefill_tokens=2048,
