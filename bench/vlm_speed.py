@@ -216,7 +216,7 @@ def targets(rows: list[dict], encode: list[dict]) -> str:
         short = [r for r in auto if r["a_vs_better"] < 0.98]
         lines.append(f"- auto (the per-tick choice) >= 0.98 x the better of pipelined and blocking: "
                      f"{len(auto) - len(short)} of {len(auto)} cells" + ("" if not short else " (below: " + ", ".join(
-                         f"{r['workload']} {r['side']} px x{r['streams']} {r['a_vs_better']:.2f}" for r in short) + ")"))
+                         f"{r['workload']} {r['side']} px x{r['streams']} {r['a_vs_better']:.3f}" for r in short) + ")"))
     lines.append(f"- pipelined >= blocking: {len(ok) - len(losing)} of {len(ok)} cells"
                  + ("" if not losing else " (below: " + ", ".join(
                      f"{r['workload']} {r['side']} px x{r['streams']} {r['ratio']:.2f}" for r in losing) + ")"))
@@ -276,9 +276,10 @@ def render(record: dict, out: Path | None, plot_path: Path | None) -> str:
         "",
         f"Run {record['env']}: `{record['command']}`. "
         + ("The tiny random config (a smoke run, not a measurement)." if record["quick"] else
-           "Random bf16 weights of moondream2's full shape.") + " Fresh images, greedy. The peer is a "
-        "transformers LLaVA of the same shape (one 378-px crop) under `generate`, one batch per "
-        f"cell, {PEER_TOKENS} new tokens."
+           "Random bf16 weights of moondream2's full shape.") + " Fresh images, greedy. "
+        + ("The peer is a transformers LLaVA of the same shape (one 378-px crop) under "
+           f"`generate`, one batch per cell, {PEER_TOKENS} new tokens." if peer else
+           "The peer did not run in this call.")
         + (f" Its vision tower: {crop_ms_peer:.2f} ms per crop, batched." if crop_ms_peer else ""),
         "",
         table(rows, peer),

@@ -44,6 +44,7 @@ def test_render_states_each_target_and_the_losing_cells(tmp_path):
     assert "pipelined >= blocking: 1 of 2 cells (below: point 378 px x1 0.83)" in text
     assert "| detect | 378 px | 8 | RuntimeError: x |" in text
     assert "| point | 378 px | 1 | 10.0 | 12.0 | 0.83 | 20.0 / 30.0 | 18.0 / 25.0 | 16.0 | 62.0 |" in text
+    assert "The peer is a transformers LLaVA" in text and "did not run" not in text
 
 
 def test_unknown_workloads_are_refused_by_name(capsys):
@@ -96,7 +97,8 @@ def test_a_run_with_auto_reports_it_against_the_better_mode():
     assert "| point | 378 px | 1 | 10.0 | 12.0 | 0.83 | 11.0 | 0.92 | 20.0 / 30.0 | 18.0 / 25.0 | — |  |" in text
     assert "| 12.0 | 1.00 (behind at 12% of ticks) |" in text  # records before the count have none
     assert "auto (the per-tick choice) >= 0.98 x the better of pipelined and blocking: 1 of 2 cells " \
-           "(below: point 378 px x1 0.92)" in text
+           "(below: point 378 px x1 0.917)" in text
+    assert "The peer did not run in this call." in text and "The peer is a" not in text
 
 
 def test_vlm_timeline_splits_each_window_by_call_and_nests_without_double_counting():
