@@ -83,10 +83,6 @@ def parse(argv):
                     help="decode buckets of at most ROWS rows run the dependent-launch step "
                          "(KernelConfig.pdl_rows; 0: none; default: as measured for the GPU "
                          "and the model's architecture)")
-    ap.add_argument("--last-norms", type=int, default=None, metavar="ROWS",
-                    help="in the dependent-launch step's buckets of at most ROWS rows the "
-                         "output projections' last programs norm (KernelConfig.last_norms; "
-                         "0: none; default: as measured)")
     ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
                     help="the decode step's GEMMs: ours where measured faster (default), "
                          "or cuBLAS everywhere")
@@ -100,9 +96,6 @@ def parse(argv):
     unknown = set(args.workloads) - set(WORKLOADS)
     if unknown:
         ap.error(f"unknown workloads {sorted(unknown)}; choose from {','.join(WORKLOADS)}")
-    for flag in ("pdl_rows", "last_norms"):
-        if (rows := getattr(args, flag)) is not None and rows < 0:
-            ap.error(f"--{flag.replace('_', '-')} is a row count (0: none), not {rows}")
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.tokens = QUICK_TOKENS if args.quick else FULL_TOKENS
     return args
@@ -225,8 +218,6 @@ def decode_options(args, device, config) -> dict:
     kernels = KernelConfig.measured(device, config)
     if args.pdl_rows is not None:
         kernels = attrs.evolve(kernels, pdl_rows=args.pdl_rows)
-    if args.last_norms is not None:
-        kernels = attrs.evolve(kernels, last_norms=args.last_norms)
     kernels = attrs.evolve(kernels, dispatch=kernels.dispatch.forced(args.split_below,
                                                                      args.attention))
     if args.gemm == "cublas":

@@ -10,9 +10,7 @@ between processes and machines; a comparison holds only within one).
 A variant is ``base`` (the defaults measured for the GPU and the shape:
 ``KernelConfig.measured``) or ``+``-joined ``K,N=TILE`` entries that
 replace the dependent-launch step's tile for the GEMM of that weight shape
-(``KernelConfig.pdl_tiles``) in every bucket it runs, and ``norms=ROWS`` or
-``combines=ROWS`` entries that set ``KernelConfig.last_norms`` or
-``last_combines`` (``--variant norms=0 --variant norms=2``). A q, k, v tile that
+(``KernelConfig.pdl_tiles``) in every bucket it runs. A q, k, v tile that
 cuts K hands its sums to the attention kernels (``pdl_step.project_attend``).
 Each is timed as ``bench.profile_step`` times a captured step (GPU ms by
 CUDA events; here the better of two timings of 200 replays), and the table
@@ -45,14 +43,9 @@ def variant(default: KernelConfig, text: str) -> KernelConfig:
     if not default.pdl_rows:
         raise ValueError(f"variant {text!r}: this GPU and shape run no dependent-launch step "
                          "(KernelConfig.pdl_rows is 0), so its tiles change nothing")
-    entries, rows = dict(default.pdl_tiles.entries), {}
+    entries = dict(default.pdl_tiles.entries)
     for item in text.split("+"):
         shape, _, tile = item.partition("=")
-        if shape in ("norms", "combines"):
-            if not tile.isdigit():
-                raise ValueError(f"variant {text!r}: {item!r} is not {shape}=ROWS (e.g. {shape}=2)")
-            rows[f"last_{shape}"] = int(tile)
-            continue
         k, _, n = shape.partition(",")
         if not (k.strip().isdigit() and n.strip().isdigit() and tile):
             raise ValueError(f"variant {text!r}: {item!r} is not K,N=TILE (e.g. "
@@ -65,7 +58,7 @@ def variant(default: KernelConfig, text: str) -> KernelConfig:
             raise ValueError(f"variant {text!r}: {tile} does not cut K={k} into whole steps of "
                              f"{parsed.block_k}, at least {parsed.ahead} a slice")
         entries[int(k), int(n)] = ((default.pdl_rows, parsed),)
-    return attrs.evolve(default, pdl_tiles=TileTable(entries), **rows)
+    return attrs.evolve(default, pdl_tiles=TileTable(entries))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,42 +39,23 @@ if triton is not None:
         c = tl.arange(0, BLOCK)
         ok = c < N
         w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
-        b = w
         if HAS_B:
             b = tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
         enter(PDL)
-        norm_row(x_ptr + m * sx_m, p_ptr + m * sp_m, w, b, xo_ptr + m * so_m, h_ptr + m * so_m,
-                 c, ok, N, splits, sp_s, eps, RMS, HAS_B, BLOCK, SPLITS, False)
-
-    @triton.jit
-    def norm_row(x_row, p_row, w, b, xo_row, h_row, c, ok, N, splits, sp_s, eps,
-                 RMS: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr,
-                 SPLITS: tl.constexpr, PAST_L1: tl.constexpr):
-        """One row: its ``splits`` slices of sums (``sp_s`` apart) added to x,
-        rounded, normed with the weight ``w`` (and bias ``b``), float32 over
-        the BLOCK columns ``c``. PAST_L1: x and the slices are read past L1 (``.cg``):
-        in ``skinny_gemm``'s last program they are other programs' stores."""
         # x asked for with the slices, not after them: one round trip less.
-        if PAST_L1:
-            x = tl.load(x_row + c, mask=ok, other=0.0, cache_modifier=".cg")
-        else:
-            x = tl.load(x_row + c, mask=ok, other=0.0)
+        x = tl.load(x_ptr + m * sx_m + c, mask=ok, other=0.0)
         # SPLITS slices per load: one round trip for all of them, not one each
         # (19 slices one after the other took 4 us a row).
         si = tl.arange(0, SPLITS)
         acc = tl.zeros([SPLITS, BLOCK], dtype=tl.float32)
         for s0 in range(0, splits, SPLITS):
             sok = (s0 + si) < splits
-            at = p_row + (s0 + si)[:, None] * sp_s + c[None, :]
-            if PAST_L1:
-                acc += tl.load(at, mask=sok[:, None] & ok[None, :], other=0.0,
-                               cache_modifier=".cg")
-            else:
-                acc += tl.load(at, mask=sok[:, None] & ok[None, :], other=0.0)
+            acc += tl.load(p_ptr + (s0 + si)[:, None] * sp_s + m * sp_m + c[None, :],
+                           mask=sok[:, None] & ok[None, :], other=0.0)
         delta = tl.sum(acc, axis=0)
         delta = delta.to(x.dtype).to(tl.float32)
         xn = (x.to(tl.float32) + delta).to(x.dtype)
-        tl.store(xo_row + c, xn, mask=ok)
+        tl.store(xo_ptr + m * so_m + c, xn, mask=ok)
         v = xn.to(tl.float32)
         if RMS:  # normalised in float32, rounded, then the weight
             h = v * tl.math.rsqrt(tl.sum(v * v, axis=0) / N + eps)
@@ -85,9 +66,7 @@ if triton is not None:
             h = centred * tl.math.rsqrt(tl.sum(centred * centred, axis=0) / N + eps) * w
             if HAS_B:
                 h += b
-        tl.store(h_row + c, h.to(x.dtype), mask=ok)
-else:  # pragma: no cover - exercised where Triton is absent
-    norm_row = None
+        tl.store(h_ptr + m * so_m + c, h.to(x.dtype), mask=ok)
 
 
 def available(x: torch.Tensor) -> bool:

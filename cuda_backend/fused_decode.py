@@ -178,11 +178,6 @@ class Dims:
     # launch leaves them so).
     counters: torch.Tensor | None = attrs.field(default=None, eq=False)
     combine_rows: int = 0
-    # In pdl_step's buckets of at most ``norm_rows`` rows, the output
-    # projections' last programs norm (KernelConfig.last_norms): their
-    # arrival counter, zero between launches.
-    norm_counter: torch.Tensor | None = attrs.field(default=None, eq=False)
-    norm_rows: int = 0
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -341,20 +336,16 @@ class FusedDecoder:
         counters, combine_rows = None, min(pdl_rows, kernels.last_combines)
         if combine_rows:
             counters = torch.zeros(combine_rows * heads, dtype=torch.int32, device=device)
-        norm_counter, norm_rows = None, min(pdl_rows, kernels.last_norms)
-        if norm_rows:
-            norm_counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.dims = Dims(heads=heads, kv_heads=kv_heads, head_dim=attn.head_dim, eps=eps,
                          scaling=attn.scaling, split=qkv + ((inter,) if parallel else ()),
                          inter=inter, act=act, tiles=kernels.tiles,
                          one_store=kernels.prefill_store, pdl_rows=pdl_rows,
                          pdl_tiles=kernels.pdl_tiles, sms=sms,
                          glu=not parallel and getattr(cfg, "hidden_act", None) == "silu",
-                         counters=counters, combine_rows=combine_rows,
-                         norm_counter=norm_counter, norm_rows=norm_rows)
+                         counters=counters, combine_rows=combine_rows)
         self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
-        # What the dependent step adds to the embeddings before the first
-        # norm: nothing, from one buffer rather than a fill kernel each step.
+        # What the first dependent layer adds to the embeddings: nothing,
+        # from one buffer rather than a fill kernel each step.
         self.zero_delta = torch.zeros(1, pdl_rows, cfg.hidden_size, dtype=torch.float32,
                                       device=device) if pdl_rows else None
         # Gathered rotary rows and embeddings (step_inputs), where the
@@ -364,10 +355,6 @@ class FusedDecoder:
         # The final norm, as add_norm takes it: weight, bias, eps, RMS or not.
         self.final_norm = ((self.norm.weight, self.norm.bias, self.norm.eps, False) if parallel
                            else (self.norm.weight, None, self.norm.variance_epsilon, True))
-        # Each dependent layer ends with the next one's input norm, the last
-        # with the final norm.
-        self.pdl_norms = [pdl_step.input_norm(w, self.dims, parallel) for w in self.weights]
-        self.pdl_norms.append(self.final_norm)
         if pdl_rows:
             self.path += f", dependent launches up to {pdl_rows} rows"
 
@@ -410,28 +397,25 @@ class FusedDecoder:
         return one_op and x.shape[0] <= self.dims.pdl_rows
 
     def _layers(self, x, positions, ctx, one_op: bool, compiled: bool, rope=None):
-        """The layers over input embeddings: ``(x, delta, False)``, the output
-        being ``x + delta``, or where the step runs ``pdl_step``'s layers
-        ``(output, its final norm, True)``."""
+        """The layers over input embeddings: ``(x, delta, pdl)``, the output
+        being ``x + delta`` (``delta`` as sums where ``pdl``)."""
         if rope is None:
             cos, sin = self.rotary(x, positions.view(1, -1))  # [1, T, rot] each, in x's dtype
             cos, sin = cos[0], sin[0]
         else:
             cos, sin = rope
-        if self.uses_pdl(x, one_op):
+        pdl = self.uses_pdl(x, one_op)
+        if pdl:
             zero = self.zero_delta
             if zero is None or zero.shape[1] < x.shape[0]:  # more rows than measured for
                 zero = x.new_zeros((1, *x.shape), dtype=torch.float32)
-            x, h = pdl_step.first(x, zero[:, :x.shape[0]], self.pdl_norms[0])
-            for i, w in enumerate(self.weights):
-                x, h = self.pdl_layer(x, h, cos, sin, ctx.cache.layer_kv(i), ctx, w, self.dims,
-                                      self.act, self.windows[i], self.pdl_norms[i + 1])
-            return x, h, True
-        layer, delta = self.step_layer if compiled else self.layer_fn, torch.zeros_like(x)
+            layer, delta = self.pdl_layer, zero[:, :x.shape[0]]
+        else:
+            layer, delta = self.step_layer if compiled else self.layer_fn, torch.zeros_like(x)
         for i, w in enumerate(self.weights):
             kv = ctx.cache.layer_kv(i) if one_op else ctx.cache.layer(i)
             x, delta = layer(x, delta, cos, sin, kv, ctx, w, self.dims, self.act, self.windows[i])
-        return x, delta, False
+        return x, delta, pdl
 
     def hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx: PagedContext, *,
                one_op: bool = False, compiled: bool = True) -> torch.Tensor:
@@ -442,16 +426,15 @@ class FusedDecoder:
         for the former. ``compiled=False`` runs the plain layer function
         (a prefill's shapes change every step: no compile per shape)."""
         x, delta, pdl = self._layers(x, positions, ctx, one_op, compiled)
-        return x if pdl else x + delta
+        return pdl_step.combine(x, delta) if pdl else x + delta
 
     def hidden_normed(self, x: torch.Tensor, positions: torch.Tensor, ctx: PagedContext, *,
                       one_op: bool = False, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hidden``'s output and its final norm, the head's input (the
-        last layer's kernels give both where the step runs ``pdl_step``'s
-        layers)."""
+        """``hidden``'s output and its final norm, the head's input (one
+        kernel for both where the step runs ``pdl_step``'s layers)."""
         x, delta, pdl = self._layers(x, positions, ctx, one_op, True, rope)
         if pdl:
-            return x, delta
+            return pdl_step.final(x, delta, *self.final_norm)
         h = x + delta
         return h, self.norm(h)
 

@@ -363,10 +363,6 @@ class KernelConfig:
     0.913 -> 0.908 and 0.959 -> 0.938, even at four and eight; Qwen2-0.5B's
     within 0.002 either way (docs/performance.md, "The last programs
     combining, per bucket"), so ``MEASURED_PDL`` sets it per shape.
-    ``last_norms``: in that step's buckets of at most this many rows, an
-    output projection's last program adds the sums to the residual stream
-    and norms it (``skinny_gemm.launch_norm``), instead of the next
-    ``add_norm`` kernel (one or two launches fewer a layer). 0: none.
 
     ``greedy_kernel``: a greedy step samples in one kernel
     (``greedy_sample``) instead of torch's seven; ``step_inputs``: a fused
@@ -382,16 +378,13 @@ class KernelConfig:
     pdl_rows: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     pdl_tiles: TileTable = TileTable()
     last_combines: int = attrs.field(default=0)
-    last_norms: int = attrs.field(default=0)
     greedy_kernel: bool = True
     step_inputs: bool = True
 
     @last_combines.validator
-    @last_norms.validator
-    def _rows(self, attribute: attrs.Attribute, value: int) -> None:
+    def _rows(self, _, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"KernelConfig.{attribute.name} is a row count (0: none), "
-                             f"not {value!r}")
+            raise ValueError(f"KernelConfig.last_combines is a row count (0: none), not {value!r}")
 
     @classmethod
     def measured(cls, device: torch.device | str, config: Any = None) -> "KernelConfig":
@@ -423,8 +416,6 @@ class KernelConfig:
             where += f"; dependent launches up to {self.pdl_rows} rows"
             if rows := min(self.last_combines, self.pdl_rows):
                 where += f", the split kernel's last programs combining up to {rows} rows"
-            if rows := min(self.last_norms, self.pdl_rows):
-                where += f", the output projections' last programs norming up to {rows} rows"
         if not self.greedy_kernel:
             where += "; greedy sampling in torch"
         if not self.step_inputs:

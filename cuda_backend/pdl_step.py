@@ -10,9 +10,7 @@ each takes to get going. Here:
   before the previous kernel has ended;
 - an output projection (Phi's fused dense + fc2; Llama's and Qwen2's o_proj
   and down_proj) leaves its partial sums to the next norm (``add_norm``):
-  no reduction kernel, no separate residual add; in buckets of up to
-  ``KernelConfig.last_norms`` rows its own last program adds and norms
-  (``skinny_gemm.launch_norm``), without the norm's kernel;
+  no reduction kernel, no separate residual add;
 - Llama's and Qwen2's gate and up projection writes ``silu(gate) * up``
   itself (``skinny_gemm``'s GLU: each program owns the same columns of
   both), so the down projection reads it as is;
@@ -23,10 +21,9 @@ each takes to get going. Here:
   combine its states, without a second kernel.
 
 A Phi layer is four kernels (five with the split attention kernel at few
-rows); a Llama or Qwen2 layer six (seven); one and two fewer where the
-projections norm. The layer functions take the residual stream and its
-norm ``(x, h)`` and the norm to end with (the next layer's, or the final
-one), and return the same for the next: ``first`` norms the embeddings.
+rows); a Llama or Qwen2 layer six (seven). The layer functions take and
+return the residual stream as ``(x, delta)``, ``delta`` being the last
+projection's float32 partial sums ``[S, M, N]`` (bias included).
 ``FusedDecoder`` runs them for decode buckets of at most
 ``KernelConfig.pdl_rows`` rows, on CUDA devices that support it.
 """
@@ -37,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from bubblefree.cuda_backend import skinny_gemm
-from bubblefree.cuda_backend.add_norm import add_norm
+from bubblefree.cuda_backend.add_norm import add_norm, torch_add
 from bubblefree.cuda_backend.kernel_config import step_tile
 from bubblefree.cuda_backend.rope_attention import rope_attend
 
@@ -52,8 +49,11 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
     (K whole where the output is not partial sums). Without Triton on x's
     device (or whole steps of K): torch's, the same results, plainly
     launched (still ordered)."""
-    tile = _tile(x, w, dims, partial, glu)
-    if tile is None:
+    rows, k, n = x.shape[0], w.shape[1], w.shape[0]
+    tile = dims.pdl_tiles.tile_for(rows, k, n)
+    if tile is None or not tile.fits(k) or (glu and tile.split > 1):
+        tile = step_tile(k, n // 2 if glu else n, rows, partial, dims.sms)
+    if tile is None or not skinny_gemm.available(x):
         out = F.linear(x, w, bias)
         if glu:
             gate, up = out.chunk(2, dim=-1)
@@ -64,30 +64,6 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
     if glu:
         return skinny_gemm.launch(x, w, bias, tile, glu=True, pdl=True)
     return skinny_gemm.run(x, w, bias, tile, pdl=True)
-
-
-def _tile(x: torch.Tensor, w: torch.Tensor, dims, partial: bool, glu: bool):
-    """``gemm``'s tile for x and w, or None where torch's runs it."""
-    rows, k, n = x.shape[0], w.shape[1], w.shape[0]
-    tile = dims.pdl_tiles.tile_for(rows, k, n)
-    if tile is None or not tile.fits(k) or (glu and tile.split > 1):
-        tile = step_tile(k, n // 2 if glu else n, rows, partial, dims.sms)
-    return tile if tile is not None and skinny_gemm.available(x) else None
-
-
-def project_norm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-                 norm: tuple, dims) -> tuple[torch.Tensor, torch.Tensor]:
-    """An output projection added to the residual stream, and the next
-    norm: ``(x + a @ w^T + bias, its norm)``. ``norm``: weight, bias, eps,
-    RMS or not. In buckets of at most ``dims.norm_rows`` rows the
-    projection's last program norms (``skinny_gemm.launch_norm``), else the
-    projection hands its sums to ``add_norm``."""
-    if dims.norm_counter is not None and a.shape[0] <= dims.norm_rows:
-        tile = _tile(a, w, dims, True, False)
-        if tile is not None:
-            return skinny_gemm.launch_norm(a, w, bias, tile, x, *norm, dims.norm_counter,
-                                           pdl=True)
-    return add_norm(x, gemm(a, w, bias, dims, partial=True), *norm, pdl=True)
 
 
 def attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, mlp=None,
@@ -124,40 +100,38 @@ def project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window) -> torch.Te
     return attend(q, k, v, cos, sin, kv, ctx, None, dims, window)
 
 
-def first(x: torch.Tensor, zero: torch.Tensor, norm: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """The embeddings and the first layer's norm of them: ``(x, norm of
-    x)``, through ``add_norm`` (``zero``: float32 zeros ``[1, M, N]``)."""
-    return add_norm(x, zero, *norm, pdl=True)
-
-
-def parallel_layer(x, h, cos, sin, kv, ctx, w, dims, act, window, after):
-    """Phi: the fused q, k, v and fc1 of the normed stream ``h``, attention
-    with the activation beside it, the fused dense + fc2 added to ``x`` and
-    normed by ``after`` (the next layer's norm, or the final one)."""
-    _, _, w_in, b_in, w_out, b_out, qk_norm = w
+def parallel_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
+    """Phi: the norm (with the previous layer's sums), the fused q, k, v and
+    fc1, attention with the activation beside it, the fused dense + fc2."""
+    norm_w, norm_b, w_in, b_in, w_out, b_out, qk_norm = w
+    x, h = add_norm(x, delta, norm_w, norm_b, dims.eps, rms=False, pdl=True)
     q, k, v, f = gemm(h, w_in, b_in, dims).split(dims.split, dim=-1)
     if dims.act:
         row = attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, f)
     else:  # an activation the kernels do not know: torch's, between ours
         row = torch.cat((attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window), act(f)), -1)
-    return project_norm(row, w_out, b_out, x, after, dims)
+    return x, gemm(row, w_out, b_out, dims, partial=True)
 
 
-def sequential_layer(x, h, cos, sin, kv, ctx, w, dims, act, window, after):
-    """Llama, Qwen2: q/k/v of the normed stream ``h``, attention, o_proj
-    added and normed by the layer's second norm, gate and up as
-    ``silu(gate) * up``, down added and normed by ``after`` (the next
-    layer's norm, or the final one)."""
-    _, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
+def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
+    """Llama, Qwen2: norm, q/k/v, attention, o_proj's sums into the second
+    norm, gate and up as ``silu(gate) * up``, down."""
+    norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
+    x, h = add_norm(x, delta, norm1, None, dims.eps, rms=True, pdl=True)
     a = project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window)
-    x, h = project_norm(a, w_o, b_o, x, (norm2, None, dims.eps, True), dims)
+    x, h = add_norm(x, gemm(a, w_o, b_o, dims, partial=True), norm2, None, dims.eps, rms=True,
+                    pdl=True)
     if dims.glu:
-        return project_norm(gemm(h, w_gu, b_gu, dims, glu=True), w_down, b_down, x, after, dims)
+        return x, gemm(gemm(h, w_gu, b_gu, dims, glu=True), w_down, b_down, dims, partial=True)
     gate, up = gemm(h, w_gu, b_gu, dims).split(dims.inter, dim=-1)
-    return project_norm(act(gate) * up, w_down, b_down, x, after, dims)
+    return x, gemm(act(gate) * up, w_down, b_down, dims, partial=True)
 
 
-def input_norm(w: tuple, dims, parallel: bool) -> tuple:
-    """A layer's first norm from its weights, as ``add_norm`` takes it:
-    weight, bias, eps, RMS or not."""
-    return (w[0], w[1], dims.eps, False) if parallel else (w[0], None, dims.eps, True)
+def final(x, delta, weight, bias, eps, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer's output added: ``(hidden, final norm of it)``."""
+    return add_norm(x, delta, weight, bias, eps, rms, pdl=True)
+
+
+def combine(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``x`` plus the sums, rounded as ``add_norm`` rounds them (torch)."""
+    return torch_add(x, delta)

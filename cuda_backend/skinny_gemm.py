@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bubblefree.cuda_backend.add_norm import norm_row, tiling
 from bubblefree.cuda_backend.kernel_config import Tile, TileTable, tile_for
 from bubblefree.cuda_backend.pdl import enter, launch_options, tl, triton
 
@@ -43,26 +42,16 @@ if triton is not None:
 
     @triton.jit
     def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, steps, sx_m, sw_n, so_s, so_m, up_off,
-                cnt_ptr, r_ptr, nw_ptr, nb_ptr, xo_ptr, h_ptr, sr_m, sn_m, eps,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
                 GLU: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                AHEAD: tl.constexpr, NORM: tl.constexpr, RMS: tl.constexpr,
-                HAS_NB: tl.constexpr, NBLOCK: tl.constexpr, NSPLITS: tl.constexpr):
+                AHEAD: tl.constexpr):
         """K is ``steps`` steps of BLOCK_K; slice s of the grid's takes steps
         ``s * steps // slices`` up to the next slice's first. GLU: w is
         ``[gate; up]`` (up from row ``up_off``) and the output column j is
         ``silu(gate_j) * up_j``, each rounded to x's dtype as torch's ops
         round them. PDL: the slice's first AHEAD steps of weights are read
-        before the wait (``Tile.ahead``).
-
-        NORM (with PARTIAL): the last program to store its sums adds them
-        all to the residual stream ``r`` and norms it, as ``add_norm`` does
-        (weight ``nw``, bias ``nb``), writing ``xo`` and ``h``. Each
-        program counts itself in at ``cnt_ptr`` once its sums are stored (a
-        barrier, then an acquire-release add: every earlier program's
-        stores are visible to the one that counts last), and the last resets
-        the count to 0 for the next launch."""
+        before the wait (``Tile.ahead``)."""
         n0 = tl.program_id(0) * BLOCK_N
         s = tl.program_id(1)
         slices = tl.num_programs(1)
@@ -110,10 +99,6 @@ if triton is not None:
                 acc_up += tl.load(b_ptr + rn + up_off, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if PARTIAL:
             tl.store(out_ptr + s * so_s + rm[:, None] * so_m + rn[None, :], acc, mask=mask)
-            if NORM:
-                _norm_last(out_ptr, cnt_ptr, r_ptr, nw_ptr, nb_ptr, xo_ptr, h_ptr, M, N,
-                           tl.num_programs(0) * slices, slices, so_s, so_m, sr_m, sn_m, eps,
-                           RMS, HAS_NB, NBLOCK, NSPLITS)
         else:
             dtype = out_ptr.dtype.element_ty
             if GLU:
@@ -121,27 +106,6 @@ if triton is not None:
                 a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
                 acc = a * acc_up.to(dtype).to(tl.float32)
             tl.store(out_ptr + rm[:, None] * so_m + rn[None, :], acc.to(dtype), mask=mask)
-
-    @triton.jit
-    def _norm_last(p_ptr, cnt_ptr, r_ptr, nw_ptr, nb_ptr, xo_ptr, h_ptr, M, N, programs, splits,
-                   sp_s, sp_m, sr_m, sn_m, eps, RMS: tl.constexpr, HAS_NB: tl.constexpr,
-                   NBLOCK: tl.constexpr, NSPLITS: tl.constexpr):
-        """``_gemm_kernel``'s NORM: count in; the last of ``programs`` norms
-        every row."""
-        tl.debug_barrier()  # the program's stores all made before it counts itself in
-        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == programs - 1:
-            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-            c = tl.arange(0, NBLOCK)
-            ok = c < N
-            w = tl.load(nw_ptr + c, mask=ok, other=0.0).to(tl.float32)
-            b = w
-            if HAS_NB:
-                b = tl.load(nb_ptr + c, mask=ok, other=0.0).to(tl.float32)
-            for m in range(M):
-                norm_row(r_ptr + m * sr_m, p_ptr + m * sp_m, w, b, xo_ptr + m * sn_m,
-                         h_ptr + m * sn_m, c, ok, N, splits, sp_s, eps, RMS, HAS_NB, NBLOCK,
-                         NSPLITS, True)
 
     @triton.jit
     def _reduce_kernel(p_ptr, b_ptr, out_ptr, total, N, splits,
@@ -190,58 +154,12 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Ti
     _gemm_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
         x, w, bias if bias is not None else w, out, m, n, k // tile.block_k,
         x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2), n,
-        w, w, w, w, w, w, 0, 0, 0.0,  # NORM's arguments, never read without it
-        HAS_BIAS=bias is not None and (not partial or bias_in_parts),
-        PARTIAL=partial, IEEE=x.dtype == torch.float32, GLU=glu, PDL=pdl,
+        HAS_BIAS=bias is not None and (not partial or bias_in_parts), PARTIAL=partial,
+        IEEE=x.dtype == torch.float32, GLU=glu, PDL=pdl,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, STAGES=tile.stages, AHEAD=tile.ahead if pdl else 1,
-        NORM=False, RMS=False, HAS_NB=False, NBLOCK=1, NSPLITS=1,
         num_warps=tile.warps, **launch_options(pdl))
     return out
-
-
-def launch_norm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile,
-                resid: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor | None,
-                eps: float, rms: bool, counter: torch.Tensor, *,
-                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """An output projection and the next norm in one kernel: ``(resid + x @
-    w^T + bias, its norm)``, both ``[M, N]`` in resid's dtype, as
-    ``add_norm(resid, launch(x, w, bias, tile, bias_in_parts=True,
-    partial=True), ...)`` gives them, with the kernel's last program doing
-    the norm. ``counter``: one int32, zero, on x's device; every launch
-    leaves it zero, and launches that share it must not run at once (a
-    stream's do not)."""
-    m, k = x.shape
-    n = w.shape[0]
-    if resid.shape != (m, n) or resid.stride(1) != 1:
-        raise ValueError(f"skinny_gemm: the residual stream {tuple(resid.shape)} must be "
-                         f"[{m}, {n}], contiguous along N")
-    if norm_weight.shape != (n,) or (norm_bias is not None and norm_bias.shape != (n,)):
-        raise ValueError(f"skinny_gemm: the norm's weight and bias must be [{n}]")
-    if counter.dtype != torch.int32 or counter.numel() < 1 or counter.device != x.device:
-        raise ValueError("skinny_gemm: counter must be one int32 on x's device")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("skinny_gemm: x and w must be contiguous along K")
-    if w.shape[1] != k:
-        raise ValueError(f"skinny_gemm: w {tuple(w.shape)} does not take x's K={k}")
-    if not tile.fits(k):
-        raise ValueError(f"skinny_gemm: K={k} is not {tile.split} slices of at least "
-                         f"{tile.ahead} steps of {tile.block_k}")
-    parts = torch.empty((tile.split, m, n), dtype=torch.float32, device=x.device)
-    xo = torch.empty((m, n), dtype=resid.dtype, device=x.device)
-    h = torch.empty_like(xo)
-    nblock, nsplits, _ = tiling(n, tile.split)
-    _gemm_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
-        x, w, bias if bias is not None else w, parts, m, n, k // tile.block_k,
-        x.stride(0), w.stride(0), parts.stride(0), parts.stride(1), n,
-        counter, resid, norm_weight, norm_bias if norm_bias is not None else norm_weight, xo, h,
-        resid.stride(0), xo.stride(0), float(eps),
-        HAS_BIAS=bias is not None, PARTIAL=True, IEEE=x.dtype == torch.float32, GLU=False,
-        PDL=pdl, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, STAGES=tile.stages, AHEAD=tile.ahead if pdl else 1,
-        NORM=True, RMS=rms, HAS_NB=norm_bias is not None, NBLOCK=nblock, NSPLITS=nsplits,
-        num_warps=tile.warps, **launch_options(pdl))
-    return xo, h
 
 
 def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile, *,

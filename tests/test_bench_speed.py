@@ -78,17 +78,6 @@ def test_the_model_shape_is_an_argument():
         speed.parse(["--model", "gpt2"])
 
 
-def test_the_dependent_steps_row_counts_are_arguments(capsys):
-    assert speed.parse([]).last_norms is None and speed.parse([]).pdl_rows is None
-    args = speed.parse(["--last-norms", "2", "--pdl-rows", "8"])
-    kernels = speed.decode_options(args, torch.device("cpu"), None)["kernels"]
-    assert (kernels.last_norms, kernels.pdl_rows) == (2, 8)
-    for flag in ("--last-norms", "--pdl-rows"):
-        with pytest.raises(SystemExit):
-            speed.parse([flag, "-1"])
-        assert f"{flag} is a row count (0: none), not -1" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("shape, gigabytes, layers, tied", [
     ("phi", 2.837, 24, False), ("llama1b", 2.472, 16, True), ("qwen05b", 0.988, 24, True)])
 def test_each_shape_has_its_published_size(shape, gigabytes, layers, tied):

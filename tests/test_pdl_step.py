@@ -128,10 +128,9 @@ def test_where_it_cannot_launch_dependent_the_step_is_the_usual_one():
     from tests.test_cuda_fused import backend, decode_logits
     model = tiny_model("llama", seed=7)
     plain = backend(model)
-    asked = backend(model, kernels=KernelConfig(pdl_rows=64, last_combines=64, last_norms=64))
+    asked = backend(model, kernels=KernelConfig(pdl_rows=64, last_combines=64))
     decoder = asked._runner.decoder
     assert not pdl.supported("cpu") and decoder.dims.pdl_rows == 0 and decoder.dims.counters is None
-    assert decoder.dims.norm_counter is None and decoder.dims.norm_rows == 0
     assert asked.decode_path == plain.decode_path == "fused llama"
     torch.manual_seed(0)
     plain.cache.data.normal_()
@@ -200,50 +199,6 @@ def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, til
     close(got, F.silu(gate) * up)
     with pytest.raises(ValueError, match="GLU"):
         skinny_gemm.launch(x, w2, b2, whole, glu=True, partial=True)
-
-
-@CUDA
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,k,n,tile,rms", [(1, 2048, 2048, "64n256k8s4w3p", True),
-                                            (2, 10240, 2048, "64n256k8s4w3p", False),
-                                            (1, 4864, 896, "64n128k8s4w3p", True),
-                                            (5, 896, 896, "32n128k4s4w3p", True),
-                                            (8, 512, 100, "16n64k1s4w3p", False),
-                                            (3, 1024, 80, "16n64k4s4w3p4a", True)])
-@pytest.mark.parametrize("launch_pdl", LAUNCHES)
-def test_the_projections_last_program_norms_as_add_norm_does(m, k, n, tile, rms, dtype,
-                                                              launch_pdl):
-    """``launch_norm``: the residual stream and its norm as ``add_norm``
-    gives them over the projection's sums, launch after launch on one
-    counter (each leaves it zero), with a norm bias or without."""
-    from bubblefree.cuda_backend import skinny_gemm
-    t = Tile.parse(tile)
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for seed in range(3):
-        torch.manual_seed(seed)
-        a = torch.randn(m, k, device="cuda", dtype=dtype)
-        w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
-        bias = torch.randn(n, device="cuda", dtype=dtype) if seed else None
-        x = torch.randn(m, n, device="cuda", dtype=dtype)
-        nw = torch.randn(n, device="cuda", dtype=dtype)
-        nb = None if rms else torch.randn(n, device="cuda", dtype=dtype)
-        xo, h = skinny_gemm.launch_norm(a, w, bias, t, x, nw, nb, 1e-5, rms, counter,
-                                        pdl=launch_pdl)
-        parts = skinny_gemm.launch(a, w, bias, t, bias_in_parts=True, partial=True,
-                                   pdl=launch_pdl)
-        rx, rh = add_norm(x, parts, nw, nb, 1e-5, rms)
-        torch.cuda.synchronize()
-        assert counter.item() == 0
-        assert xo.dtype == h.dtype == dtype and xo.shape == h.shape == (m, n)
-        torch.testing.assert_close(xo, rx, rtol=tol, atol=tol)
-        torch.testing.assert_close(h, rh, rtol=tol, atol=tol)
-        tx, th = torch_add_norm(x, parts, nw, nb, 1e-5, rms)
-        torch.testing.assert_close(h, th, rtol=tol, atol=tol)
-    with pytest.raises(ValueError, match="counter must be one int32"):
-        skinny_gemm.launch_norm(a, w, bias, t, x, nw, nb, 1e-5, rms, counter.long())
-    with pytest.raises(ValueError, match="residual stream"):
-        skinny_gemm.launch_norm(a, w, bias, t, x[:, :-1], nw, nb, 1e-5, rms, counter)
 
 
 @CUDA
@@ -529,29 +484,6 @@ def test_the_dependent_step_with_the_last_programs_combining_decodes_the_same_to
     assert be._runner.decoder.dims.combine_rows == combines
     assert generate(be, PROMPTS, 10) == generate(plain, PROMPTS, 10)
     assert generate(be, PROMPTS[2:3], 10) == generate(plain, PROMPTS[2:3], 10)
-
-
-@PDL
-@pytest.mark.parametrize("arch", ["phi", "llama", "qwen2"])
-@pytest.mark.parametrize("norms", [1, 8])
-def test_the_dependent_step_with_the_last_programs_norming_decodes_the_same_tokens(arch, norms):
-    """In the buckets of up to ``last_norms`` rows the output projections'
-    last programs norm (one prompt alone, and all four in a bucket of 4
-    where 8 rows do, not where 1 does): in graphs, greedy tokens equal the
-    step with the norms' own kernels, and transformers' generate."""
-    from tests.test_cuda_gpu import reference
-    model = tiny_model(arch, device="cuda", seed=4)
-    first = reference(model, PROMPTS, 10)
-    plain = _small(model, kernels=attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8,
-                                               last_norms=0))
-    be = _small(model, kernels=attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8,
-                                            last_norms=norms))
-    assert f"last programs norming up to {norms} rows" in str(be.kernels)
-    dims = be._runner.decoder.dims
-    assert dims.norm_rows == norms and dims.norm_counter is not None
-    assert generate(be, PROMPTS, 10) == generate(plain, PROMPTS, 10) == first
-    assert generate(be, PROMPTS[2:3], 10) == generate(plain, PROMPTS[2:3], 10)
-    assert dims.norm_counter.item() == 0
 
 
 @PDL

@@ -39,16 +39,6 @@ def test_a_variant_replaces_the_named_shapes_tiles_in_every_bucket_and_nothing_e
     assert variant(default, "4096,4096=64n128k1s4w3p").pdl_tiles.tile_for(1, 4096, 4096)
 
 
-def test_a_variant_sets_the_row_counts_of_the_last_programs_work():
-    default = h200()
-    got = variant(default, "norms=2+combines=0")
-    assert (got.last_norms, got.last_combines) == (2, 0)
-    assert got.pdl_tiles == default.pdl_tiles and got.dispatch == default.dispatch
-    both = variant(default, "norms=8+2048,3072=32n256k2s4w3p")
-    assert both.last_norms == 8 and both.pdl_tiles.tile_for(1, 2048, 3072) == Tile(32, 256, 2, 4, 3)
-    assert both.last_combines == default.last_combines
-
-
 @pytest.mark.parametrize("text,says", [
     ("2048=64n256k4s4w3p", "is not K,N=TILE"),
     ("2048,3072", "is not K,N=TILE"),
@@ -57,9 +47,6 @@ def test_a_variant_sets_the_row_counts_of_the_last_programs_work():
     ("2048,3072=64n256k16s4w3p", "does not cut K=2048 into whole steps of 256"),
     ("2000,3072=64n256k1s4w3p", "does not cut K=2000"),
     ("2048,3072=32n256k2s4w3p+bad", "'bad' is not K,N=TILE"),
-    ("norms=x", "'norms=x' is not norms=ROWS"),
-    ("combines=-1", "'combines=-1' is not combines=ROWS"),
-    ("norms=", "'norms=' is not norms=ROWS"),
 ])
 def test_a_bad_variant_is_named(text, says):
     with pytest.raises(ValueError, match=re.escape(says)):
