@@ -96,6 +96,8 @@ def parse(argv):
     unknown = set(args.workloads) - set(WORKLOADS)
     if unknown:
         ap.error(f"unknown workloads {sorted(unknown)}; choose from {','.join(WORKLOADS)}")
+    if args.pdl_rows is not None and args.pdl_rows < 0:
+        ap.error(f"--pdl-rows is a row count (0: none), not {args.pdl_rows}")
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.tokens = QUICK_TOKENS if args.quick else FULL_TOKENS
     return args

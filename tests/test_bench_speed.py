@@ -78,6 +78,15 @@ def test_the_model_shape_is_an_argument():
         speed.parse(["--model", "gpt2"])
 
 
+def test_the_dependent_steps_rows_are_a_count(capsys):
+    assert speed.parse([]).pdl_rows is None
+    kernels = speed.decode_options(speed.parse(["--pdl-rows", "4"]), torch.device("cpu"), None)
+    assert kernels["kernels"].pdl_rows == 4
+    with pytest.raises(SystemExit):
+        speed.parse(["--pdl-rows", "-1"])
+    assert "--pdl-rows is a row count (0: none), not -1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("shape, gigabytes, layers, tied", [
     ("phi", 2.837, 24, False), ("llama1b", 2.472, 16, True), ("qwen05b", 0.988, 24, True)])
 def test_each_shape_has_its_published_size(shape, gigabytes, layers, tied):
