@@ -108,11 +108,14 @@ def measure(engine, workload: str, side: int, streams: int, count: int, seed: in
     engine.pipelined = True
     run_cell(engine, workload, warm, streams)  # shapes, graphs, allocator
     core, ticks = engine.core, [0, 0]  # auto's ticks ahead and behind, over its runs
+    why: list = []  # the rule's inputs at auto's behind ticks (the newest the core keeps)
     for i, mode in enumerate((modes + modes[::-1]) * rounds):
         engine.pipelined = mode
         before = (core.ahead_ticks, core.behind_ticks)
         runs[mode].append(run_cell(engine, workload, images(count, side, seed + i), streams))
         ticks = [ticks[0] + core.ahead_ticks - before[0], ticks[1] + core.behind_ticks - before[1]]
+        new = min(core.behind_ticks - before[1], len(core.behind))
+        why += list(core.behind)[len(core.behind) - new:]
     engine.pipelined = "auto"
     best = {mode: max(r, key=lambda x: x["req_s"]) for mode, r in runs.items()}
     med = {mode: statistics.median(x["req_s"] for x in r) for mode, r in runs.items()}
@@ -121,7 +124,20 @@ def measure(engine, workload: str, side: int, streams: int, count: int, seed: in
                 p_p50=best[True]["p50_ms"], p_p99=best[True]["p99_ms"],
                 b_p50=best[False]["p50_ms"], b_p99=best[False]["p99_ms"],
                 a_req_s=med["auto"], a_vs_better=med["auto"] / max(med[True], med[False]),
-                a_behind=ticks[1] / max(1, sum(ticks)))
+                a_behind=ticks[1] / max(1, sum(ticks)), a_behind_why=behind_summary(why))
+
+
+def behind_summary(why: list) -> dict | None:
+    """Medians of the rule's inputs over a cell's behind ticks (``core.ahead.
+    Behind``), times in ms, and the zombie cost it weighed, ``forward *
+    zombies / rows``, against the bubble; None where auto never blocked."""
+    if not why:
+        return None
+    med = statistics.median
+    return dict(ticks=len(why), rows=med(b.rows for b in why), zombies=med(b.zombies for b in why),
+                follow=med(b.follow for b in why), bubble_ms=1e3 * med(b.bubble for b in why),
+                forward_ms=1e3 * med(b.forward for b in why),
+                zombie_cost_ms=1e3 * med(b.forward * b.zombies / b.rows for b in why))
 
 
 def encode_figures(engine, side: int, images_per_call: int = 4, reps: int = 10) -> dict:

@@ -213,6 +213,22 @@ def _skill_may_end(state: Any) -> bool:
         return True
 
 
+@attrs.frozen
+class Behind:
+    """The rule's inputs at a tick that chose behind: u's ``rows``, the
+    expected ``zombies`` (``z``, as ``outlook`` weighs them), the
+    ``bubble`` and ``forward`` it weighed them against (host-clock
+    seconds), and the callers' ``follow`` share. ``launch_ahead(rows,
+    zombies, bubble, forward)`` is False for each: what a user reads to see
+    why auto blocked where it did."""
+
+    rows: int
+    zombies: float
+    bubble: float
+    forward: float
+    follow: float
+
+
 @attrs.define
 class EndRates:
     """Per skill (``Request.skill``, None for plain requests): how often a row

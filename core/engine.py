@@ -37,7 +37,8 @@ from typing import Callable, Iterable, Iterator, Literal
 import attrs
 
 from bubblefree.core.protocol import Backend
-from bubblefree.core.ahead import EndRates, May, Successors, Timings, check_mode, choose
+from bubblefree.core.ahead import (Behind, EndRates, May, Successors, Timings, check_mode, choose,
+                                   outlook)
 from bubblefree.core.decode_state import guarded
 from bubblefree.core.events import TokenCommitted
 from bubblefree.core.handle import Handle
@@ -81,9 +82,13 @@ class Engine:
     _may_end: May = attrs.field(factory=dict, init=False)
     _ended: set[int] = attrs.field(factory=set, init=False)
     # Auto's choices so far, for a user to see how often it blocks: ticks
-    # that left their step in flight, and ticks that committed it at once.
+    # that left their step in flight, and ticks that committed it at once;
+    # and why it blocked, the rule's inputs at the newest ``BEHIND_KEPT``
+    # behind ticks.
     ahead_ticks: int = 0
     behind_ticks: int = 0
+    behind: collections.deque[Behind] = attrs.field(
+        factory=lambda: collections.deque(maxlen=BEHIND_KEPT), init=False)
 
     def __attrs_post_init__(self) -> None:
         self.scheduler = Scheduler(self.backend.capacity, probe=self.probe, masks=self.masks)
@@ -174,9 +179,12 @@ class Engine:
     def _ahead(self) -> bool:
         """Auto mode, at the end of a tick: leave the step just finalized in
         flight, so that the next tick launches before committing it?"""
-        ahead, self._may_end = choose(self.scheduler, self.end_rates, self.successors.rate,
-                                      self.timings.bubble, self.timings.forward or 0.0)
+        follow, bubble, forward = self.successors.rate, self.timings.bubble, self.timings.forward or 0.0
+        ahead, self._may_end = choose(self.scheduler, self.end_rates, follow, bubble, forward)
         self._ended = set()  # its rows were all live: none has ended since
+        if not ahead:  # a behind tick is rare where it costs: the whole outlook, only here
+            rows, zombies, _ = outlook(self.scheduler, self.end_rates, follow)
+            self.behind.append(Behind(rows, zombies, bubble, forward, follow))
         return ahead
 
     def _learn(self) -> None:
@@ -374,3 +382,4 @@ class Engine:
 
 
 LISTENER_ERRORS_KEPT = 100
+BEHIND_KEPT = 256

@@ -2,6 +2,7 @@
 moondream: the commands run end to end through the public API and write
 their section; the figures are not checked (no timing in tests)."""
 
+import collections
 import gc
 import json
 
@@ -56,8 +57,11 @@ def test_unknown_workloads_are_refused_by_name(capsys):
 def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatch):
     order, rates = [], {True: iter([10, 30, 20, 99]), False: iter([5, 6, 7, 8]), "auto": iter([9, 1, 2, 3])}
 
+    from bubblefree.core.ahead import Behind
+
     class Core:  # auto's counters, moved only by auto's runs (as the core's), and by earlier cells
         ahead_ticks, behind_ticks = 100, 50
+        behind = collections.deque([Behind(1, 9.0, 0.0, 0.0, 1.0)] * 3, maxlen=4)
 
     class Engine:
         pipelined = True
@@ -69,6 +73,8 @@ def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatc
         if engine.pipelined == "auto":
             engine.core.ahead_ticks += 3
             engine.core.behind_ticks += 1
+            rows = 2 * len(order)  # each behind tick of its own, none of an earlier cell's
+            engine.core.behind.append(Behind(rows, 1.0, 0.0002, 0.001 * rows, 0.5))
         return dict(req_s=rate, p50_ms=1.0, p99_ms=2.0)
 
     monkeypatch.setattr(vlm_speed, "run_cell", cell)
@@ -78,6 +84,11 @@ def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatc
     assert (row["p_req_s"], row["b_req_s"], row["a_req_s"]) == (25, 6.5, 2.5)
     assert row["a_vs_better"] == 2.5 / 25
     assert row["a_behind"] == 0.25  # this cell's auto runs only: 4 behind of 16 ticks
+    why = row["a_behind_why"]  # the four behind ticks of its auto runs (rows 8, 10, 20, 22)
+    assert why["ticks"] == 4 and why["rows"] == 15 and why["zombies"] == 1.0 and why["follow"] == 0.5
+    assert why["bubble_ms"] == pytest.approx(0.2) and why["forward_ms"] == pytest.approx(15.0)
+    assert why["zombie_cost_ms"] == pytest.approx(1.0)  # forward x zombies / rows: 1 ms at any rows
+    assert vlm_speed.behind_summary([]) is None
 
 
 def test_rounds_below_one_are_refused(capsys):

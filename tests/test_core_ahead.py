@@ -423,6 +423,24 @@ def test_the_engine_counts_auto_s_choices_and_nothing_in_the_other_modes():
         assert (other.ahead_ticks, other.behind_ticks, other.choices) == (0, 0, [])
 
 
+def test_each_behind_tick_keeps_the_inputs_that_chose_it():
+    """``Engine.behind``: the rule's inputs at the behind ticks, newest
+    kept, each one the rule answers behind for; none in the other modes."""
+    from bubblefree.core.engine import BEHIND_KEPT
+    reqs = [Request(prompt=(3, 5), max_tokens=8, decode_state=Three) for _ in range(3)]
+    reqs += [Request(prompt=(0, 5), max_tokens=40, stop_ids={0})]
+    _, _, engine = run("auto", reqs)
+    assert len(engine.behind) == engine.behind_ticks == engine.choices.count(False) > 0
+    for b in engine.behind:
+        assert b.rows > 0 and b.zombies > 0 and b.forward == pytest.approx(2.0, rel=0.5)
+        assert not launch_ahead(b.rows, b.zombies, b.bubble, b.forward)
+    assert any(b.zombies >= 1 for b in engine.behind)  # a Three at its third token surely ends
+    for mode in (True, False):
+        assert not run(mode, reqs)[2].behind
+    engine.behind.extend([engine.behind[0]] * (2 * BEHIND_KEPT))
+    assert len(engine.behind) == BEHIND_KEPT  # a long-lived server keeps the newest only
+
+
 def test_the_engine_times_each_step_kind_apart():
     _, _, engine = run("auto", [Request(prompt=(0, 5), max_tokens=6, stop_ids={0})])
     assert set(engine.timings.forwards) == set(engine.timings.launch_hosts) == \
