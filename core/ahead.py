@@ -55,7 +55,7 @@ hands this module numbers.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, NamedTuple
 
 import attrs
 
@@ -110,8 +110,21 @@ def outlook(sched: "Scheduler", rates: "EndRates", follow: float = 0.0) -> tuple
     return rows, _zombies(_rates(rates, may), follow, may, last, _taken(sched)), may
 
 
+class Choice(NamedTuple):
+    """``choose``'s answer: ``ahead`` or not, u's rows that may end, u's
+    row count, and the ``zombies`` the answer rests on: ``outlook``'s ``z``
+    where the choice foresaw v, else the bound that decided it (at least
+    ``z`` where ahead, at most where behind). ``launch_ahead(rows, zombies,
+    ...)`` gives ``ahead``."""
+
+    ahead: bool
+    may: May
+    rows: int = 0
+    zombies: float = 0.0
+
+
 def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
-           forward: float) -> tuple[bool, May]:
+           forward: float) -> Choice:
     """``launch_ahead`` of ``outlook``'s rows and ``z``, and u's rows that may
     end: the same answer, found with less host work, which at 64 rows is
     what a host-bound step is made of. ``z`` lies between its value with
@@ -122,18 +135,21 @@ def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
     every sequence)."""
     pending = _pending(sched)
     if pending is None:
-        return True, {}
+        return Choice(True, {})
     rows, may, last = pending
     if not may:
-        return launch_ahead(rows, last * follow, bubble, forward), {}
+        return Choice(launch_ahead(rows, last * follow, bubble, forward), {}, rows, last * follow)
     rate = _rates(rates, may)
     weighed = sum(rate[key] * len(sids) for key, sids in may.items())  # every row weighted 1
     lo, hi = min(1.0, follow), max(1.0, follow)
-    if launch_ahead(rows, (weighed * hi + last * follow) * (1 + MARGIN), bubble, forward):
-        return True, may
-    if not launch_ahead(rows, (weighed * lo + last * follow) * (1 - MARGIN), bubble, forward):
-        return False, may
-    return launch_ahead(rows, _zombies(rate, follow, may, last, _taken(sched)), bubble, forward), may
+    most = weighed * hi + last * follow
+    if launch_ahead(rows, most * (1 + MARGIN), bubble, forward):
+        return Choice(True, may, rows, most)
+    least = weighed * lo + last * follow
+    if not launch_ahead(rows, least * (1 - MARGIN), bubble, forward):
+        return Choice(False, may, rows, least)
+    z = _zombies(rate, follow, may, last, _taken(sched))
+    return Choice(launch_ahead(rows, z, bubble, forward), may, rows, z)
 
 
 def _pending(sched: "Scheduler") -> tuple[int, May, int] | None:
@@ -216,11 +232,12 @@ def _skill_may_end(state: Any) -> bool:
 @attrs.frozen
 class Behind:
     """The rule's inputs at a tick that chose behind: u's ``rows``, the
-    expected ``zombies`` (``z``, as ``outlook`` weighs them), the
-    ``bubble`` and ``forward`` it weighed them against (host-clock
-    seconds), and the callers' ``follow`` share. ``launch_ahead(rows,
-    zombies, bubble, forward)`` is False for each: what a user reads to see
-    why auto blocked where it did."""
+    expected ``zombies`` its answer rests on (``Choice``: ``outlook``'s
+    ``z``, or at most it where the bound decided), the ``bubble`` and
+    ``forward`` it weighed them against (host-clock seconds), and the
+    callers' ``follow`` share. ``launch_ahead(rows, zombies, bubble,
+    forward)`` is False for each: what a user reads to see why auto blocked
+    where it did."""
 
     rows: int
     zombies: float

@@ -37,8 +37,7 @@ from typing import Callable, Iterable, Iterator, Literal
 import attrs
 
 from bubblefree.core.protocol import Backend
-from bubblefree.core.ahead import (Behind, EndRates, May, Successors, Timings, check_mode, choose,
-                                   outlook)
+from bubblefree.core.ahead import Behind, EndRates, May, Successors, Timings, check_mode, choose
 from bubblefree.core.decode_state import guarded
 from bubblefree.core.events import TokenCommitted
 from bubblefree.core.handle import Handle
@@ -180,12 +179,12 @@ class Engine:
         """Auto mode, at the end of a tick: leave the step just finalized in
         flight, so that the next tick launches before committing it?"""
         follow, bubble, forward = self.successors.rate, self.timings.bubble, self.timings.forward or 0.0
-        ahead, self._may_end = choose(self.scheduler, self.end_rates, follow, bubble, forward)
+        choice = choose(self.scheduler, self.end_rates, follow, bubble, forward)
+        self._may_end = choice.may
         self._ended = set()  # its rows were all live: none has ended since
-        if not ahead:  # a behind tick is rare where it costs: the whole outlook, only here
-            rows, zombies, _ = outlook(self.scheduler, self.end_rates, follow)
-            self.behind.append(Behind(rows, zombies, bubble, forward, follow))
-        return ahead
+        if not choice.ahead:
+            self.behind.append(Behind(choice.rows, choice.zombies, bubble, forward, follow))
+        return choice.ahead
 
     def _learn(self) -> None:
         """Count, per skill and position, whether the rows that could end at

@@ -88,16 +88,21 @@ SHORTCUT_GRID = tuple((b, f, share) for b in (0.0, 0.5, 2.0) for f in (0.0, 1.0)
 def check_shortcut(engine: Engine) -> None:
     """``choose`` foresees the next step only where the answer depends on it:
     its answer and rows must be the rule's on the whole ``outlook``, here
-    and at every timing of ``SHORTCUT_GRID``."""
+    and at every timing of ``SHORTCUT_GRID``; the zombies it names give its
+    answer, at least the outlook's where ahead and at most where behind."""
     sched, rates = engine.scheduler, engine.end_rates
     own = (engine.timings.bubble, engine.timings.forward or 0.0, engine.successors.rate)
     for bubble, forward, share in (own,) + SHORTCUT_GRID:
         rows, zombies, may = outlook(sched, rates, share)
         exact = launch_ahead(rows, zombies, bubble, forward)
         got = choose(sched, rates, share, bubble, forward)
-        if got != (exact, may):
+        named = got.zombies - zombies if got.ahead else zombies - got.zombies
+        if (got.ahead, got.may, got.rows) != (exact, may, rows) or \
+                named < -1e-9 * max(1.0, zombies) or \
+                launch_ahead(got.rows, got.zombies, bubble, forward) != got.ahead:
             raise InvariantViolation(f"the auto rule's shortcut gave {got}, the whole outlook "
-                                     f"{(exact, may)} (bubble {bubble}, forward {forward}, share {share})")
+                                     f"{(exact, may, rows, zombies)} (bubble {bubble}, forward "
+                                     f"{forward}, share {share})")
 
 
 def scheduler_state(s) -> tuple:

@@ -368,11 +368,15 @@ class Three:
 
 @attrs.define(eq=False)
 class Recording(Engine):
-    """Keeps each auto choice: True ahead, False behind."""
+    """Keeps each auto choice: True ahead, False behind; and the whole
+    outlook's rows and ``z`` at each (taken before the choice: it changes
+    nothing)."""
 
     choices: list = attrs.Factory(list)
+    outlooks: list = attrs.Factory(list)
 
     def _ahead(self) -> bool:
+        self.outlooks.append(outlook(self.scheduler, self.end_rates, self.successors.rate)[:2])
         self.choices.append(super()._ahead())
         return self.choices[-1]
 
@@ -431,10 +435,11 @@ def test_each_behind_tick_keeps_the_inputs_that_chose_it():
     reqs += [Request(prompt=(0, 5), max_tokens=40, stop_ids={0})]
     _, _, engine = run("auto", reqs)
     assert len(engine.behind) == engine.behind_ticks == engine.choices.count(False) > 0
-    for b in engine.behind:
-        assert b.rows > 0 and b.zombies > 0 and b.forward == pytest.approx(2.0, rel=0.5)
+    whole = [o for o, ahead in zip(engine.outlooks, engine.choices) if not ahead]
+    for b, (rows, zombies) in zip(engine.behind, whole, strict=True):
+        assert b.rows == rows > 0 and 0 < b.zombies <= zombies  # the bound that decided, or z
+        assert b.forward == pytest.approx(2.0, rel=0.5)
         assert not launch_ahead(b.rows, b.zombies, b.bubble, b.forward)
-    assert any(b.zombies >= 1 for b in engine.behind)  # a Three at its third token surely ends
     for mode in (True, False):
         assert not run(mode, reqs)[2].behind
     engine.behind.extend([engine.behind[0]] * (2 * BEHIND_KEPT))
@@ -572,7 +577,9 @@ def test_choose_foresees_the_next_step_only_where_the_answer_depends_on_it(monke
                                              (2.0, 2.0, 0.0, False), (0.0, 2.0, 1.0, False)):
         asked.clear()
         rows, zombies, may = outlook(sched, rates, share)
-        assert choose(sched, rates, share, bubble, forward) == (launch_ahead(rows, zombies, bubble, forward), may)
+        got = choose(sched, rates, share, bubble, forward)
+        assert got[:3] == (launch_ahead(rows, zombies, bubble, forward), may, rows)
+        assert got.zombies >= zombies if got.ahead else got.zombies <= zombies
         asked.clear()
         choose(sched, rates, share, bubble, forward)
         assert bool(asked) is foresees, (bubble, forward, share)

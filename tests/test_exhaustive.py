@@ -125,8 +125,24 @@ def test_the_choice_search_refuses_a_shortcut_that_is_not_the_rule(monkeypatch):
 
     def hasty(sched, rates, follow, bubble, forward):
         rows, zombies, may = ahead.outlook(sched, rates, max(follow, 1.0))
-        return ahead.launch_ahead(rows, zombies, bubble, forward), may
+        return ahead.Choice(ahead.launch_ahead(rows, zombies, bubble, forward), may, rows, zombies)
 
     monkeypatch.setattr(exhaustive_world, "choose", hasty)
+    report, = search_modes(BOUNDS["quick"], parallel=False, modes=("choice",))
+    assert any("the auto rule's shortcut" in m for m, _ in report.violations), report.line()
+
+
+def test_the_choice_search_refuses_zombies_named_on_the_wrong_side(monkeypatch):
+    # The zombies ``choose`` names (what ``Engine.behind`` records) must give
+    # its answer and lie on the answer's side of the whole outlook's: a
+    # shortcut that names the outlook's zombies halved, whatever it
+    # answered, is caught where ahead was the answer.
+    import exhaustive_world
+
+    def halved(sched, rates, follow, bubble, forward):
+        got = ahead.choose(sched, rates, follow, bubble, forward)
+        return got._replace(zombies=got.zombies / 2)
+
+    monkeypatch.setattr(exhaustive_world, "choose", halved)
     report, = search_modes(BOUNDS["quick"], parallel=False, modes=("choice",))
     assert any("the auto rule's shortcut" in m for m, _ in report.violations), report.line()
