@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import shutil
+import statistics
 from pathlib import Path
 
 MODES = ("pipelined", "blocking", "auto")  # auto: launch ahead or not, chosen per tick
@@ -33,6 +34,21 @@ def notes(tokens: dict[str, int], repeats: int) -> str:
         "weight bytes ÷ the read bandwidth measured at the start of the same run (a batch-1 step "
         "reads every weight once; the KV cache and activations are left out, so the floor is a "
         "minimum). Peers submit all their requests at once (text only).")
+
+
+def behind_summary(behind) -> dict | None:
+    """Medians of the auto rule's inputs over behind ticks (``core.ahead.
+    Behind`` records, as ``Engine.behind`` keeps them), times in ms, and the
+    zombie cost it weighed, ``forward * zombies / rows``, against the
+    bubble; None where auto never blocked."""
+    why = list(behind)
+    if not why:
+        return None
+    med = statistics.median
+    return dict(ticks=len(why), rows=med(b.rows for b in why), zombies=med(b.zombies for b in why),
+                follow=med(b.follow for b in why), bubble_ms=1e3 * med(b.bubble for b in why),
+                forward_ms=1e3 * med(b.forward for b in why),
+                zombie_cost_ms=1e3 * med(b.forward * b.zombies / b.rows for b in why))
 
 
 def emit(row: dict) -> None:

@@ -38,6 +38,7 @@ import torch
 from PIL import Image
 
 from bubblefree.bench.doc_block import write_block
+from bubblefree.bench.speed_report import behind_summary
 from bubblefree.bench.vlm_peer import encoder_ms_per_crop, make_peer, time_requests
 
 BEGIN, END = "<!-- vlm-speed:begin -->", "<!-- vlm-speed:end -->"
@@ -125,19 +126,6 @@ def measure(engine, workload: str, side: int, streams: int, count: int, seed: in
                 b_p50=best[False]["p50_ms"], b_p99=best[False]["p99_ms"],
                 a_req_s=med["auto"], a_vs_better=med["auto"] / max(med[True], med[False]),
                 a_behind=ticks[1] / max(1, sum(ticks)), a_behind_why=behind_summary(why))
-
-
-def behind_summary(why: list) -> dict | None:
-    """Medians of the rule's inputs over a cell's behind ticks (``core.ahead.
-    Behind``), times in ms, and the zombie cost it weighed, ``forward *
-    zombies / rows``, against the bubble; None where auto never blocked."""
-    if not why:
-        return None
-    med = statistics.median
-    return dict(ticks=len(why), rows=med(b.rows for b in why), zombies=med(b.zombies for b in why),
-                follow=med(b.follow for b in why), bubble_ms=1e3 * med(b.bubble for b in why),
-                forward_ms=1e3 * med(b.forward for b in why),
-                zombie_cost_ms=1e3 * med(b.forward * b.zombies / b.rows for b in why))
 
 
 def encode_figures(engine, side: int, images_per_call: int = 4, reps: int = 10) -> dict:

@@ -50,6 +50,15 @@ def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert detect["pipelined"]["tokens_hash"] == detect["blocking"]["tokens_hash"]  # I8
     assert detect["auto"]["tokens_hash"] == detect["blocking"]["tokens_hash"]
     assert any(r.get("measure") == "seed_model" for r in lines)
+    # why auto blocked: the rule's inputs summed up over the run's behind ticks
+    from bubblefree.core.engine import BEHIND_KEPT
+    for r in cells:
+        why = r["behind_why"]
+        assert (why is None) == (r["behind_ticks"] == 0), r
+        if why is not None:
+            assert why["ticks"] == min(r["behind_ticks"], BEHIND_KEPT) and why["zombies"] > 0
+            assert why["zombie_cost_ms"] > why["bubble_ms"] * (1 - 1e-9)  # the rule's "behind"
+    assert any(r["behind_why"] for r in cells if r["mode"] == "auto")
 
 
 def test_cycle_walks_three_disjoint_masks():

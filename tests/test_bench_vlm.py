@@ -88,7 +88,7 @@ def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatc
     assert why["ticks"] == 4 and why["rows"] == 15 and why["zombies"] == 1.0 and why["follow"] == 0.5
     assert why["bubble_ms"] == pytest.approx(0.2) and why["forward_ms"] == pytest.approx(15.0)
     assert why["zombie_cost_ms"] == pytest.approx(1.0)  # forward x zombies / rows: 1 ms at any rows
-    assert vlm_speed.behind_summary([]) is None
+    assert vlm_speed.behind_summary([]) is None and vlm_speed.behind_summary(collections.deque()) is None
 
 
 def test_rounds_below_one_are_refused(capsys):
