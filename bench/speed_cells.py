@@ -30,7 +30,7 @@ from collections import defaultdict
 import attrs
 import torch
 
-from bubblefree.bench.speed_report import behind_summary
+from bubblefree.bench.speed_report import behind_summary, timings_summary
 from bubblefree.core import Engine, Request, SamplePlan, Status, StepFailed
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.slots import SlotState
@@ -264,7 +264,7 @@ def run_closed_loop(backend: TimedBackend, requests: list[Request], streams: int
                tok_s=tokens / wall, req_s=len(results) / wall, ms_step=wall / steps * 1e3,
                zombie_rows=zombie_rows, wasted_steps=wasted, z=wasted / steps,
                ahead_ticks=engine.ahead_ticks, behind_ticks=engine.behind_ticks,
-               behind_why=behind_summary(engine.behind),
+               behind_why=behind_summary(engine.behind), timings=timings_summary(engine),
                p50_ms=statistics.median(latency) * 1e3, p99_ms=_quantile(latency, 0.99) * 1e3,
                tokens_hash=hash(tuple(r.tokens for r in sorted(results, key=lambda r: r.request_id))),
                # A fresh engine numbers requests in submission order: the list's.

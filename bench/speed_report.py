@@ -51,6 +51,20 @@ def behind_summary(behind) -> dict | None:
                 zombie_cost_ms=1e3 * med(b.forward * b.zombies / b.rows for b in why))
 
 
+def timings_summary(engine) -> dict:
+    """The auto rule's running means as the core holds them (``ahead.Timings``,
+    ``Successors``), in ms: the commit's host time, each step kind's launch
+    call and device time, and the callers' follow share. Beside
+    ``behind_summary``, it shows which step kind's cost the rule did not
+    weigh."""
+    t = engine.timings
+    ms = lambda v: None if v is None else 1e3 * v  # noqa: E731
+    return dict(commit_ms=ms(t.commit_host),
+                launch_ms={k.value: ms(v) for k, v in t.launch_hosts.items()},
+                forward_ms={k.value: ms(v) for k, v in t.forwards.items()},
+                follow=engine.successors.rate)
+
+
 def emit(row: dict) -> None:
     """Print one cell as a JSON line; append it to $OUT/bench.jsonl when set."""
     line = json.dumps(row, default=str)

@@ -38,7 +38,7 @@ import torch
 from PIL import Image
 
 from bubblefree.bench.doc_block import write_block
-from bubblefree.bench.speed_report import AUTO_TARGET, behind_summary
+from bubblefree.bench.speed_report import AUTO_TARGET, behind_summary, timings_summary
 from bubblefree.bench.vlm_peer import encoder_ms_per_crop, make_peer, time_requests
 
 BEGIN, END = "<!-- vlm-speed:begin -->", "<!-- vlm-speed:end -->"
@@ -117,6 +117,8 @@ def measure(engine, workload: str, side: int, streams: int, count: int, seed: in
         ticks = [ticks[0] + core.ahead_ticks - before[0], ticks[1] + core.behind_ticks - before[1]]
         new = min(core.behind_ticks - before[1], len(core.behind))
         why += list(core.behind)[len(core.behind) - new:]
+        if mode == "auto":
+            timed = timings_summary(core)
     engine.pipelined = "auto"
     best = {mode: max(r, key=lambda x: x["req_s"]) for mode, r in runs.items()}
     med = {mode: statistics.median(x["req_s"] for x in r) for mode, r in runs.items()}
@@ -125,7 +127,7 @@ def measure(engine, workload: str, side: int, streams: int, count: int, seed: in
                 p_p50=best[True]["p50_ms"], p_p99=best[True]["p99_ms"],
                 b_p50=best[False]["p50_ms"], b_p99=best[False]["p99_ms"],
                 a_req_s=med["auto"], a_vs_better=med["auto"] / max(med[True], med[False]),
-                a_behind=ticks[1] / max(1, sum(ticks)), a_behind_why=behind_summary(why))
+                a_behind=ticks[1] / max(1, sum(ticks)), a_behind_why=behind_summary(why), a_timings=timed)
 
 
 def encode_figures(engine, side: int, images_per_call: int = 4, reps: int = 10) -> dict:

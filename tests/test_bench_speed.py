@@ -59,6 +59,11 @@ def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
             assert why["ticks"] == min(r["behind_ticks"], BEHIND_KEPT) and why["zombies"] > 0
             assert why["zombie_cost_ms"] > why["bubble_ms"] * (1 - 1e-9)  # the rule's "behind"
     assert any(r["behind_why"] for r in cells if r["mode"] == "auto")
+    # the rule's running means at each cell's end, per step kind
+    for r in cells:
+        timed = r["timings"]
+        assert timed["commit_ms"] > 0 and timed["launch_ms"]["decode"] > 0 and timed["forward_ms"]["decode"] > 0
+        assert 0 <= timed["follow"] <= 1
 
 
 def test_cycle_walks_three_disjoint_masks():

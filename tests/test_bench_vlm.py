@@ -59,9 +59,13 @@ def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatc
 
     from bubblefree.core.ahead import Behind
 
+    from bubblefree.core.ahead import Successors, Timings
+    from bubblefree.core.values import StepKind
+
     class Core:  # auto's counters, moved only by auto's runs (as the core's), and by earlier cells
         ahead_ticks, behind_ticks = 100, 50
         behind = collections.deque([Behind(1, 9.0, 0.0, 0.0, 1.0)] * 3, maxlen=4)
+        timings, successors = Timings(lambda: 0.0), Successors()
 
     class Engine:
         pipelined = True
@@ -75,6 +79,10 @@ def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatc
             engine.core.behind_ticks += 1
             rows = 2 * len(order)  # each behind tick of its own, none of an earlier cell's
             engine.core.behind.append(Behind(rows, 1.0, 0.0002, 0.001 * rows, 0.5))
+            # the rule's running means as auto's last run left them
+            engine.core.timings.launch_hosts[StepKind.PREFILL] = 0.001 * len(order)
+        else:
+            engine.core.timings.launch_hosts[StepKind.PREFILL] = 1.0
         return dict(req_s=rate, p50_ms=1.0, p99_ms=2.0)
 
     monkeypatch.setattr(vlm_speed, "run_cell", cell)
@@ -88,6 +96,9 @@ def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatc
     assert why["ticks"] == 4 and why["rows"] == 15 and why["zombies"] == 1.0 and why["follow"] == 0.5
     assert why["bubble_ms"] == pytest.approx(0.2) and why["forward_ms"] == pytest.approx(15.0)
     assert why["zombie_cost_ms"] == pytest.approx(1.0)  # forward x zombies / rows: 1 ms at any rows
+    timed = row["a_timings"]  # auto's last run (the eleventh): its launch call, not the later runs'
+    assert timed["launch_ms"] == {StepKind.PREFILL.value: pytest.approx(11.0)}
+    assert timed["commit_ms"] is None and timed["forward_ms"] == {} and timed["follow"] == 0.5
     assert vlm_speed.behind_summary([]) is None and vlm_speed.behind_summary(collections.deque()) is None
 
 
