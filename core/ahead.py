@@ -48,6 +48,13 @@ surely ends (rate 1): ahead only when the bubble is at least a whole
 forward, i.e. when the zombie step runs entirely inside time the host
 spends anyway.
 
+``b`` also holds, where a caller answers an end with its next request,
+that request's prefill launch call beyond a decode launch's, by the share
+of v's rows still live (``weighed_bubble``): behind, the next launch is
+that prefill's, with nothing in flight; ahead, v's live rows advance under
+it. An image prefill's call is 2.5-7 ms of host time on moondream2 against
+0.2-1.4 for a decode's at 8 streams (docs/performance.md, "Auto on images").
+
 Pure and torch-free: the Engine measures with the clock it was given and
 hands this module numbers.
 """
@@ -112,44 +119,67 @@ def outlook(sched: "Scheduler", rates: "EndRates", follow: float = 0.0) -> tuple
 
 class Choice(NamedTuple):
     """``choose``'s answer: ``ahead`` or not, u's rows that may end, u's
-    row count, and the ``zombies`` the answer rests on: ``outlook``'s ``z``
-    where the choice foresaw v, else the bound that decided it (at least
-    ``z`` where ahead, at most where behind). ``launch_ahead(rows, zombies,
-    ...)`` gives ``ahead``."""
+    row count, the ``zombies`` the answer rests on (``outlook``'s ``z``
+    where the choice foresaw v, else the bound that decided it: at least
+    ``z`` where ahead, at most where behind) and the ``bubble`` it weighed
+    them against (``weighed_bubble``). ``launch_ahead(rows, zombies,
+    bubble, forward)`` gives ``ahead``."""
 
     ahead: bool
     may: May
     rows: int = 0
     zombies: float = 0.0
+    bubble: float = 0.0
+
+
+def weighed_bubble(bubble: float, prefill_extra: float, follow: float, ends: float, rows: int) -> float:
+    """The bubble launching ahead hides at this tick: ``bubble``, and where
+    a caller answers an end with its next request, what that request's
+    prefill launch call takes beyond a decode launch's (``prefill_extra``),
+    by the share of v's rows still live, ``(rows - ends) / rows`` for
+    ``ends`` expected among u's ``rows``, and by the chance that a caller
+    of another row answers, ``min(1, follow * ends * (rows - 1) / rows)``.
+    Behind, that call runs with nothing in flight; ahead, v runs under it,
+    and only its live rows make that time count: a step of zombies alone
+    advances nobody, and a row's own end leaves it no live row to hide
+    behind (one stream)."""
+    if rows <= 0 or prefill_extra <= 0:
+        return bubble
+    others = min(1.0, follow * ends * (rows - 1) / rows)
+    return bubble + others * prefill_extra * max(0.0, rows - ends) / rows
 
 
 def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
-           forward: float) -> Choice:
-    """``launch_ahead`` of ``outlook``'s rows and ``z``, and u's rows that may
-    end: the same answer, found with less host work, which at 64 rows is
-    what a host-bound step is made of. ``z`` lies between its value with
-    every row that may end weighted ``min(1, follow)`` and with every one
-    weighted ``max(1, follow)``, and the rule is monotone in ``z``: where
-    both bounds give the same answer (past ``MARGIN``), which rows v takes
-    cannot change it, and v is not foreseen (``Scheduler.preview`` looks at
-    every sequence)."""
+           forward: float, prefill_extra: float = 0.0) -> Choice:
+    """``launch_ahead`` of ``outlook``'s rows and ``z`` against the
+    ``weighed_bubble``, and u's rows that may end: the same answer, found
+    with less host work, which at 64 rows is what a host-bound step is made
+    of. ``z`` lies between its value with every row that may end weighted
+    ``min(1, follow)`` and with every one weighted ``max(1, follow)``, and
+    the rule is monotone in ``z``: where both bounds give the same answer
+    (past ``MARGIN``), which rows v takes cannot change it, and v is not
+    foreseen (``Scheduler.preview`` looks at every sequence). The expected
+    ends (each row that may end by its rate, each at its last token 1) do
+    not depend on v."""
     pending = _pending(sched)
     if pending is None:
-        return Choice(True, {})
+        return Choice(True, {}, bubble=bubble)
     rows, may, last = pending
     if not may:
-        return Choice(launch_ahead(rows, last * follow, bubble, forward), {}, rows, last * follow)
+        bubble = weighed_bubble(bubble, prefill_extra, follow, last, rows)
+        return Choice(launch_ahead(rows, last * follow, bubble, forward), {}, rows, last * follow, bubble)
     rate = _rates(rates, may)
     weighed = sum(rate[key] * len(sids) for key, sids in may.items())  # every row weighted 1
+    bubble = weighed_bubble(bubble, prefill_extra, follow, weighed + last, rows)
     lo, hi = min(1.0, follow), max(1.0, follow)
     most = weighed * hi + last * follow
     if launch_ahead(rows, most * (1 + MARGIN), bubble, forward):
-        return Choice(True, may, rows, most)
+        return Choice(True, may, rows, most, bubble)
     least = weighed * lo + last * follow
     if not launch_ahead(rows, least * (1 - MARGIN), bubble, forward):
-        return Choice(False, may, rows, least)
+        return Choice(False, may, rows, least, bubble)
     z = _zombies(rate, follow, may, last, _taken(sched))
-    return Choice(launch_ahead(rows, z, bubble, forward), may, rows, z)
+    return Choice(launch_ahead(rows, z, bubble, forward), may, rows, z, bubble)
 
 
 def _pending(sched: "Scheduler") -> tuple[int, May, int] | None:
@@ -328,6 +358,9 @@ class Timings:
     clock: Callable[[], float]
     commit_host: float | None = None
     launch_hosts: dict[StepKind, float] = attrs.Factory(dict)
+    # A prefill's launch call, whatever its kind (a caller's next request
+    # needs one): the running mean over every launch that is not a decode's.
+    prefill_launch: float | None = None
     forwards: dict[StepKind, float] = attrs.Factory(dict)
     _arrived: float | None = None  # when the last copy arrived (``wait`` returned)
     _launched: dict[int, tuple[float, StepKind]] = attrs.Factory(dict)  # step id -> (launch returned, kind)
@@ -347,9 +380,19 @@ class Timings:
     def bubble(self) -> float:
         return (self.commit_host or 0.0) + (self.launch_host or 0.0)
 
+    @property
+    def prefill_extra(self) -> float:
+        """What a prefill's launch call takes beyond a decode's (``weighed_bubble``);
+        0 until both were measured."""
+        if self.prefill_launch is None or self.launch_host is None:
+            return 0.0
+        return max(0.0, self.prefill_launch - self.launch_host)
+
     def launched(self, step_id: int, started: float, kind: StepKind = StepKind.DECODE) -> None:
         now = self.clock()
         self.launch_hosts[kind] = _mean(self.launch_hosts.get(kind), now - started)
+        if kind is not StepKind.DECODE:
+            self.prefill_launch = _mean(self.prefill_launch, now - started)
         self._launched[step_id] = (now, kind)
         self._calls.append((started, now, kind))
 

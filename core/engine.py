@@ -178,12 +178,13 @@ class Engine:
     def _ahead(self) -> bool:
         """Auto mode, at the end of a tick: leave the step just finalized in
         flight, so that the next tick launches before committing it?"""
-        follow, bubble, forward = self.successors.rate, self.timings.bubble, self.timings.forward or 0.0
-        choice = choose(self.scheduler, self.end_rates, follow, bubble, forward)
+        t = self.timings
+        follow, forward = self.successors.rate, t.forward or 0.0
+        choice = choose(self.scheduler, self.end_rates, follow, t.bubble, forward, t.prefill_extra)
         self._may_end = choice.may
         self._ended = set()  # its rows were all live: none has ended since
         if not choice.ahead:
-            self.behind.append(Behind(choice.rows, choice.zombies, bubble, forward, follow))
+            self.behind.append(Behind(choice.rows, choice.zombies, choice.bubble, forward, follow))
         return choice.ahead
 
     def _learn(self) -> None:

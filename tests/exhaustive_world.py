@@ -81,28 +81,36 @@ class Choosing(PhaseChecked):
 
 
 # Timings and callers' shares the shortcut is checked at in every state, on
-# both sides of the rule's line and on it (a bubble of half a forward).
-SHORTCUT_GRID = tuple((b, f, share) for b in (0.0, 0.5, 2.0) for f in (0.0, 1.0) for share in (0.0, 0.5, 1.0, 2.0))
+# both sides of the rule's line and on it (a bubble of half a forward), with
+# and without a prefill launch costlier than a decode's.
+SHORTCUT_GRID = tuple((b, f, share, extra) for b in (0.0, 0.5, 2.0) for f in (0.0, 1.0)
+                      for share in (0.0, 0.5, 1.0, 2.0) for extra in (0.0, 0.25))
 
 
 def check_shortcut(engine: Engine) -> None:
     """``choose`` foresees the next step only where the answer depends on it:
     its answer and rows must be the rule's on the whole ``outlook``, here
-    and at every timing of ``SHORTCUT_GRID``; the zombies it names give its
-    answer, at least the outlook's where ahead and at most where behind."""
-    sched, rates = engine.scheduler, engine.end_rates
-    own = (engine.timings.bubble, engine.timings.forward or 0.0, engine.successors.rate)
-    for bubble, forward, share in (own,) + SHORTCUT_GRID:
+    and at every timing of ``SHORTCUT_GRID``, against the bubble weighed
+    with the expected ends (``outlook``'s z with every row weighted 1) and
+    the rows left live;
+    the zombies it names give its answer, at least the outlook's where
+    ahead and at most where behind."""
+    sched, rates, t = engine.scheduler, engine.end_rates, engine.timings
+    own = (t.bubble, t.forward or 0.0, engine.successors.rate, t.prefill_extra)
+    ends = outlook(sched, rates, 1.0)[1]
+    for bubble, forward, share, extra in (own,) + SHORTCUT_GRID:
         rows, zombies, may = outlook(sched, rates, share)
-        exact = launch_ahead(rows, zombies, bubble, forward)
-        got = choose(sched, rates, share, bubble, forward)
+        weighed = bubble + (min(1.0, share * ends * (rows - 1) / rows) * extra * max(0.0, rows - ends) / rows
+                            if rows else 0.0)
+        exact = launch_ahead(rows, zombies, weighed, forward)
+        got = choose(sched, rates, share, bubble, forward, extra)
         named = got.zombies - zombies if got.ahead else zombies - got.zombies
         if (got.ahead, got.may, got.rows) != (exact, may, rows) or \
-                named < -1e-9 * max(1.0, zombies) or \
-                launch_ahead(got.rows, got.zombies, bubble, forward) != got.ahead:
+                named < -1e-9 * max(1.0, zombies) or abs(got.bubble - weighed) > 1e-9 * max(1.0, weighed) or \
+                launch_ahead(got.rows, got.zombies, got.bubble, forward) != got.ahead:
             raise InvariantViolation(f"the auto rule's shortcut gave {got}, the whole outlook "
-                                     f"{(exact, may, rows, zombies)} (bubble {bubble}, forward "
-                                     f"{forward}, share {share})")
+                                     f"{(exact, may, rows, zombies, weighed)} (bubble {bubble}, forward "
+                                     f"{forward}, share {share}, prefill extra {extra})")
 
 
 def scheduler_state(s) -> tuple:

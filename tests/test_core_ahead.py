@@ -9,7 +9,8 @@ import attrs
 import pytest
 
 from bubblefree.core import Capacity, Engine, Request, Scheduler, StepKind, StepOutput
-from bubblefree.core.ahead import EndRates, Successors, Timings, choose, launch_ahead, may_end, outlook
+from bubblefree.core.ahead import (EndRates, Successors, Timings, choose, launch_ahead, may_end, outlook,
+                                   weighed_bubble)
 from bubblefree.core.sequence import Sequence
 from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 from bubblefree.skills import Kind, SkillSet, demo_tokenizer
@@ -555,6 +556,50 @@ def test_a_prefill_next_goes_ahead_of_a_likely_end_only_when_no_caller_would_ans
     for follow, ahead in ((0.0, True), (0.2, True), (0.3, False), (1.0, False)):
         rows, zombies, _ = outlook(sched, rates, follow)
         assert launch_ahead(rows, zombies, bubble=0.5, forward=2.0) is ahead, follow
+
+
+def test_a_prefill_launch_costlier_than_a_decode_s_is_measured_over_every_prefill_kind():
+    clock = FakeClock()
+    t = Timings(clock)
+    assert t.prefill_extra == 0.0  # nothing measured yet
+    clock.now = 3.0
+    t.launched(0, started=0.0, kind=StepKind.IMAGE_PREFILL)  # 3.0
+    assert t.prefill_extra == 0.0  # no decode launch to compare with
+    clock.now = 4.0
+    t.launched(1, started=3.5)  # a decode launch: 0.5
+    clock.now = 6.0
+    t.launched(2, started=5.0, kind=StepKind.PREFILL)  # a text prefill: 1.0
+    assert t.prefill_launch == pytest.approx(3.0 + 0.2 * (1.0 - 3.0))  # one mean over both kinds
+    assert t.prefill_extra == pytest.approx(2.6 - 0.5)
+    clock.now = 16.0
+    t.launched(3, started=-4.0)  # a decode launch of 20: its mean, 4.4, passes the prefills' 2.6
+    assert t.launch_host == pytest.approx(4.4) and t.prefill_extra == 0.0  # never below nothing
+
+
+def test_the_bubble_weighs_the_next_prefill_s_launch_by_a_caller_s_chance_and_the_live_rows():
+    assert weighed_bubble(0.5, 2.0, follow=0.0, ends=3.0, rows=8) == 0.5  # no caller answers: a decode is next
+    assert weighed_bubble(0.5, 2.0, follow=0.25, ends=2.0, rows=8) == 0.5 + (0.5 * 7 / 8) * 2.0 * 6 / 8
+    assert weighed_bubble(0.5, 2.0, follow=1.0, ends=0.0, rows=8) == 0.5  # no end expected
+    assert weighed_bubble(0.5, 2.0, follow=1.0, ends=4.0, rows=8) == 0.5 + 2.0 * 4 / 8  # at most one call
+    assert weighed_bubble(0.5, 2.0, follow=1.0, ends=8.0, rows=8) == 0.5  # v would hold zombies only
+    assert weighed_bubble(0.5, 2.0, follow=1.0, ends=1.0, rows=1) == 0.5  # one stream: its row surely ends
+    assert weighed_bubble(0.5, 2.0, follow=1.0, ends=1.0, rows=0) == 0.5
+    # Two rows: row 0 may end at its pending decode (its rate 0.5 at each
+    # token), row 1 is plain and runs on. With an image prefill's launch 4.0
+    # over a decode's and every caller answering: 0.3 + (0.5 x 1 / 2) x 4.0
+    # x 1.5 / 2.
+    sched = scheduler(CAP, Request(prompt=(1, 2), max_tokens=8, stop_ids=frozenset({0})),
+                      Request(prompt=(1, 2), max_tokens=8))
+    launch(sched)  # both prefilled
+    commit(sched, 1, 1)
+    launch(sched)  # u: row 0 may end (stop id 0), row 1 cannot
+    rates = EndRates()
+    rows, zombies, _ = outlook(sched, rates, 1.0)
+    assert (rows, zombies) == (2, 0.5)
+    assert not choose(sched, rates, 1.0, 0.3, 2.0).ahead  # 0.3 < 2.0 x 0.5 / 2
+    got = choose(sched, rates, 1.0, 0.3, 2.0, prefill_extra=4.0)
+    assert got.bubble == pytest.approx(0.3 + 0.25 * 4.0 * 1.5 / 2) and got.ahead
+    assert choose(sched, rates, 0.0, 0.3, 2.0, prefill_extra=4.0).bubble == 0.3  # nobody follows
 
 
 def test_choose_foresees_the_next_step_only_where_the_answer_depends_on_it(monkeypatch):
