@@ -127,7 +127,9 @@ def measure(engine, workload: str, side: int, streams: int, count: int, seed: in
                 p_p50=best[True]["p50_ms"], p_p99=best[True]["p99_ms"],
                 b_p50=best[False]["p50_ms"], b_p99=best[False]["p99_ms"],
                 a_req_s=med["auto"], a_vs_better=med["auto"] / max(med[True], med[False]),
-                a_behind=ticks[1] / max(1, sum(ticks)), a_behind_why=behind_summary(why), a_timings=timed)
+                a_behind=ticks[1] / max(1, sum(ticks)), a_behind_why=behind_summary(why), a_timings=timed,
+                # each run's req/s in the order run: how far a cell moves between runs
+                runs={name: [x["req_s"] for x in runs[mode]] for mode, name in zip(modes, "pba")})
 
 
 def encode_figures(engine, side: int, images_per_call: int = 4, reps: int = 10) -> dict:

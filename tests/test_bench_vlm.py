@@ -90,6 +90,7 @@ def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatc
     row = vlm_speed.measure(Engine(), "point", 378, 1, 3, seed=0, rounds=2)
     assert order[1:] == [True, False, "auto", "auto", False, True] * 2
     assert (row["p_req_s"], row["b_req_s"], row["a_req_s"]) == (25, 6.5, 2.5)
+    assert row["runs"] == {"p": [10, 30, 20, 99], "b": [5, 6, 7, 8], "a": [9, 1, 2, 3]}  # in the order run
     assert row["a_vs_better"] == 2.5 / 25
     assert row["a_behind"] == 0.25  # this cell's auto runs only: 4 behind of 16 ticks
     why = row["a_behind_why"]  # the four behind ticks of its auto runs (rows 8, 10, 20, 22)
