@@ -57,9 +57,7 @@ def test_unknown_workloads_are_refused_by_name(capsys):
 def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatch):
     order, rates = [], {True: iter([10, 30, 20, 99]), False: iter([5, 6, 7, 8]), "auto": iter([9, 1, 2, 3])}
 
-    from bubblefree.core.ahead import Behind
-
-    from bubblefree.core.ahead import Successors, Timings
+    from bubblefree.core.ahead import Behind, Successors, Timings
     from bubblefree.core.values import StepKind
 
     class Core:  # auto's counters, moved only by auto's runs (as the core's), and by earlier cells
