@@ -120,9 +120,8 @@ def measure_cell(backend, kind: str, streams: int, args, mask_ids) -> list[dict]
                 f"{r['ms_step']:.2f} ms/step")
     rows = []
     for mode, rs in runs.items():
-        plain = sorted((r for r in rs if not r["hooked"]), key=lambda r: r["tok_s"]) or rs
-        best, hooked = plain[len(plain) // 2], rs[-1]
-        row = dict(workload=kind, streams=streams, mode=mode, runs=len(rs), **best)
+        hooked = rs[-1]
+        row = dict(workload=kind, streams=streams, mode=mode, runs=len(rs), **report.mode_row(rs))
         for k in ("idle_ms", "busy_ms", "bookkeeping_ms"):
             row[k] = hooked.get(k)
         row["tok_s_hooked"] = hooked["tok_s"]

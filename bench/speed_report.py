@@ -17,9 +17,11 @@ INTRO = ("# Speed benchmarks\n\nThe engine, pipelined and blocking, on the same 
 
 def notes(tokens: dict[str, int], repeats: int) -> str:
     t, d, p = tokens["text"], tokens["detect"], tokens["point"]
-    timing = (f"Each mode runs {repeats} times per cell, alternating with the other; throughput "
-              f"is the (upper) median of the {repeats - 1} run{'s' * (repeats > 2)} without the "
-              "timing hook, and GPU "
+    timing = (f"Each mode runs {repeats} times per cell, in the order pipelined, blocking, auto "
+              "and back; throughput is the mean of the "
+              f"{repeats - 1} run{'s' * (repeats > 2)} without the timing hook (every mode's runs "
+              "sit at the same mean position in that order, so a drift over the cell moves each "
+              "mode alike), and GPU "
               "idle, F and B come from the last run, which has it" if repeats > 1 else
               "Each mode runs once per cell, with the timing hook")
     return (
@@ -34,6 +36,27 @@ def notes(tokens: dict[str, int], repeats: int) -> str:
         "weight bytes ÷ the read bandwidth measured at the start of the same run (a batch-1 step "
         "reads every weight once; the KV cache and activations are left out, so the floor is a "
         "minimum). Peers submit all their requests at once (text only).")
+
+
+def mode_row(runs: list[dict]) -> dict:
+    """One mode's runs of a cell (in the order run; the timing hook's last)
+    as the table's row: tok/s, req/s and ms/step the mean over the runs
+    without the hook, the other fields from the upper median of them.
+
+    Why the mean: the modes run in the order P B A, A B P, P B A, so each
+    mode's plain runs sit at the same mean position (1 and 6, 2 and 5, 3
+    and 4 with three repeats) and a drift in the machine's speed over the
+    cell moves every mode's mean alike. The upper median of two is the
+    later or earlier run, whichever was faster: the mode at the ends of the
+    order (pipelined) took the most drifted run, and auto, in the middle
+    positions, never did."""
+    plain = [r for r in runs if not r.get("hooked")] or runs
+    row = dict(sorted(plain, key=lambda r: r["tok_s"])[len(plain) // 2])
+    for key in ("tok_s", "req_s", "ms_step"):
+        if all(key in r for r in plain):
+            row[key] = statistics.fmean(r[key] for r in plain)
+    row["tok_s_runs"] = [r["tok_s"] for r in runs]
+    return row
 
 
 def behind_summary(behind) -> dict | None:

@@ -164,3 +164,41 @@ def test_the_docs_header_names_the_read_bandwidth_and_the_floor():
     assert "read bandwidth 4,190 GB/s (torch's sum over 4.29 GB of float32, best of 10)" in text
     assert "read floor 0.677 ms/step (weights ÷ read bandwidth" in text
     assert "copy" not in text and "/ 2" not in text
+
+
+def _runs_in_order(repeats, speed_at):
+    """Each mode's runs as measure_cell makes them (P B A, A B P, ...; the
+    last repeat hooked), with tok/s ``speed_at(position)``, 1-based."""
+    runs, position = {m: [] for m in speed_report.MODES}, 0
+    for i in range(repeats):
+        for mode in speed_report.MODES if i % 2 == 0 else speed_report.MODES[::-1]:
+            position += 1
+            tok_s = speed_at(position)
+            runs[mode].append(dict(tok_s=tok_s, req_s=tok_s / 3, ms_step=1e3 / tok_s, p50_ms=position,
+                                   hooked=i == repeats - 1))
+    return runs
+
+
+@pytest.mark.parametrize("slope", [30.0, -30.0])
+def test_a_drift_over_the_cell_moves_every_mode_alike(slope):
+    """The same speed in every mode, drifting run by run: the modes' rows
+    agree. The upper median of the plain runs gave pipelined, at the ends of
+    the order, its most drifted run (positions 1 and 6 against auto's 3
+    and 4): 1180 against 1120 rising."""
+    runs = _runs_in_order(3, lambda at: 1000.0 + slope * at)
+    rows = {m: speed_report.mode_row(rs) for m, rs in runs.items()}
+    assert len({round(r["tok_s"], 6) for r in rows.values()}) == 1
+    assert rows["pipelined"]["tok_s"] == pytest.approx(1000.0 + slope * 3.5)
+    upper = {m: max(r["tok_s"] for r in rs if not r["hooked"]) for m, rs in runs.items()}
+    assert upper["pipelined"] - upper["auto"] == pytest.approx(2 * abs(slope))
+
+
+def test_a_mode_row_means_its_plain_runs_and_keeps_the_upper_medians_fields():
+    runs = [dict(tok_s=900.0, req_s=300.0, ms_step=2.0, p50_ms=5.0, hooked=False),
+            dict(tok_s=1100.0, req_s=400.0, ms_step=1.0, p50_ms=4.0, hooked=False),
+            dict(tok_s=5000.0, req_s=900.0, ms_step=0.1, p50_ms=1.0, hooked=True)]
+    row = speed_report.mode_row(runs)
+    assert (row["tok_s"], row["req_s"], row["ms_step"]) == (1000.0, 350.0, 1.5)  # the hooked run is left out
+    assert row["p50_ms"] == 4.0 and row["tok_s_runs"] == [900.0, 1100.0, 5000.0]
+    only = speed_report.mode_row([dict(tok_s=700.0, req_s=1.0, ms_step=3.0, hooked=True)])
+    assert only["tok_s"] == 700.0  # one run, hooked: that run
