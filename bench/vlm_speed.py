@@ -304,6 +304,26 @@ def render(record: dict, out: Path | None, plot_path: Path | None) -> str:
     return text
 
 
+def grid(engine, args, sizes: list[int], workloads: list[str], streams: list[int], over_budget) -> list[dict]:
+    """Every cell of the grid, in order; a cell that fails or is past the budget says why."""
+    rows: list[dict] = []
+    for side in sizes:
+        for workload in workloads:
+            for n in streams:
+                count = args.per_stream * n + 16
+                if over_budget():
+                    rows.append(dict(workload=workload, side=side, streams=n, error="skipped: time budget"))
+                    print(rows[-1], flush=True)
+                    continue
+                try:
+                    rows.append(measure(engine, workload, side, n, count, seed=side * 1000 + n,
+                                        rounds=args.rounds))
+                except Exception as err:  # noqa: BLE001 - the cell says why
+                    rows.append(dict(workload=workload, side=side, streams=n, error=f"{type(err).__name__}: {err}"))
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="1,8,32")
@@ -328,6 +348,10 @@ def main(argv: list[str] | None = None) -> str:
                     help="start no new cell (nor the peer) after this many seconds: the cells left are "
                          "listed as skipped and the table is still written (default: no bound). A call "
                          "under a time limit then keeps its table")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="SECONDS",
+                    help="the interpreter's thread switch interval for the run (sys.setswitchinterval; "
+                         "default: Python's, 0.005): how long a caller's thread may hold the "
+                         "interpreter before the decode loop's gets it back")
     args = ap.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -339,6 +363,8 @@ def main(argv: list[str] | None = None) -> str:
         ap.error(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
     if args.budget is not None and not args.budget >= 0:
         ap.error(f"--budget: seconds, at least 0, got {args.budget}")
+    if args.switch_interval is not None and not 0 < args.switch_interval < 1:
+        ap.error(f"--switch-interval: seconds, above 0 and below 1, got {args.switch_interval}")
     started = time.monotonic()
 
     def over_budget() -> bool:
@@ -346,21 +372,13 @@ def main(argv: list[str] | None = None) -> str:
 
     engine = make_engine(args.device, args.quick, not args.crops_on_host, args.torch_greedy,
                          args.torch_inputs)
-    rows = []
-    for side in sizes:
-        for workload in workloads:
-            for n in streams:
-                count = args.per_stream * n + 16
-                if over_budget():
-                    rows.append(dict(workload=workload, side=side, streams=n, error="skipped: time budget"))
-                    print(rows[-1], flush=True)
-                    continue
-                try:
-                    rows.append(measure(engine, workload, side, n, count, seed=side * 1000 + n,
-                                        rounds=args.rounds))
-                except Exception as err:  # noqa: BLE001 - the cell says why
-                    rows.append(dict(workload=workload, side=side, streams=n, error=f"{type(err).__name__}: {err}"))
-                print(rows[-1], flush=True)
+    interval = sys.getswitchinterval()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    try:
+        rows = grid(engine, args, sizes, workloads, streams, over_budget)
+    finally:
+        sys.setswitchinterval(interval)
     encode = [encode_figures(engine, side) for side in sizes]
     engine.close()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -211,3 +211,26 @@ def test_vlm_speed_past_its_budget_lists_the_cells_left_and_still_writes_its_tab
     assert [(w, n, v) for w, n, v in peer] == [("point", n, {"error": "skipped: time budget"}) for n in (1, 8)]
     with pytest.raises(SystemExit):
         vlm_speed.main(["--quick", "--device", "cpu", "--budget", "-1"])
+
+
+def test_the_switch_interval_holds_for_the_cells_and_is_given_back(monkeypatch, tmp_path):
+    """--switch-interval is the interpreter's while the cells run (a cell
+    that raises included) and Python's again after, for the peer and the
+    caller; a value outside (0, 1) seconds is refused by name."""
+    import sys
+    seen = []
+
+    def measure(engine, workload, side, streams, count, seed, rounds=1):
+        seen.append(sys.getswitchinterval())
+        raise RuntimeError("a cell that fails")
+
+    monkeypatch.setattr(vlm_speed, "measure", measure)
+    before = sys.getswitchinterval()
+    vlm_speed.main(["--quick", "--no-peer", "--device", "cpu", "--streams", "1,2", "--sizes", "378",
+                    "--workloads", "point", "--switch-interval", "0.0005", "--record", str(tmp_path / "r.json")])
+    assert seen == [0.0005, 0.0005] and sys.getswitchinterval() == before
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["error"] for r in rows] == ["RuntimeError: a cell that fails"] * 2
+    for bad in ("0", "1", "-0.001", "nan"):
+        with pytest.raises(SystemExit):
+            vlm_speed.main(["--quick", "--device", "cpu", "--switch-interval", bad])
