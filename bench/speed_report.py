@@ -19,9 +19,10 @@ def notes(tokens: dict[str, int], repeats: int) -> str:
     t, d, p = tokens["text"], tokens["detect"], tokens["point"]
     timing = (f"Each mode runs {repeats} times per cell, in the order pipelined, blocking, auto "
               "and back; throughput is the mean of the "
-              f"{repeats - 1} run{'s' * (repeats > 2)} without the timing hook (every mode's runs "
-              "sit at the same mean position in that order, so a drift over the cell moves each "
-              "mode alike), and GPU "
+              f"{repeats - 1} run{'s' * (repeats > 2)} without the timing hook"
+              + (" (every mode's runs sit at the same mean position in that order, so a steady "
+                 "drift over the cell moves each mode alike)" if repeats % 2 else "")
+              + ", and GPU "
               "idle, F and B come from the last run, which has it" if repeats > 1 else
               "Each mode runs once per cell, with the timing hook")
     return (
@@ -43,10 +44,11 @@ def mode_row(runs: list[dict]) -> dict:
     as the table's row: tok/s, req/s and ms/step the mean over the runs
     without the hook, the other fields from the upper median of them.
 
-    Why the mean: the modes run in the order P B A, A B P, P B A, so each
-    mode's plain runs sit at the same mean position (1 and 6, 2 and 5, 3
-    and 4 with three repeats) and a drift in the machine's speed over the
-    cell moves every mode's mean alike. The upper median of two is the
+    Why the mean: the modes run in the order P B A, A B P, P B A, so with
+    an even count of plain runs (an odd count of repeats, three by default)
+    each mode's sit at the same mean position (1 and 6, 2 and 5, 3 and 4)
+    and a steady drift in the machine's speed over the cell moves every
+    mode's mean alike. The upper median of two is the
     later or earlier run, whichever was faster: the mode at the ends of the
     order (pipelined) took the most drifted run, and auto, in the middle
     positions, never did."""
