@@ -48,9 +48,9 @@ def mode_row(runs: list[dict]) -> dict:
     an even count of plain runs (an odd count of repeats, three by default)
     each mode's sit at the same mean position (1 and 6, 2 and 5, 3 and 4)
     and a steady drift in the machine's speed over the cell moves every
-    mode's mean alike. The upper median of two is the
-    later or earlier run, whichever was faster: the mode at the ends of the
-    order (pipelined) took the most drifted run, and auto, in the middle
+    mode's mean alike. The upper median of two is the later or the earlier
+    run, whichever was faster: the mode at the ends of the order
+    (pipelined) took the most drifted run, and auto, in the middle
     positions, never did."""
     plain = [r for r in runs if not r.get("hooked")] or runs
     row = dict(sorted(plain, key=lambda r: r["tok_s"])[len(plain) // 2])

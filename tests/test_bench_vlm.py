@@ -5,6 +5,7 @@ their section; the figures are not checked (no timing in tests)."""
 import collections
 import gc
 import json
+import sys
 
 import pytest
 
@@ -217,7 +218,6 @@ def test_the_switch_interval_holds_for_the_cells_and_is_given_back(monkeypatch, 
     """--switch-interval is the interpreter's while the cells run (a cell
     that raises included) and Python's again after, for the peer and the
     caller; a value outside (0, 1) seconds is refused by name."""
-    import sys
     seen = []
 
     def measure(engine, workload, side, streams, count, seed, rounds=1):
