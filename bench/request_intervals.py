@@ -31,9 +31,8 @@ def summary(spans: list[float], gaps: list[float], steps: int, prefills: int) ->
     """ms per step from a run's compute-stream intervals (``spans``: each
     forward followed by its sampling, in order; a request's first forward
     is its prefill, the ``prefills`` longest) and the ``gaps`` between
-    them: the decode forward's median,
-    the sampling's, the gaps' share, and the prefills' (their excess over
-    a decode forward) share."""
+    them: the decode forward's median, the sampling's, the gaps' share,
+    and the prefills' share (their excess over a decode forward)."""
     forwards = sorted(spans[0::2], reverse=True)
     prefill, decodes = forwards[:prefills], forwards[prefills:]  # a prefill is the longest forward
     decode = statistics.median(decodes)

@@ -87,11 +87,9 @@ def make_requests(kind: str, count: int, tokens: dict[str, int], mask_ids: tuple
 
 def request_count(kind: str, streams: int, quick: bool) -> int:
     """Requests per cell: enough for a steady state, bounded for the time
-    budget. A point request is 3 tokens: at 4 a stream, a run at 64 streams
-    lasted 40 ms and 13 ticks, much of it the ramp and the drain, and the
-    same choices (10 ahead, 3 behind) put auto at 1.07 and at 0.88 of
-    pipelined in two runs (runs 23 and 24); 16 a stream make it a steady
-    state."""
+    budget. A point request is 3 tokens, so it takes 16 a stream: at 4, a
+    run at 64 streams was about 13 ticks, mostly the ramp and the drain
+    (docs/performance.md, run 24)."""
     if quick:
         return {"point": max(2 * streams, 8), "mix": max(streams, 3)}.get(kind, max(streams, 2))
     return {"point": max(16 * streams, 48), "mix": max(3 * streams, 6)}.get(kind, max(2 * streams, 4))

@@ -52,8 +52,9 @@ spends anyway.
 its next request, that request's prefill launch call beyond a decode
 launch's, by the share of v's rows still live (``weighed_bubble``):
 behind, the next launch is that prefill's, with nothing in flight; ahead,
-v's live rows advance under it. An image prefill's call is 2.5-7 ms of host time on moondream2 against
-0.2-1.4 for a decode's at 8 streams (docs/performance.md, "Auto on images").
+v's live rows advance under it. An image prefill's call is 2.5-7 ms of
+host time on moondream2 against 0.2-1.4 for a decode's at 8 streams
+(docs/performance.md, "Auto on images").
 
 Pure and torch-free: the Engine measures with the clock it was given and
 hands this module numbers.
