@@ -18,10 +18,10 @@ INTRO = ("# Speed benchmarks\n\nThe engine, pipelined and blocking, on the same 
 def notes(tokens: dict[str, int], repeats: int) -> str:
     t, d, p = tokens["text"], tokens["detect"], tokens["point"]
     timing = (f"Each mode runs {repeats} times per cell, in the order pipelined, blocking, auto "
-              "and back; throughput is the mean of the "
+              "and back; throughput is the median of the "
               f"{repeats - 1} run{'s' * (repeats > 2)} without the timing hook"
-              + (" (every mode's runs sit at the same mean position in that order, so a steady "
-                 "drift over the cell moves each mode alike)" if repeats % 2 else "")
+              + (" (of two, their mean; every mode's runs sit at the same mean position in that "
+                 "order, so a steady drift over the cell moves each mode alike)" if repeats % 2 else "")
               + ", and GPU "
               "idle, F and B come from the last run, which has it" if repeats > 1 else
               "Each mode runs once per cell, with the timing hook")
@@ -41,22 +41,27 @@ def notes(tokens: dict[str, int], repeats: int) -> str:
 
 def mode_row(runs: list[dict]) -> dict:
     """One mode's runs of a cell (in the order run; the timing hook's last)
-    as the table's row: tok/s, req/s and ms/step the mean over the runs
-    without the hook, the other fields from the upper median of them.
+    as the table's row: tok/s, req/s and ms/step the median over the runs
+    without the hook (of two, their mean), the other fields from the upper
+    median of them.
 
-    Why the mean: the modes run in the order P B A, A B P, P B A, so with
-    an even count of plain runs (an odd count of repeats, three by default)
-    each mode's sit at the same mean position (1 and 6, 2 and 5, 3 and 4)
-    and a steady drift in the machine's speed over the cell moves every
-    mode's mean alike. The upper median of two is the later or the earlier
-    run, whichever was faster: the mode at the ends of the order
+    Why: the modes run in the order P B A, A B P, P B A, so with an even
+    count of plain runs (an odd count of repeats, three by default) each
+    mode's sit at the same mean position (1 and 6, 2 and 5, 3 and 4), and
+    a steady drift in the machine's speed over the cell moves every mode's
+    mean alike. With four (five repeats) the middle two sit there too (5
+    and 6, 4 and 7, 3 and 8 of 1-12), and one run that stalls, as runs of
+    a quarter of their neighbours' speed did at 64 streams (sixteenth
+    stop), moves the median by a neighbour's gap, not the mean by a
+    quarter of the run. The upper median of two was the later or the
+    earlier run, whichever was faster: the mode at the ends of the order
     (pipelined) took the most drifted run, and auto, in the middle
     positions, never did."""
     plain = [r for r in runs if not r.get("hooked")] or runs
     row = dict(sorted(plain, key=lambda r: r["tok_s"])[len(plain) // 2])
     for key in ("tok_s", "req_s", "ms_step"):
         if all(key in r for r in plain):
-            row[key] = statistics.fmean(r[key] for r in plain)
+            row[key] = statistics.median(r[key] for r in plain)
     row["tok_s_runs"] = [r["tok_s"] for r in runs]
     return row
 

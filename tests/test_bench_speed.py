@@ -7,6 +7,8 @@ the docs entry and the JSON lines are written, and the seed's model is run.
 
 import json
 
+import statistics
+
 import pytest
 import torch
 import transformers
@@ -194,6 +196,18 @@ def test_a_drift_over_the_cell_moves_every_mode_alike(slope, repeats):
     if repeats == 3:
         upper = {m: max(r["tok_s"] for r in rs if not r["hooked"]) for m, rs in runs.items()}
         assert upper["pipelined"] - upper["auto"] == pytest.approx(2 * abs(slope))
+
+
+def test_one_stalled_run_of_four_moves_a_mode_s_row_by_no_more_than_its_neighbours():
+    """Five repeats, a steady 1000 tok/s but one of auto's plain runs
+    stalled at a quarter: the row holds at the neighbours' 1000, where a
+    mean of the four would fall to 812.5, under the line against the
+    others' 1000."""
+    runs = _runs_in_order(5, lambda at: 250.0 if at == 3 else 1000.0)  # position 3: auto's first
+    assert [r["tok_s"] for r in runs["auto"]][0] == 250.0
+    rows = {m: speed_report.mode_row(rs) for m, rs in runs.items()}
+    assert {m: r["tok_s"] for m, r in rows.items()} == dict.fromkeys(speed_report.MODES, 1000.0)
+    assert statistics.fmean(r["tok_s"] for r in runs["auto"] if not r["hooked"]) == 812.5
 
 
 def test_a_mode_row_means_its_plain_runs_and_keeps_the_upper_medians_fields():
