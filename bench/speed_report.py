@@ -49,8 +49,8 @@ def mode_row(runs: list[dict]) -> dict:
     count of plain runs (an odd count of repeats, three by default) each
     mode's sit at the same mean position (1 and 6, 2 and 5, 3 and 4), and
     a steady drift in the machine's speed over the cell moves every mode's
-    mean alike. With four (five repeats) the middle two sit there too (5
-    and 6, 4 and 7, 3 and 8 of 1-12), and one run that stalls, as runs of
+    mean alike. With four (five repeats) the middle two sit there too (6
+    and 7, 5 and 8, 4 and 9 of 1-12), and one run that stalls, as runs of
     a quarter of their neighbours' speed did at 64 streams (sixteenth
     stop), moves the median by a neighbour's gap, not the mean by a
     quarter of the run. The upper median of two was the later or the
