@@ -177,7 +177,13 @@ class Engine:
 
     def _ahead(self) -> bool:
         """Auto mode, at the end of a tick: leave the step just finalized in
-        flight, so that the next tick launches before committing it?"""
+        flight, so that the next tick launches before committing it? Never
+        on a backend whose launch computes its step before it returns
+        (``Capacity.asynchronous``): there the bubble the rule measures is
+        the forward itself, which launching ahead cannot hide."""
+        if not self.backend.capacity.asynchronous:
+            self._may_end = {}
+            return False
         t = self.timings
         follow, forward = self.successors.rate, t.forward or 0.0
         choice = choose(self.scheduler, self.end_rates, follow, t.bubble, forward, t.prefill_extra)

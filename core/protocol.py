@@ -89,6 +89,12 @@ class Capacity:
     num_adapter_slots: int = 0
     images: bool = False  # runs IMAGE_PREFILL steps
     values: bool = False  # has a region head: decodes the values a SamplePlan asks
+    # The device runs a launched step while the host goes on (a GPU's
+    # stream). False where ``launch`` computes the step before it returns
+    # (torch on a CPU): nothing overlaps, so launching ahead hides no host
+    # time and only adds zombies, and ``pipelined="auto"`` commits at every
+    # tick (blocking's order).
+    asynchronous: bool = True
 
     def __attrs_post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_rows", "max_seqs",

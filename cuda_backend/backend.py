@@ -83,7 +83,7 @@ class CudaBackend:
         self._cap = Capacity(num_pages=num_pages, page_size=page_size, max_rows=max_rows,
                              max_seqs=max_seqs, max_prefill_tokens=max_prefill_tokens,
                              max_context=context, images=self.takes_images,
-                             values=self.decodes_values)
+                             values=self.decodes_values, asynchronous=cuda)
         self.cache = PagedKVCache(layers=dims.layers, kv_heads=dims.kv_heads,
                                   head_dim=dims.head_dim, num_pages=num_pages,
                                   page_size=page_size, dtype=self.dtype, device=self.device)

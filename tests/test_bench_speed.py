@@ -9,6 +9,7 @@ import json
 
 import statistics
 
+import attrs
 import pytest
 import torch
 import transformers
@@ -16,10 +17,18 @@ import transformers
 from bubblefree.bench import speed, speed_report
 from bubblefree.bench.speed_cells import Cycle, bin_masks, zombie_stats
 from bubblefree.bench.speed_setup import SHAPES, weight_bytes
+from bubblefree.cuda_backend.backend import CudaBackend
 
 
 def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
+    # On a CPU the backend's launches compute their steps (``Capacity.
+    # asynchronous`` False) and auto commits at every tick without weighing
+    # anything (test_cuda_backend). Declared asynchronous here, the rule runs
+    # as on a GPU, so its inputs' reporting (``behind_why``) is checked end
+    # to end.
+    monkeypatch.setattr(CudaBackend, "capacity",
+                        property(lambda self: attrs.evolve(self._cap, asynchronous=True)))
     out = tmp_path / "benchmarks.md"
     table = speed.main(["--tiny", "--quick", "--out", str(out), "--plot", ""])
     for workload in ("text", "detect", "point", "mix"):

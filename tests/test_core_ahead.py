@@ -418,6 +418,25 @@ def test_auto_launches_ahead_once_text_rarely_ends():
     assert engine.timings.forward == pytest.approx(2.0, rel=0.1)
 
 
+def test_auto_commits_at_every_tick_on_a_backend_whose_launch_computes_the_step():
+    """``Capacity.asynchronous`` False (torch on a CPU): the launch call is
+    the forward, so launching ahead hides nothing. The text that made auto
+    go ahead above takes blocking's order at every tick, and its launches,
+    with the same tokens."""
+    reqs = [Request(prompt=(0, 5), max_tokens=40, stop_ids={0})]
+    blocking, block_launches, _ = run(False, reqs)
+    backend = FakeBackend(model=FakeModel(), timing=Timing(forward=2.0, sampling=0.0, copy=0.0))
+    backend._capacity = attrs.evolve(backend.capacity, asynchronous=False)
+    engine = Recording(backend, pipelined="auto", clock=lambda: backend.clock.host)
+    handles = [engine.submit(r) for r in reqs]
+    engine.run_until_idle(max_ticks=200)
+    assert [h.result for h in handles] == blocking
+    assert sum(e[0] == "launch" for e in engine.trace) == block_launches
+    assert engine.choices and not any(engine.choices)
+    assert (engine.ahead_ticks, engine.behind_ticks) == (0, len(engine.choices))
+    assert not engine.behind  # no rule was weighed: nothing to explain
+
+
 def test_the_engine_counts_auto_s_choices_and_nothing_in_the_other_modes():
     reqs = [Request(prompt=(0, 5), max_tokens=40, stop_ids={0})]
     _, _, engine = run("auto", reqs)

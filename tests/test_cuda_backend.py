@@ -37,6 +37,20 @@ def test_satisfies_the_backend_protocol():
     cap = be.capacity
     assert (cap.num_pages, cap.page_size, cap.max_rows, cap.max_seqs) == (128, 4, 3, 8)
     assert cap.max_context == 256 and be.vocab_size == 128
+    # Its launch computes the step where the model is: asynchronous only on CUDA.
+    assert cap.asynchronous is (be.device.type == "cuda")
+
+
+def test_auto_takes_blocking_s_order_on_the_cpu():
+    """Torch on a CPU computes a step inside ``launch``: launching ahead hides
+    nothing there (bench.speed --tiny: blocking 28-32% ahead of pipelined on point,
+    docs/runs/cpu-modes-2026-12-02.txt), so auto commits at every tick."""
+    be = make(tiny_model("llama", device="cpu"))
+    engine = Engine(be, pipelined="auto")
+    handles = [engine.submit(Request(prompt=tuple(p), max_tokens=6)) for p in PROMPTS[:3]]
+    engine.run_until_idle(max_ticks=200)
+    assert all(h.result.status is Status.COMPLETED for h in handles)
+    assert engine.ahead_ticks == 0 and engine.behind_ticks > 0
 
 
 def test_a_failing_forward_is_step_failed_and_the_slot_stays_free(monkeypatch):
