@@ -6,7 +6,6 @@ the docs entry and the JSON lines are written, and the seed's model is run.
 """
 
 import json
-
 import statistics
 
 import attrs
@@ -219,7 +218,7 @@ def test_one_stalled_run_of_four_moves_a_mode_s_row_by_no_more_than_its_neighbou
     assert statistics.fmean(r["tok_s"] for r in runs["auto"] if not r["hooked"]) == 812.5
 
 
-def test_a_mode_row_means_its_plain_runs_and_keeps_the_upper_medians_fields():
+def test_a_mode_row_takes_the_median_of_its_plain_runs_and_the_upper_median_s_fields():
     runs = [dict(tok_s=900.0, req_s=300.0, ms_step=2.0, p50_ms=5.0, hooked=False),
             dict(tok_s=1100.0, req_s=400.0, ms_step=1.0, p50_ms=4.0, hooked=False),
             dict(tok_s=5000.0, req_s=900.0, ms_step=0.1, p50_ms=1.0, hooked=True)]
