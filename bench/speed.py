@@ -83,6 +83,10 @@ def parse(argv):
                     help="decode buckets of at most ROWS rows run the dependent-launch step "
                          "(KernelConfig.pdl_rows; 0: none; default: as measured for the GPU "
                          "and the model's architecture)")
+    ap.add_argument("--o-combines", type=int, default=None, metavar="ROWS",
+                    help="in the dependent-launch step's buckets of at most ROWS rows, the "
+                         "output projection combines split attention (KernelConfig.o_combines; "
+                         "0: none; default: as measured)")
     ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
                     help="the decode step's GEMMs: ours where measured faster (default), "
                          "or cuBLAS everywhere")
@@ -96,8 +100,10 @@ def parse(argv):
     unknown = set(args.workloads) - set(WORKLOADS)
     if unknown:
         ap.error(f"unknown workloads {sorted(unknown)}; choose from {','.join(WORKLOADS)}")
-    if args.pdl_rows is not None and args.pdl_rows < 0:
-        ap.error(f"--pdl-rows is a row count (0: none), not {args.pdl_rows}")
+    for name in ("pdl_rows", "o_combines"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} is a row count (0: none), not "
+                     f"{getattr(args, name)}")
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.tokens = QUICK_TOKENS if args.quick else FULL_TOKENS
     return args
@@ -219,6 +225,8 @@ def decode_options(args, device, config) -> dict:
     kernels = KernelConfig.measured(device, config)
     if args.pdl_rows is not None:
         kernels = attrs.evolve(kernels, pdl_rows=args.pdl_rows)
+    if args.o_combines is not None:
+        kernels = attrs.evolve(kernels, o_combines=args.o_combines)
     kernels = attrs.evolve(kernels, dispatch=kernels.dispatch.forced(args.split_below,
                                                                      args.attention))
     if args.gemm == "cublas":

@@ -8,7 +8,8 @@ between processes and machines; a comparison holds only within one).
         [--rows 1,8] [--context 128] [--increments 896,1152=32n128k4s4w3p]
 
 A variant is ``base`` (the defaults measured for the GPU and the shape:
-``KernelConfig.measured``) or ``+``-joined ``K,N=TILE`` entries that
+``KernelConfig.measured``) or ``+``-joined items: row counts of the config
+(``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``) and ``K,N=TILE`` entries that
 replace the dependent-launch step's tile for the GEMM of that weight shape
 (``KernelConfig.pdl_tiles``) in every bucket it runs. A q, k, v tile that
 cuts K hands its sums to the attention kernels (``pdl_step.project_attend``).
@@ -35,21 +36,31 @@ from bubblefree.cuda_backend.graphs import batch_buckets, bucket
 from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 
 
+# KernelConfig's row counts a variant may set (``o_combines=0``).
+ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows")
+
+
 def variant(default: KernelConfig, text: str) -> KernelConfig:
-    """``default`` with ``text``'s tiles in its dependent step's table (see
-    the module's doc); a clear error naming the part that is wrong."""
+    """``default`` with ``text``'s items: ``+``-joined tiles for its
+    dependent step's table and row counts of ``ROW_FIELDS`` (see the
+    module's doc); a clear error naming the part that is wrong."""
     if text == "base":
         return default
-    if not default.pdl_rows:
-        raise ValueError(f"variant {text!r}: this GPU and shape run no dependent-launch step "
-                         "(KernelConfig.pdl_rows is 0), so its tiles change nothing")
-    entries = dict(default.pdl_tiles.entries)
+    fields, entries = {}, dict(default.pdl_tiles.entries)
     for item in text.split("+"):
         shape, _, tile = item.partition("=")
+        if shape in ROW_FIELDS:
+            if not tile.isdigit():
+                raise ValueError(f"variant {text!r}: {shape} is a row count, not {tile!r}")
+            fields[shape] = int(tile)
+            continue
         k, _, n = shape.partition(",")
         if not (k.strip().isdigit() and n.strip().isdigit() and tile):
             raise ValueError(f"variant {text!r}: {item!r} is not K,N=TILE (e.g. "
-                             "2048,3072=64n256k4s4w3p)")
+                             "2048,3072=64n256k4s4w3p) nor FIELD=ROWS")
+        if not default.pdl_rows:
+            raise ValueError(f"variant {text!r}: this GPU and shape run no dependent-launch "
+                             "step (KernelConfig.pdl_rows is 0), so its tiles change nothing")
         try:
             parsed = Tile.parse(tile)
         except ValueError as err:
@@ -58,13 +69,13 @@ def variant(default: KernelConfig, text: str) -> KernelConfig:
             raise ValueError(f"variant {text!r}: {tile} does not cut K={k} into whole steps of "
                              f"{parsed.block_k}, at least {parsed.ahead} a slice")
         entries[int(k), int(n)] = ((default.pdl_rows, parsed),)
-    return attrs.evolve(default, pdl_tiles=TileTable(entries))
+    return attrs.evolve(default, pdl_tiles=TileTable(entries), **fields)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=list(SHAPES), default="phi")
-    ap.add_argument("--variant", action="append", default=[], help="base, or K,N=TILE[+...]")
+    ap.add_argument("--variant", action="append", default=[], help="base, FIELD=ROWS, or K,N=TILE[+...]")
     ap.add_argument("--rows", default="1,8", help="decode buckets' rows, comma-separated")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--increments", default="", help="a variant whose step_increments table "

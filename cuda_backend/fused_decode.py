@@ -178,6 +178,10 @@ class Dims:
     # launch leaves them so).
     counters: torch.Tensor | None = attrs.field(default=None, eq=False)
     combine_rows: int = 0
+    # In pdl_step's buckets of at most ``state_rows`` rows where the split
+    # kernel runs, the output projection combines its states
+    # (KernelConfig.o_combines; sequential layers only).
+    state_rows: int = 0
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -342,7 +346,8 @@ class FusedDecoder:
                          one_store=kernels.prefill_store, pdl_rows=pdl_rows,
                          pdl_tiles=kernels.pdl_tiles, sms=sms,
                          glu=not parallel and getattr(cfg, "hidden_act", None) == "silu",
-                         counters=counters, combine_rows=combine_rows)
+                         counters=counters, combine_rows=combine_rows,
+                         state_rows=0 if parallel else min(pdl_rows, kernels.o_combines))
         self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
         # What the first dependent layer adds to the embeddings: nothing,
         # from one buffer rather than a fill kernel each step.

@@ -295,8 +295,12 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # GPU and model shape (``model_shape``: its GEMMs' shapes, which its tiles
 # were tuned for; another shape of the same architecture is unmeasured and
 # keeps the compiled step): the buckets of rows that run it, its GEMM
-# tiles (``bench.pdl_tune``; docs/performance.md, "Dependent launches") and
-# the buckets whose split attention's last programs combine. On
+# tiles (``bench.pdl_tune``; docs/performance.md, "Dependent launches"),
+# the buckets whose split attention's last programs combine, and those whose
+# output projection combines the split kernel's states instead
+# (``KernelConfig.o_combines``; at one row, 0.843 -> 0.830 ms for Llama-3.2-1B
+# and 0.625 -> 0.606 for Qwen2-0.5B, each in a tile of its own there:
+# docs/runs/o-combines-2026-12-02.txt). On
 # the H200, at one row: a Phi-1.5-shaped step from 1.18 to 1.03 ms (0.95
 # with the split kernel's keys read before the wait, ``Dispatch.prefetch``),
 # Llama-3.2-1B's from 1.13 to 0.99 and Qwen2-0.5B's from 1.03 to 0.86 once
@@ -306,29 +310,32 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # (docs/runs/pdl-slices-2026-12-01f.txt), then to 0.62 (Llama's 0.86 to
 # 0.85) with the q, k, v projection cut into slices that the attention
 # kernels add (``pdl_step.project_attend``; docs/runs/qkv-slices-2026-12-01h.txt).
-MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable, int]]] = types.MappingProxyType({
+MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable, int, int]]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
         PHI_15: (8, TileTable({
             (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
             (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
-        }), 2),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 0),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         LLAMA_32_1B: (8, TileTable({
             (2048, 3072): ((8, Tile(64, 256, 4, 4, 3)),),  # q, k, v, sums to attention
-            (2048, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # o, sums
+            # o, sums; at one row combining the split kernel's states (o_combines)
+            (2048, 2048): ((1, Tile(128, 256, 8, 4, 3)), (8, Tile(64, 256, 8, 4, 3))),
             (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (8192, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # down, sums
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        }), 2),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 1),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         QWEN2_05B: (8, TileTable({
             (896, 1152): ((8, Tile(32, 128, 4, 4, 3)),),  # q, k, v, sums to attention
             # o and down: slices of K that need not divide it (down's 38 steps of
             # 128 in 8 slices of 4 and 5), timed with the norm that adds them.
-            (896, 896): ((1, Tile(32, 64, 8, 4, 3)), (8, Tile(32, 128, 4, 4, 3))),  # o, sums
+            # o, sums; at one row combining the split kernel's states (o_combines),
+            # in one slice a head
+            (896, 896): ((1, Tile(32, 64, 14, 4, 3)), (8, Tile(32, 128, 4, 4, 3))),
             (896, 9728): ((8, Tile(32, 128, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (4864, 896): ((1, Tile(64, 128, 8, 4, 3)), (8, Tile(32, 128, 8, 4, 3))),  # down, sums
             (896, 151936): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        }), 0),
+        }), 0, 1),
     }),
 })
 
@@ -363,6 +370,13 @@ class KernelConfig:
     0.913 -> 0.908 and 0.959 -> 0.938, even at four and eight; Qwen2-0.5B's
     within 0.002 either way (docs/performance.md, "The last programs
     combining, per bucket"), so ``MEASURED_PDL`` sets it per shape.
+    ``o_combines``: in that step's buckets of at most this many rows where
+    the split attention kernel runs, no pass combines its partial states:
+    Llama's and Qwen2's output projection combines them as it reads them
+    (``paged_decode.split_states``, ``skinny_gemm``'s STATES), one kernel
+    boundary and one round of arrivals fewer a layer. It takes precedence
+    over ``last_combines``; Phi's output GEMM also reads the MLP's half,
+    so Phi keeps them. 0: none.
 
     ``greedy_kernel``: a greedy step samples in one kernel
     (``greedy_sample``) instead of torch's seven; ``step_inputs``: a fused
@@ -380,11 +394,13 @@ class KernelConfig:
     last_combines: int = attrs.field(default=0)
     greedy_kernel: bool = True
     step_inputs: bool = True
+    o_combines: int = attrs.field(default=0)
 
     @last_combines.validator
-    def _rows(self, _, value: int) -> None:
+    @o_combines.validator
+    def _rows(self, field, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"KernelConfig.last_combines is a row count (0: none), not {value!r}")
+            raise ValueError(f"KernelConfig.{field.name} is a row count (0: none), not {value!r}")
 
     @classmethod
     def measured(cls, device: torch.device | str, config: Any = None) -> "KernelConfig":
@@ -399,10 +415,10 @@ class KernelConfig:
         (none elsewhere, so cuBLAS, until it is measured) and, for a model
         of ``config``'s shape, the dependent-launch step where it was
         measured faster on that GPU (``MEASURED_PDL``)."""
-        pdl_rows, pdl_tiles, combines = MEASURED_PDL.get(name, {}).get(model_shape(config),
-                                                                       (0, TileTable(), 0))
+        pdl_rows, pdl_tiles, combines, o_combines = MEASURED_PDL.get(name, {}).get(
+            model_shape(config), (0, TileTable(), 0, 0))
         return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles,
-                   last_combines=combines)
+                   last_combines=combines, o_combines=o_combines)
 
     def __str__(self) -> str:
         where = ""
@@ -414,7 +430,9 @@ class KernelConfig:
             where += "; prefill's rotary and KV write in torch"
         if self.pdl_rows:
             where += f"; dependent launches up to {self.pdl_rows} rows"
-            if rows := min(self.last_combines, self.pdl_rows):
+            if rows := min(self.o_combines, self.pdl_rows):
+                where += f", the output projection combining split attention up to {rows} rows"
+            if (rows := min(self.last_combines, self.pdl_rows)) > self.o_combines:
                 where += f", the split kernel's last programs combining up to {rows} rows"
         if not self.greedy_kernel:
             where += "; greedy sampling in torch"

@@ -41,6 +41,11 @@ def _next_power_of_2(n: int) -> int:
 _TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
+def tl_dtype(dtype: torch.dtype):
+    """``dtype`` as the kernels take it (a Triton dtype)."""
+    return getattr(kernels.tl, _TL_DTYPES[dtype])
+
+
 @attrs.frozen
 class NewToken:
     """The step's own key and value, not yet in the cache: k and v ``[B,
@@ -68,7 +73,7 @@ class NewToken:
         dtype = self.dtype if self.dtype is not None else self.k.dtype
         return {"cs_ptr": self.cos, "sn_ptr": self.sin, "scs_b": self.cos.stride(0),
                 "sp_s": self.slice_stride, "SLICES": self.slices,
-                "DT": getattr(kernels.tl, _TL_DTYPES[dtype])}
+                "DT": tl_dtype(dtype)}
 
     def token_args(self) -> dict:
         """The own key and value and their slots, as the kernels that write
@@ -198,6 +203,52 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
             D=d, BLOCK_D=_next_power_of_2(d), GROUP=group, num_warps=2, PDL=pdl,
             **launch_options(pdl))
     return out
+
+
+@attrs.frozen
+class States:
+    """A decode step's attention left as the split kernel's partial states,
+    the step's own key among them (``split_states``): each (row, head)'s
+    ``splits`` maxima ``m`` and sums ``l`` ``[B, H, S]`` and unnormalised
+    outputs ``acc`` ``[B, H, S, D]``, float32. Its attention output is
+    ``sum_s w_s acc_s / sum_s w_s l_s`` with ``w_s = exp(m_s - max m)``,
+    rounded to ``dtype``."""
+    m: torch.Tensor
+    l: torch.Tensor
+    acc: torch.Tensor
+    dtype: torch.dtype
+
+    def combined(self) -> torch.Tensor:
+        """The attention output ``[B, H, D]`` in ``dtype`` (torch; what the
+        output projection computes as it reads the states)."""
+        w = torch.exp(self.m - self.m.amax(-1, keepdim=True))
+        out = (w[..., None] * self.acc).sum(-2) / (w * self.l).sum(-1, keepdim=True)
+        return out.to(self.dtype)
+
+
+def split_states(q, keys, values, page_table, positions, page_size: int, scale: float,
+                 window: int, new: NewToken, pdl: bool = False, prefetch: bool = False,
+                 max_splits: int = 64) -> States:
+    """The split kernel with no combining pass (``split_kernel``'s OWN): the
+    step's own key and value are written and joined to split 0's state, and
+    the states are returned for the output projection to combine as it
+    reads them (``skinny_gemm``'s STATES): one kernel boundary and one
+    round of arrivals fewer than ``split_attention``."""
+    b, h, d = q.shape
+    length = page_table.shape[1] * page_size
+    chunk = split_chunk(length, max_splits)
+    splits = -(-length // chunk)
+    ml = torch.empty((2, b, h, splits), dtype=torch.float32, device=q.device)
+    acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
+    kernels.split_kernel[(b, h, splits)](
+        q, keys, values, page_table, positions, ml[0], ml[1], acc,
+        **_cache_args(q, keys, values), spt_b=page_table.stride(0), scale=scale, window=window,
+        chunk=chunk, splits=splits, heads=h, **_rotary_args(new, q), cnt_ptr=ml,
+        out_ptr=acc, so_b=0, so_h=0, **_token_args(new, q), **_act_args(None, q, h),
+        BLOCK_S=_next_power_of_2(splits), GROUP=h // keys.shape[1], PS=page_size, D=d,
+        BLOCK_D=_next_power_of_2(d), BLOCK_N=32, num_warps=2, PDL=pdl,
+        PREFETCH=pdl and prefetch, LAST_COMBINES=False, OWN=True, **launch_options(pdl))
+    return States(ml[0], ml[1], acc, out_dtype(q, new))
 
 
 def run(q, keys, values, page_table, positions, page_size: int, scale: float, window: int,

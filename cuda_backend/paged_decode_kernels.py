@@ -209,7 +209,8 @@ if triton is not None:
                       BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
                       ROT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                       LAST_COMBINES: tl.constexpr, BLOCK_S: tl.constexpr, ACT: tl.constexpr,
-                      BLOCK_F: tl.constexpr, SLICES: tl.constexpr, DT: tl.constexpr):
+                      BLOCK_F: tl.constexpr, SLICES: tl.constexpr, DT: tl.constexpr,
+                      OWN: tl.constexpr = False):
         """Keys ``s * chunk ..`` of one (row, head): the partial softmax state
         (max, sum, unnormalised output) for ``combine_kernel``. With NEW, q
         arrives before its rotary embedding and the step's own key (position
@@ -225,7 +226,13 @@ if triton is not None:
         last of the (row, head) resets the count to 0 for the next launch
         and runs ``_combine`` (the arguments after ``cnt_ptr`` are
         ``combine_kernel``'s). The step's own key is written there as
-        before: no program of this kernel reads position pos."""
+        before: no program of this kernel reads position pos.
+
+        With OWN (and NEW, without LAST_COMBINES) no pass combines: split 0's
+        program joins the step's own key and value to its state (and the
+        first query head of each KV group writes them), so the ``splits``
+        states of a (row, head) are its whole attention, which the output
+        projection combines as it reads them (``skinny_gemm``'s STATES)."""
         if not PREFETCH:
             enter(PDL)
         b = tl.program_id(0)
@@ -238,6 +245,10 @@ if triton is not None:
         if not PREFETCH:
             q = _query(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
                        dmask, NEW, ROT, sp_s, SLICES, DT)
+            if OWN:  # split 0's: asked for beside q's loads
+                kn, vn = _new_token(b, h, kvh, d, dmask & (s == 0), k_ptr, v_ptr, sk_t, sk_h,
+                                    sv_t, sv_h, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, skn_b,
+                                    skn_h, svn_b, svn_h, scs_b, GROUP, ROT, sp_s, SLICES, DT)
         if NEW:
             end = pos
         else:
@@ -264,6 +275,10 @@ if triton is not None:
             enter(PDL)
             q = _query(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
                        dmask, NEW, ROT, sp_s, SLICES, DT)
+            if OWN:
+                kn, vn = _new_token(b, h, kvh, d, dmask & (s == 0), k_ptr, v_ptr, sk_t, sk_h,
+                                    sv_t, sv_h, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, skn_b,
+                                    skn_h, svn_b, svn_h, scs_b, GROUP, ROT, sp_s, SLICES, DT)
             if lo < hi:  # the first block, from registers
                 sc = tl.sum(k0.to(tl.float32) * q[None, :], 1) * scale
                 sc = tl.where(valid0, sc, -float("inf"))
@@ -287,6 +302,15 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             acc = acc * alpha + tl.sum(p[:, None] * v, 0)
             m_i = m_new
+        if OWN:  # split 0 only (the others' kn and vn are zeros, their weight 0)
+            own = s == 0
+            m_own = tl.where(own, tl.sum(kn * q, 0) * scale, -float("inf"))
+            top = tl.where(own, tl.maximum(m_i, m_own), 0.0)  # finite where own
+            alpha = tl.where(own, tl.exp(m_i - top), 1.0)
+            w_own = tl.where(own, tl.exp(m_own - top), 0.0)
+            l_i = l_i * alpha + w_own
+            acc = acc * alpha + w_own * vn
+            m_i = tl.where(own, top, m_i)
         at = (b * heads + h) * splits + s
         tl.store(m_ptr + at, m_i)
         tl.store(l_ptr + at, l_i)

@@ -30,10 +30,11 @@ projection's float32 partial sums ``[S, M, N]`` (bias included).
 
 from __future__ import annotations
 
+import attrs
 import torch
 import torch.nn.functional as F
 
-from bubblefree.cuda_backend import skinny_gemm
+from bubblefree.cuda_backend import paged_decode, skinny_gemm
 from bubblefree.cuda_backend.add_norm import add_norm, torch_add
 from bubblefree.cuda_backend.kernel_config import step_tile
 from bubblefree.cuda_backend.rope_attention import rope_attend
@@ -49,10 +50,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
     (K whole where the output is not partial sums). Without Triton on x's
     device (or whole steps of K): torch's, the same results, plainly
     launched (still ordered)."""
-    rows, k, n = x.shape[0], w.shape[1], w.shape[0]
-    tile = dims.pdl_tiles.tile_for(rows, k, n)
-    if tile is None or not tile.fits(k) or (glu and tile.split > 1):
-        tile = step_tile(k, n // 2 if glu else n, rows, partial, dims.sms)
+    tile = _tile(x.shape[0], w, dims, partial, glu)
     if tile is None or not skinny_gemm.available(x):
         out = F.linear(x, w, bias)
         if glu:
@@ -64,6 +62,15 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
     if glu:
         return skinny_gemm.launch(x, w, bias, tile, glu=True, pdl=True)
     return skinny_gemm.run(x, w, bias, tile, pdl=True)
+
+
+def _tile(rows: int, w: torch.Tensor, dims, partial: bool, glu: bool):
+    """The GEMM tile for ``w`` at ``rows`` (``gemm``'s choice), or None."""
+    k, n = w.shape[1], w.shape[0]
+    tile = dims.pdl_tiles.tile_for(rows, k, n)
+    if tile is None or not tile.fits(k) or (glu and tile.split > 1):
+        tile = step_tile(k, n // 2 if glu else n, rows, partial, dims.sms)
+    return tile
 
 
 def attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, mlp=None,
@@ -86,17 +93,63 @@ def attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, mlp=None,
     return out if mlp is not None else out.reshape(b, -1)
 
 
-def project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window) -> torch.Tensor:
+def states_tile(h: torch.Tensor, w_o: torch.Tensor, ctx, dims):
+    """The output projection's tile where it combines the split attention
+    kernel's states (``KernelConfig.o_combines``), else None: a bucket of
+    at most ``dims.state_rows`` rows that the dispatch gives the split
+    kernel, on Triton's device. The projection's tile, with each slice of K
+    read whole before the wait (``skinny_gemm``'s STATES): its steps of K
+    whole heads, cut into the most slices that divide them, no more than
+    the tile's and at least half as many (fewer would leave the GPU
+    idle: the combining pass then stays the split kernel's)."""
+    b, hd = h.shape[0], dims.head_dim
+    if b > dims.state_rows or not paged_decode.available(h) or hd & (hd - 1):
+        return None
+    length = ctx.page_table.shape[1] * ctx.cache.page_size
+    if ctx.dispatch.choose(b, dims.heads, length) is not None:
+        return None
+    tile, k = _tile(b, w_o, dims, True, False), w_o.shape[1]
+    if tile is None or k % tile.block_k or tile.block_k % hd:
+        return None
+    steps = k // tile.block_k
+    split = max(d for d in range(1, min(tile.split, steps) + 1) if steps % d == 0)
+    return attrs.evolve(tile, split=split, ahead=steps // split) if 2 * split >= tile.split \
+        else None
+
+
+def _states(q, k, v, cos, sin, kv, ctx, dims, window, dtype) -> paged_decode.States:
+    """``attend``'s attention left as the split kernel's states, for the
+    output projection to combine (``paged_decode.split_states``)."""
+    lead, b = q.shape[:-2], q.shape[-2]
+    q = q.view(*lead, b, dims.heads, dims.head_dim)
+    k = k.view(*lead, b, dims.kv_heads, dims.head_dim)
+    v = v.view(*lead, b, dims.kv_heads, dims.head_dim)
+    slices, stride = (q.shape[0], q.stride(0)) if q.dim() == 4 else (1, 0)
+    if q.dim() == 4:
+        q, k, v = q[0], k[0], v[0]
+    new = paged_decode.NewToken(k, v, cos, sin, ctx.slot_mapping, slices, stride, dtype)
+    window = int(window) if window is not None else paged_decode.NO_WINDOW
+    scale = dims.scaling if dims.scaling is not None else dims.head_dim ** -0.5
+    return paged_decode.split_states(q, kv[0], kv[1], ctx.page_table, ctx.q_pos[:, 0],
+                                     ctx.cache.page_size, float(scale), window, new, pdl=True,
+                                     prefetch=ctx.dispatch.prefetch,
+                                     max_splits=ctx.dispatch.max_splits)
+
+
+def project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window, states: bool = False):
     """Llama's and Qwen2's q, k, v projection of ``h`` and attention over it.
     Where ``dims.pdl_tiles``' tile for the projection cuts K into slices,
     the projection leaves its partial sums (the bias in the first) and the
     attention kernels add them: more programs for a projection too narrow
-    to cover the GPU, and no kernel to add the slices."""
+    to cover the GPU, and no kernel to add the slices. ``states``: the
+    attention as the split kernel's states (``states_tile`` said where)."""
     tile = dims.pdl_tiles.tile_for(h.shape[0], w_qkv.shape[1], w_qkv.shape[0])
-    if tile is not None and tile.split > 1 and tile.fits(w_qkv.shape[1]):
-        q, k, v = gemm(h, w_qkv, b_qkv, dims, partial=True).split(dims.split, dim=-1)
+    sliced = tile is not None and tile.split > 1 and tile.fits(w_qkv.shape[1])
+    q, k, v = gemm(h, w_qkv, b_qkv, dims, partial=sliced).split(dims.split, dim=-1)
+    if states:
+        return _states(q, k, v, cos, sin, kv, ctx, dims, window, h.dtype)
+    if sliced:
         return attend(q, k, v, cos, sin, kv, ctx, None, dims, window, dtype=h.dtype)
-    q, k, v = gemm(h, w_qkv, b_qkv, dims).split(dims.split, dim=-1)
     return attend(q, k, v, cos, sin, kv, ctx, None, dims, window)
 
 
@@ -118,9 +171,13 @@ def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
     norm, gate and up as ``silu(gate) * up``, down."""
     norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
     x, h = add_norm(x, delta, norm1, None, dims.eps, rms=True, pdl=True)
-    a = project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window)
-    x, h = add_norm(x, gemm(a, w_o, b_o, dims, partial=True), norm2, None, dims.eps, rms=True,
-                    pdl=True)
+    o_tile = states_tile(h, w_o, ctx, dims)
+    a = project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window, o_tile is not None)
+    if o_tile is not None:  # the projection combines the attention's states as it reads them
+        sums = skinny_gemm.launch(a, w_o, b_o, o_tile, bias_in_parts=True, pdl=True, partial=True)
+    else:
+        sums = gemm(a, w_o, b_o, dims, partial=True)
+    x, h = add_norm(x, sums, norm2, None, dims.eps, rms=True, pdl=True)
     if dims.glu:
         return x, gemm(gemm(h, w_gu, b_gu, dims, glu=True), w_down, b_down, dims, partial=True)
     gate, up = gemm(h, w_gu, b_gu, dims).split(dims.inter, dim=-1)

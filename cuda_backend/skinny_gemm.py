@@ -18,7 +18,10 @@ The decode step with dependent launches (``KernelConfig.pdl``,
 ``pdl_step``) calls ``launch`` itself: every GEMM through the kernel, the
 output projections' partial sums handed to the next norm instead of a
 reduction kernel, the first weights read before the previous kernel ends,
-and (``glu``) Llama's gate and up projections ending in ``silu(gate) * up``.
+(``glu``) Llama's gate and up projections ending in ``silu(gate) * up``,
+and at one row Llama's and Qwen2's output projection combining the split
+attention kernel's partial states as it reads them (``paged_decode.States``,
+``KernelConfig.o_combines``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from bubblefree.cuda_backend.kernel_config import Tile, TileTable, tile_for
+from bubblefree.cuda_backend.paged_decode import States, tl_dtype
 from bubblefree.cuda_backend.pdl import enter, launch_options, tl, triton
 
 
@@ -41,17 +45,52 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _states_block(acc_ptr, m_ptr, l_ptr, k0, heads, ROWS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, S: tl.constexpr,
+                      BLOCK_S: tl.constexpr, HD: tl.constexpr, DT: tl.constexpr):
+        """Columns ``k0 ..`` (WIDTH of them, whole heads of HD) of x's first
+        ROWS rows, x being attention left as S partial states per (row,
+        head) (``paged_decode.States``): each row's heads combined as the
+        split kernel's combining pass combines them, rounded to DT; the
+        rows past ROWS zero. One load each of a row's maxima, sums and
+        outputs, all rows' asked for at once."""
+        HK: tl.constexpr = WIDTH // HD
+        hh = k0 // HD + tl.arange(0, HK)
+        ss = tl.arange(0, BLOCK_S)
+        dd = tl.arange(0, HD)
+        ok = (ss < S)[None, :]
+        rm = tl.arange(0, BLOCK_M)
+        x = tl.zeros([BLOCK_M, WIDTH], dtype=DT)
+        for r in tl.static_range(ROWS):
+            at = (r * heads + hh)[:, None] * S + ss[None, :]  # [HK, BLOCK_S]
+            m = tl.load(m_ptr + at, mask=ok, other=-float("inf"))
+            l = tl.load(l_ptr + at, mask=ok, other=0.0)
+            acc = tl.load(acc_ptr + at[:, :, None] * HD + dd[None, None, :], mask=ok[:, :, None],
+                          other=0.0)
+            w = tl.exp(m - tl.max(m, 1)[:, None])
+            row = tl.sum(w[:, :, None] * acc, 1) / tl.sum(w * l, 1)[:, None]  # [HK, HD]
+            row = tl.reshape(row.to(DT), [WIDTH])
+            x = tl.where(rm[:, None] == r, row[None, :], x)
+        return x
+
+    @triton.jit
     def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, steps, sx_m, sw_n, so_s, so_m, up_off,
+                m_ptr, l_ptr, heads,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
                 GLU: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                AHEAD: tl.constexpr):
+                AHEAD: tl.constexpr, STATES: tl.constexpr, BLOCK_S: tl.constexpr,
+                HD: tl.constexpr, DT: tl.constexpr, ROWS: tl.constexpr):
         """K is ``steps`` steps of BLOCK_K; slice s of the grid's takes steps
         ``s * steps // slices`` up to the next slice's first. GLU: w is
         ``[gate; up]`` (up from row ``up_off``) and the output column j is
         ``silu(gate_j) * up_j``, each rounded to x's dtype as torch's ops
         round them. PDL: the slice's first AHEAD steps of weights are read
-        before the wait (``Tile.ahead``)."""
+        before the wait (``Tile.ahead``). STATES: x is attention's partial
+        states, combined as they are read (``_states_block``); each slice
+        is then AHEAD steps, read whole before the wait, and no loop runs
+        (a pipelined loop over states would stage them all in shared
+        memory)."""
         n0 = tl.program_id(0) * BLOCK_N
         s = tl.program_id(1)
         slices = tl.num_programs(1)
@@ -67,7 +106,7 @@ if triton is not None:
         k0 = (s * steps // slices) * BLOCK_K
         k1 = ((s + 1) * steps // slices) * BLOCK_K
         start = k0
-        if PDL:  # the first steps' weights are read while the previous kernel ends
+        if PDL or STATES > 0:  # the first steps' weights are read while the previous kernel ends
             # Names of their own: these tiles are AHEAD steps wide, the loop's one,
             # and a name the loop reassigns must keep one shape to compile.
             ra = tl.arange(0, AHEAD * BLOCK_K)
@@ -75,20 +114,25 @@ if triton is not None:
             if GLU:
                 wu0 = tl.load(u_rows + (k0 + ra)[None, :], mask=n_ok[:, None], other=0.0)
             enter(PDL)
-            x0 = tl.load(x_ptr + rm[:, None] * sx_m + (k0 + ra)[None, :], mask=m_ok[:, None],
-                         other=0.0)
+            if STATES > 0:
+                x0 = _states_block(x_ptr, m_ptr, l_ptr, k0, heads, ROWS, BLOCK_M,
+                                   AHEAD * BLOCK_K, STATES, BLOCK_S, HD, DT)
+            else:
+                x0 = tl.load(x_ptr + rm[:, None] * sx_m + (k0 + ra)[None, :],
+                             mask=m_ok[:, None], other=0.0)
             acc = _mma(acc, x0, w0, IEEE)
             if GLU:
                 acc_up = _mma(acc_up, x0, wu0, IEEE)
             start = k0 + AHEAD * BLOCK_K
-        for k in tl.range(start, k1, BLOCK_K, num_stages=STAGES):
-            x = tl.load(x_ptr + rm[:, None] * sx_m + (k + rk)[None, :], mask=m_ok[:, None],
-                        other=0.0)
-            w = tl.load(w_rows + (k + rk)[None, :], mask=n_ok[:, None], other=0.0)
-            acc = _mma(acc, x, w, IEEE)
-            if GLU:
-                wu = tl.load(u_rows + (k + rk)[None, :], mask=n_ok[:, None], other=0.0)
-                acc_up = _mma(acc_up, x, wu, IEEE)
+        if STATES == 0:
+            for k in tl.range(start, k1, BLOCK_K, num_stages=STAGES):
+                x = tl.load(x_ptr + rm[:, None] * sx_m + (k + rk)[None, :], mask=m_ok[:, None],
+                            other=0.0)
+                w = tl.load(w_rows + (k + rk)[None, :], mask=n_ok[:, None], other=0.0)
+                acc = _mma(acc, x, w, IEEE)
+                if GLU:
+                    wu = tl.load(u_rows + (k + rk)[None, :], mask=n_ok[:, None], other=0.0)
+                    acc_up = _mma(acc_up, x, wu, IEEE)
         mask = m_ok[:, None] & n_ok[None, :]
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -125,8 +169,8 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile, *,
-           bias_in_parts: bool = False, glu: bool = False, pdl: bool = False,
+def launch(x: "torch.Tensor | States", w: torch.Tensor, bias: torch.Tensor | None, tile: Tile,
+           *, bias_in_parts: bool = False, glu: bool = False, pdl: bool = False,
            partial: bool | None = None) -> torch.Tensor:
     """``[split, M, N]`` float32 partial sums when ``tile.split`` > 1 (or
     ``partial``), else ``[M, N]`` in x's dtype with the bias. Partial sums
@@ -134,7 +178,24 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Ti
     carry it). ``glu``: w (and the bias) are ``[gate; up]`` and the output,
     ``[M, N / 2]``, is ``silu(gate) * up`` (Llama's and Qwen2's MLP; K
     whole, no partial sums). ``pdl``: launched dependent on the previous
-    kernel (``cuda_backend.pdl``)."""
+    kernel (``cuda_backend.pdl``). x may be attention's partial states
+    (``paged_decode.States``), x being their combination ``[M, H * D]``:
+    the kernel combines them as it reads them; each step of K is then whole
+    heads and each slice ``tile.ahead`` steps (``pdl_step.states_tile``)."""
+    states = x if isinstance(x, States) else None
+    if states is not None:
+        rows, heads, splits, hd = states.acc.shape
+        if tile.block_k % hd or hd & (hd - 1) or heads * hd != w.shape[1] \
+                or heads * hd != tile.split * tile.ahead * tile.block_k:
+            raise ValueError(f"skinny_gemm: states need steps of K ({tile.block_k}) of whole "
+                             f"heads of {hd} (a power of two), each slice {tile.ahead} of them")
+        if not (states.acc.is_contiguous() and states.m.is_contiguous()
+                and states.l.is_contiguous()):
+            raise ValueError("skinny_gemm: states' m, l and acc must be contiguous")
+        x = states.acc.view(rows, heads * splits * hd)[:, :heads * hd]  # its shape, for checks
+        x_dtype = states.dtype
+    else:
+        x_dtype = x.dtype
     m, k = x.shape
     n = w.shape[0] // 2 if glu else w.shape[0]
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -150,14 +211,18 @@ def launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Ti
     if partial:
         out = torch.empty((tile.split, m, n), dtype=torch.float32, device=x.device)
     else:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        out = torch.empty((m, n), dtype=x_dtype, device=x.device)
     _gemm_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
         x, w, bias if bias is not None else w, out, m, n, k // tile.block_k,
         x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2), n,
+        states.m if states else w, states.l if states else w, states.acc.shape[1] if states else 0,
         HAS_BIAS=bias is not None and (not partial or bias_in_parts), PARTIAL=partial,
-        IEEE=x.dtype == torch.float32, GLU=glu, PDL=pdl,
+        IEEE=x_dtype == torch.float32, GLU=glu, PDL=pdl,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, STAGES=tile.stages, AHEAD=tile.ahead if pdl else 1,
+        BLOCK_K=tile.block_k, STAGES=tile.stages, AHEAD=tile.ahead if pdl or states else 1,
+        STATES=states.acc.shape[2] if states else 0,
+        BLOCK_S=triton.next_power_of_2(states.acc.shape[2]) if states else 1,
+        HD=states.acc.shape[3] if states else 1, DT=tl_dtype(x_dtype), ROWS=m if states else 1,
         num_warps=tile.warps, **launch_options(pdl))
     return out
 

@@ -102,13 +102,17 @@ def test_the_model_shape_is_an_argument():
         speed.parse(["--model", "gpt2"])
 
 
-def test_the_dependent_steps_rows_are_a_count(capsys):
-    assert speed.parse([]).pdl_rows is None
-    kernels = speed.decode_options(speed.parse(["--pdl-rows", "4"]), torch.device("cpu"), None)
-    assert kernels["kernels"].pdl_rows == 4
+@pytest.mark.parametrize("flag,field,rows", [("--pdl-rows", "pdl_rows", 4),
+                                             ("--o-combines", "o_combines", 0)])
+def test_the_kernel_configs_row_counts_are_counts(flag, field, rows, capsys):
+    """The dependent step's rows, and where its output projection combines
+    split attention: as given, or as measured when not; never negative."""
+    assert getattr(speed.parse([]), field) is None
+    kernels = speed.decode_options(speed.parse([flag, str(rows)]), torch.device("cpu"), None)
+    assert getattr(kernels["kernels"], field) == rows
     with pytest.raises(SystemExit):
-        speed.parse(["--pdl-rows", "-1"])
-    assert "--pdl-rows is a row count (0: none), not -1" in capsys.readouterr().err
+        speed.parse([flag, "-1"])
+    assert f"{flag} is a row count (0: none), not -1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("shape, gigabytes, layers, tied", [

@@ -327,6 +327,11 @@ def test_the_measured_defaults_name_their_shape():
         # The last programs combine where it was measured faster: Llama-3.2-1B
         # and Phi-1.5 at 1 and 2 rows, not Qwen2-0.5B (even there).
         assert h200.last_combines == (0 if name == "qwen05b" else 2), name
+        # The output projection combines the split kernel's states where it was
+        # measured faster: Llama-3.2-1B and Qwen2-0.5B (Phi's output GEMM also
+        # reads the MLP's half, so it never does).
+        assert h200.o_combines == (0 if name == "phi" else 1), name
+        assert KernelConfig.measured("cpu", config).o_combines == 0
         assert KernelConfig.measured("cpu", config).last_combines == 0
         assert KernelConfig.measured("cpu", config).pdl_rows == 0
         assert KernelConfig.for_gpu("NVIDIA H100 80GB HBM3", config).pdl_rows == 0

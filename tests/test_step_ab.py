@@ -69,3 +69,18 @@ def test_bad_arguments_are_named_before_anything_is_built(argv, says, capsys):
     with pytest.raises(SystemExit):
         main(argv)
     assert says in capsys.readouterr().err
+
+
+def test_a_variant_sets_a_row_count_and_nothing_else():
+    default = h200()
+    assert variant(default, "o_combines=0").o_combines == 0 != default.o_combines
+    assert variant(default, "last_combines=8").last_combines == 8
+    assert variant(default, "pdl_rows=0").pdl_rows == 0
+    got = variant(default, "o_combines=2")
+    assert got.o_combines == 2 and got.pdl_tiles == default.pdl_tiles
+    mixed = variant(default, "o_combines=0+2048,2048=128n256k8s4w3p")
+    assert mixed.o_combines == 0 and mixed.pdl_tiles.tile_for(1, 2048, 2048) == Tile(128, 256, 8, 4, 3)
+    assert mixed.pdl_tiles.tile_for(1, 2048, 3072) == default.pdl_tiles.tile_for(1, 2048, 3072)
+    for bad in ("o_combines=x", "o_combines=-1", "o_combines="):
+        with pytest.raises(ValueError, match=re.escape(f"variant {bad!r}: o_combines is a row count")):
+            variant(default, bad)

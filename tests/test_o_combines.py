@@ -1,0 +1,170 @@
+"""The output projection combining the split attention kernel's states
+(``KernelConfig.o_combines``: ``paged_decode.split_states`` and
+``skinny_gemm``'s STATES): on the CPU the config and the states' meaning,
+on the GPU the kernels against the combining pass and whole steps against
+the step without it. The GPU cases are skipped, with the reason, where
+there is no CUDA."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bubblefree.cuda_backend import paged_decode, pdl
+from bubblefree.cuda_backend.drive import generate
+from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile
+from bubblefree.cuda_backend.tiny import tiny_model
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Triton kernels")
+PDL = pytest.mark.skipif(not pdl.supported("cuda"),
+                         reason="needs a GPU of compute capability 9 or later and Triton")
+LAUNCHES = [False, pytest.param(True, marks=PDL)]
+
+
+def test_o_combines_is_a_count_and_says_itself():
+    said = str(KernelConfig(pdl_rows=8, o_combines=4, last_combines=2))
+    assert "output projection combining split attention up to 4 rows" in said
+    assert "last programs" not in said  # the projection combines there: no last programs do
+    assert "last programs combining up to 8 rows" in str(
+        KernelConfig(pdl_rows=8, o_combines=4, last_combines=8))
+    assert "output projection" not in str(KernelConfig(o_combines=8))  # no dependent step
+    for bad in (True, -1, 2.0, "2", None):
+        with pytest.raises(ValueError, match="o_combines is a row count"):
+            KernelConfig(pdl_rows=8, o_combines=bad)
+
+
+def test_phi_keeps_its_combining_pass():
+    """Phi's output GEMM reads the MLP's half beside the attention: the
+    projection never combines there, whatever the config asks."""
+    from tests.test_cuda_fused import backend
+    asked = KernelConfig(pdl_rows=8, o_combines=8)
+    assert backend(tiny_model("phi", seed=1), kernels=asked)._runner.decoder.dims.state_rows == 0
+
+
+def _states_of(q, keys, values, cuts):
+    """Attention of one query over ``keys`` as partial states over the key
+    ranges ``cuts`` (the split kernel's, in torch): m, l, acc."""
+    m, l, acc = [], [], []
+    for lo, hi in cuts:
+        s = keys[lo:hi] @ q
+        if hi == lo:
+            m.append(torch.tensor(float("-inf"))), l.append(torch.tensor(0.0))
+            acc.append(torch.zeros(values.shape[1]))
+            continue
+        top = s.max()
+        p = torch.exp(s - top)
+        m.append(top), l.append(p.sum()), acc.append(p @ values[lo:hi])
+    return torch.stack(m), torch.stack(l), torch.stack(acc)
+
+
+@pytest.mark.parametrize("cuts", [[(0, 7), (7, 20), (20, 20), (20, 33)], [(0, 33)],
+                                  [(0, 1), (1, 2), (2, 33)]])
+def test_states_combine_to_the_attention_they_split(cuts):
+    """``States.combined``: the softmax over every key, whichever way the
+    keys were cut, an empty cut weighing nothing."""
+    torch.manual_seed(len(cuts))
+    q, keys, values = torch.randn(16), torch.randn(33, 16), torch.randn(33, 16)
+    m, l, acc = _states_of(q, keys, values, cuts)
+    states = paged_decode.States(m[None, None], l[None, None], acc[None, None], torch.float32)
+    want = torch.softmax(keys @ q, 0) @ values
+    torch.testing.assert_close(states.combined()[0, 0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_projection_takes_states_only_in_steps_of_whole_heads():
+    from bubblefree.cuda_backend import skinny_gemm
+    states = paged_decode.States(torch.zeros(1, 4, 2), torch.ones(1, 4, 2),
+                                 torch.zeros(1, 4, 2, 64), torch.bfloat16)
+    w = torch.zeros(32, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="whole heads of 64"):
+        skinny_gemm.launch(states, w, None, Tile(32, 96, 1, 4, 3))
+
+
+# -- on the GPU -----------------------------------------------------------------------
+
+
+def _case(slices: int, positions: list[int], seed: int):
+    """Rows of q, k, v as ``slices`` float32 slices of a projection's sums
+    (one slice: the projection's bf16 output), over a bf16 paged cache."""
+    from bubblefree.cuda_backend.kv_cache import PagedKVCache
+    torch.manual_seed(seed)
+    rows, heads, kv_heads, dim, ps, pages = len(positions), 8, 2, 64, 16, 12
+    cache = PagedKVCache(layers=1, kv_heads=kv_heads, head_dim=dim, num_pages=rows * pages,
+                         page_size=ps, dtype=torch.bfloat16, device=torch.device("cuda"))
+    cache.data.normal_()
+    table = torch.randperm(rows * pages, device="cuda").view(rows, pages)
+    pos = torch.tensor(positions, device="cuda")
+    slot = table.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
+    cuts = (heads * dim, kv_heads * dim, kv_heads * dim)
+    parts = torch.randn(slices, rows, sum(cuts), device="cuda")
+    if slices == 1:
+        parts = parts.to(torch.bfloat16)
+    q, k, v = (t.view(slices, rows, -1, dim) for t in parts.split(cuts, dim=-1))
+    theta = torch.rand(rows, dim // 2, device="cuda") * 6
+    cos, sin = (f(torch.cat((theta, theta), 1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    new = paged_decode.NewToken(k[0], v[0], cos, sin, slot, slices, parts.stride(0),
+                                torch.bfloat16)
+    return cache, q[0], table, pos, new
+
+
+@CUDA
+@pytest.mark.parametrize("slices", [1, 3])
+@pytest.mark.parametrize("positions,window", [([0, 37, 191], None), ([100, 5, 150], 40),
+                                              ([191, 191, 64], 16)])
+@pytest.mark.parametrize("launch_pdl", LAUNCHES)
+def test_the_projection_over_states_is_the_projection_over_the_combined_attention(
+        slices, positions, window, launch_pdl):
+    """The split kernel without a combining pass writes the cache bit for
+    bit as with one, its states combine to the combining pass's output (to
+    bf16's rounding: sums in another order), and the output projection
+    over them (partial sums, steps read ahead under dependent launches)
+    gives the projection of that output. (In a whole step that rounding
+    reaches later layers' keys, so there the tokens are compared.)"""
+    from bubblefree.cuda_backend import skinny_gemm
+    cache, q, table, pos, new = _case(slices, positions, seed=slices + len(positions))
+    before = cache.data.clone()
+    keys, values = cache.layer_kv(0)[0], cache.layer_kv(0)[1]
+    win = window if window is not None else paged_decode.NO_WINDOW
+    args = (q, keys, values, table, pos, 16, 0.125, win)
+    want = paged_decode.split_attention(*args, new=new, pdl=launch_pdl, prefetch=launch_pdl)
+    written = cache.data.clone()
+    cache.data.copy_(before)
+    states = paged_decode.split_states(*args, new=new, pdl=launch_pdl, prefetch=launch_pdl)
+    assert torch.equal(cache.data, written) and not torch.equal(written, before)
+    assert states.acc.shape[:2] == (len(positions), 8) and states.acc.shape[2] > 1
+    torch.testing.assert_close(states.combined(), want, rtol=1e-2, atol=1e-2)
+    w = torch.randn(96, 8 * 64, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5
+    bias = torch.randn(96, device="cuda", dtype=torch.bfloat16)
+    for tile in ("32n64k8s4w3p", "32n128k2s4w3p2a", "64n256k1s4w3p2a"):
+        t = Tile.parse(tile)
+        got = skinny_gemm.launch(states, w, bias, t, bias_in_parts=True, partial=True,
+                                 pdl=launch_pdl).sum(0)
+        ref = skinny_gemm.launch(states.combined().view(len(positions), -1), w, bias, t,
+                                 bias_in_parts=True, partial=True, pdl=launch_pdl).sum(0)
+        # The kernel combines as States.combined does (sums in another order: a
+        # bf16 rounding may differ), and the projection is the combining pass's.
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2, msg=tile)
+        torch.testing.assert_close(got, F.linear(want.view(len(positions), -1).float(), w.float(),
+                                                 bias.float()), rtol=2e-2, atol=2e-2, msg=tile)
+
+
+@PDL
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_step_whose_projection_combines_decodes_the_same_tokens(arch, monkeypatch):
+    """Captured in CUDA graphs, the dependent step with the projection
+    combining the states decodes the usual step's greedy tokens, and the
+    states path did run (a 40-token prompt: buckets the split kernel takes)."""
+    from tests.test_pdl_step import _small
+    calls = []
+    real = paged_decode.split_states
+    monkeypatch.setattr(paged_decode, "split_states",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = tiny_model(arch, device="cuda", seed=4)
+    prompts = [[5, 9, 17, 33, 4], [7, 8], [11] * 30, [3] * 40]
+    want = generate(_small(model, kernels=KernelConfig.measured("cuda")), prompts, 10)
+    be = _small(model, kernels=attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8,
+                                            o_combines=8))
+    assert be._decode_graphs.enabled and be._runner.decoder.dims.state_rows == 8
+    assert generate(be, prompts, 10) == want
+    assert calls
