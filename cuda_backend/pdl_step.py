@@ -108,8 +108,13 @@ def states_tile(h: torch.Tensor, w_o: torch.Tensor, ctx, dims):
     length = ctx.page_table.shape[1] * ctx.cache.page_size
     if ctx.dispatch.choose(b, dims.heads, length) is not None:
         return None
-    tile, k = _tile(b, w_o, dims, True, False), w_o.shape[1]
-    if tile is None or k % tile.block_k or tile.block_k % hd:
+    return whole_slices(_tile(b, w_o, dims, True, False), w_o.shape[1], hd)
+
+
+def whole_slices(tile, k: int, head_dim: int):
+    """``tile`` for a K of ``k`` read as slices of whole steps of whole
+    heads, each slice read at once (``states_tile``), or None."""
+    if tile is None or k % tile.block_k or tile.block_k % head_dim:
         return None
     steps = k // tile.block_k
     split = max(d for d in range(1, min(tile.split, steps) + 1) if steps % d == 0)

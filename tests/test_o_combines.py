@@ -168,3 +168,38 @@ def test_the_step_whose_projection_combines_decodes_the_same_tokens(arch, monkey
     assert be._decode_graphs.enabled and be._runner.decoder.dims.state_rows == 8
     assert generate(be, prompts, 10) == want
     assert calls
+
+
+def test_the_measured_one_row_tiles_are_read_in_whole_slices_as_measured():
+    """Where ``o_combines`` is on by default (the H200's Llama-3.2-1B and
+    Qwen2-0.5B shapes, one row), the output projection's tile in the table
+    is the one that runs: its slices are already whole steps of whole heads.
+    Past the rows where it is on, Qwen2's tile (7 steps in 4 slices) could
+    not be read so and would keep the split kernel's combining."""
+    from bubblefree.bench.speed_setup import SHAPES
+    from bubblefree.cuda_backend.pdl_step import whole_slices
+    for name in ("llama1b", "qwen05b"):
+        config = SHAPES[name]["config"]()
+        kernels = KernelConfig.for_gpu("NVIDIA H200", config)
+        d, hd = config.hidden_size, config.hidden_size // config.num_attention_heads
+        assert kernels.o_combines == 1, name
+        one = kernels.pdl_tiles.tile_for(1, d, d)
+        assert whole_slices(one, d, hd) == attrs.evolve(one, ahead=d // one.block_k // one.split)
+        assert whole_slices(one, d, hd).ahead == 1, name  # one step a slice: as measured
+    qwen = KernelConfig.for_gpu("NVIDIA H200", SHAPES["qwen05b"]["config"]())
+    assert whole_slices(qwen.pdl_tiles.tile_for(8, 896, 896), 896, 64) is None
+
+
+@pytest.mark.parametrize("k,head_dim,tile,want", [
+    (896, 64, "32n64k8s4w3p", "32n64k7s4w3p2a"),  # 14 steps: 7 slices of 2
+    (2048, 64, "64n256k8s4w3p", "64n256k8s4w3p"),
+    (2048, 64, "64n256k4s4w3p", "64n256k4s4w3p2a"),
+    (896, 64, "32n128k4s4w3p", None),  # 7 steps: one slice, too few for 4
+    (2048, 128, "64n64k4s4w3p", None),  # steps of 64 are half heads of 128
+    (1000, 64, "64n64k4s4w3p", None),  # K is not whole steps
+])
+def test_a_projection_over_states_reads_each_slice_whole(k, head_dim, tile, want):
+    from bubblefree.cuda_backend.pdl_step import whole_slices
+    got = whole_slices(Tile.parse(tile), k, head_dim)
+    assert got == (Tile.parse(want) if want else None)
+    assert whole_slices(None, k, head_dim) is None
