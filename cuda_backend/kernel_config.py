@@ -431,7 +431,8 @@ class KernelConfig:
         if self.pdl_rows:
             where += f"; dependent launches up to {self.pdl_rows} rows"
             if rows := min(self.o_combines, self.pdl_rows):
-                where += f", the output projection combining split attention up to {rows} rows"
+                where += (", the output projection combining split attention "
+                          + ("at one row" if rows == 1 else f"up to {rows} rows"))
             if (rows := min(self.last_combines, self.pdl_rows)) > self.o_combines:
                 where += f", the split kernel's last programs combining up to {rows} rows"
         if not self.greedy_kernel:

@@ -30,6 +30,7 @@ def test_o_combines_is_a_count_and_says_itself():
     assert "last programs combining up to 8 rows" in str(
         KernelConfig(pdl_rows=8, o_combines=4, last_combines=8))
     assert "output projection" not in str(KernelConfig(o_combines=8))  # no dependent step
+    assert "combining split attention at one row" in str(KernelConfig(pdl_rows=8, o_combines=1))
     for bad in (True, -1, 2.0, "2", None):
         with pytest.raises(ValueError, match="o_combines is a row count"):
             KernelConfig(pdl_rows=8, o_combines=bad)
