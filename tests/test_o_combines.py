@@ -204,3 +204,32 @@ def test_a_projection_over_states_reads_each_slice_whole(k, head_dim, tile, want
     got = whole_slices(Tile.parse(tile), k, head_dim)
     assert got == (Tile.parse(want) if want else None)
     assert whole_slices(None, k, head_dim) is None
+
+
+def test_the_projection_combines_only_where_the_split_kernel_runs_within_its_rows(monkeypatch):
+    """``states_tile``: a tile only for buckets of at most ``state_rows`` rows
+    that the dispatch gives the split kernel, on Triton's device (stood in
+    for here), with a head size the kernels can tile."""
+    from types import SimpleNamespace
+
+    from bubblefree.cuda_backend import pdl_step
+    from bubblefree.cuda_backend.fused_decode import Dims
+    from bubblefree.cuda_backend.kernel_config import Dispatch, TileTable
+    tile = Tile(128, 256, 8, 4, 3)
+    dims = Dims(heads=32, kv_heads=8, head_dim=64, eps=1e-5, scaling=0.125, split=(2048, 512, 512),
+                inter=8192, pdl_rows=8, pdl_tiles=TileTable({(2048, 2048): ((1, tile),)}),
+                state_rows=1)
+    w_o = torch.zeros(2048, 2048)
+
+    def ctx(pages):
+        return SimpleNamespace(page_table=torch.zeros(1, pages, dtype=torch.int32),
+                               cache=SimpleNamespace(page_size=16), dispatch=Dispatch())
+
+    one = torch.zeros(1, 2048)
+    assert pdl_step.states_tile(one, w_o, ctx(8), dims) is None  # no Triton device here
+    monkeypatch.setattr(paged_decode, "available", lambda x: True)
+    assert pdl_step.states_tile(one, w_o, ctx(8), dims) == tile  # 128 keys: split
+    assert pdl_step.states_tile(one, w_o, ctx(2), dims) is None  # 32 keys: one pass
+    assert pdl_step.states_tile(torch.zeros(2, 2048), w_o, ctx(8), dims) is None  # past its rows
+    odd = attrs.evolve(dims, head_dim=96)
+    assert pdl_step.states_tile(one, w_o, ctx(8), odd) is None  # no power of two
