@@ -160,6 +160,13 @@ def one_pass(q, keys, values, page_table, positions, page_size: int, scale: floa
     return out
 
 
+def _split_grid(length: int, max_splits: int) -> tuple[int, int]:
+    """The split kernel's keys per program and programs per (row, head)
+    for a bucket of ``length`` keys (``split_chunk``)."""
+    chunk = split_chunk(length, max_splits)
+    return chunk, -(-length // chunk)
+
+
 def split_attention(q, keys, values, page_table, positions, page_size: int, scale: float,
                     window: int, out: torch.Tensor | None = None,
                     new: NewToken | None = None, act: Activation | None = None,
@@ -174,9 +181,7 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
     (row, head) combines instead of a second kernel (``split_kernel``'s
     LAST_COMBINES)."""
     b, h, d = q.shape
-    length = page_table.shape[1] * page_size
-    chunk = split_chunk(length, max_splits)
-    splits = -(-length // chunk)
+    chunk, splits = _split_grid(page_table.shape[1] * page_size, max_splits)
     m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
@@ -235,9 +240,7 @@ def split_states(q, keys, values, page_table, positions, page_size: int, scale: 
     reads them (``skinny_gemm``'s STATES): one kernel boundary and one
     round of arrivals fewer than ``split_attention``."""
     b, h, d = q.shape
-    length = page_table.shape[1] * page_size
-    chunk = split_chunk(length, max_splits)
-    splits = -(-length // chunk)
+    chunk, splits = _split_grid(page_table.shape[1] * page_size, max_splits)
     ml = torch.empty((2, b, h, splits), dtype=torch.float32, device=q.device)
     acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
     kernels.split_kernel[(b, h, splits)](

@@ -73,16 +73,21 @@ def _tile(rows: int, w: torch.Tensor, dims, partial: bool, glu: bool):
     return tile
 
 
+def _per_head(q, k, v, dims):
+    """Flat q, k, v ``[(S,) B, *]`` as ``[(S,) B, heads, D]``."""
+    lead = q.shape[:-1]
+    return (q.view(*lead, dims.heads, dims.head_dim), k.view(*lead, dims.kv_heads, dims.head_dim),
+            v.view(*lead, dims.kv_heads, dims.head_dim))
+
+
 def attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, mlp=None,
            dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rotary, the KV write and paged attention as one op (and with ``mlp``,
     Phi's activation of it beside): ``[B, H * D (+ I)]``. q, k, v ``[B, *]``,
     or ``[S, B, *]`` slices of sums that the kernels add and round to
     ``dtype`` (``rope_attention.rope_attend``)."""
-    lead, b = q.shape[:-2], q.shape[-2]
-    q = q.view(*lead, b, dims.heads, dims.head_dim)
-    k = k.view(*lead, b, dims.kv_heads, dims.head_dim)
-    v = v.view(*lead, b, dims.kv_heads, dims.head_dim)
+    b = q.shape[-2]
+    q, k, v = _per_head(q, k, v, dims)
     if qk_norm is not None:  # Phi's optional per-head LayerNorms: torch's kernels
         q = F.layer_norm(q, (dims.head_dim,), qk_norm[0], qk_norm[1], dims.eps)
         k = F.layer_norm(k, (dims.head_dim,), qk_norm[2], qk_norm[3], dims.eps)
@@ -125,10 +130,7 @@ def whole_slices(tile, k: int, head_dim: int):
 def _states(q, k, v, cos, sin, kv, ctx, dims, window, dtype) -> paged_decode.States:
     """``attend``'s attention left as the split kernel's states, for the
     output projection to combine (``paged_decode.split_states``)."""
-    lead, b = q.shape[:-2], q.shape[-2]
-    q = q.view(*lead, b, dims.heads, dims.head_dim)
-    k = k.view(*lead, b, dims.kv_heads, dims.head_dim)
-    v = v.view(*lead, b, dims.kv_heads, dims.head_dim)
+    q, k, v = _per_head(q, k, v, dims)
     slices, stride = (q.shape[0], q.stride(0)) if q.dim() == 4 else (1, 0)
     if q.dim() == 4:
         q, k, v = q[0], k[0], v[0]
