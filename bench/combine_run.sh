@@ -15,12 +15,9 @@
 set -u
 out="${OUT:-/tmp/bubblefree-combine}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-quiet() { grep -v -i -e warn -e USDT; }
+. bench/gpu_env.sh
 {
-  date -u +"%Y-%m-%d %H:%M UTC"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__)"
+  machine
   echo "== GPU tests"
   timeout -k 10 "${TEST_SECONDS:-100}" python3 -m pytest -p no:cacheprovider -p no:warnings -rs \
     --tb=short tests/test_o_combines.py 2>&1
@@ -46,13 +43,5 @@ for m in ${MODELS:-llama1b qwen05b}; do
   timeout -k 10 "${AB_SECONDS:-110}" python3 -m bubblefree.bench.step_ab --model "$m" \
     --rows "${AB_ROWS:-1,2}" $variants --increments base 2>&1
 done 2>&1 | quiet | tee "$out/steps.txt"
-for m in ${MODELS:-llama1b qwen05b}; do
-  for rows in default 0; do
-    flag=""; [ "$rows" = 0 ] && flag="--o-combines 0"
-    echo "== bench.speed --model $m $flag"
-    env -u OUT timeout -k 10 "${SPEED_SECONDS:-75}" python3 -m bubblefree.bench.speed --model "$m" \
-      --streams "${STREAMS:-1}" --workloads "${WORKLOADS:-text,point,detect}" --repeats 3 \
-      --peer-streams "" --out "" --plot "" $flag 2>&1
-  done
-done 2>&1 | quiet | tee "$out/speed.txt"
+speed_ab --o-combines 0 ${MODELS:-llama1b qwen05b} 2>&1 | quiet | tee "$out/speed.txt"
 exit 0

@@ -17,11 +17,9 @@
 set -u
 out="${OUT:-/tmp/bubblefree-pdl}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+. bench/gpu_env.sh
 {
-  date -u +"%Y-%m-%d %H:%M UTC"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__)"
+  machine
 } 2>&1 | tee "$out/env.txt"
 echo "== GPU tests of the dependent-launch step"
 timeout -k 10 "${TEST_SECONDS:-150}" python3 -m pytest -p no:cacheprovider -p no:warnings -rs tests/test_pdl_step.py 2>&1 \

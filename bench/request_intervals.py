@@ -5,9 +5,12 @@ pipelined) at one and two streams on its backend with the timing hook:
 each compute-stream interval in order (the prefill's forward or a decode
 step's, then its sampling) and the gaps between them. What a step costs
 beyond its captured forward (``bench.step_increments`` times the forward
-itself): the sampling, the gaps, and the prefill's share.
+itself): the sampling, the gaps, and the prefill's share. Where a step
+samples ahead (``KernelConfig.sample_ahead``), its tokens are sampled
+inside the forward's interval and its finalize's interval holds only the
+copy's event.
 
-    python -m bubblefree.bench.request_intervals [--model phi|llama1b|qwen05b]
+    python -m bubblefree.bench.request_intervals [--model phi|llama1b|qwen05b] [--sample-ahead ROWS]
 """
 
 from __future__ import annotations
@@ -45,10 +48,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m bubblefree.bench.request_intervals",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=list(SHAPES), default="llama1b")
+    ap.add_argument("--sample-ahead", default=None, metavar="ROWS",
+                    help="as bench.speed's (KernelConfig.sample_ahead; default: the config's)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("the intervals are CUDA events: this needs a GPU")
-    options = speed.parse(["--model", args.model, "--streams", "1"])
+    ahead = [] if args.sample_ahead is None else ["--sample-ahead", args.sample_ahead]
+    options = speed.parse(["--model", args.model, "--streams", "1", *ahead])
     model, label = build_model(False, shape=args.model)
     device = next(model.parameters()).device
     backend = TimedBackend(model, page_size=16, num_pages=2 * 8 * math.ceil(speed.CONTEXT / 16) + 16,

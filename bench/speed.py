@@ -87,6 +87,9 @@ def parse(argv):
                     help="in the dependent-launch step's buckets of at most ROWS rows, the "
                          "output projection combines split attention (KernelConfig.o_combines; "
                          "0: none; default: as measured)")
+    ap.add_argument("--sample-ahead", type=int, default=None, metavar="ROWS",
+                    help="decode buckets of at most ROWS rows sample greedily in the forward's "
+                         "graph (KernelConfig.sample_ahead; 0: none; default: the config's)")
     ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
                     help="the decode step's GEMMs: ours where measured faster (default), "
                          "or cuBLAS everywhere")
@@ -100,7 +103,7 @@ def parse(argv):
     unknown = set(args.workloads) - set(WORKLOADS)
     if unknown:
         ap.error(f"unknown workloads {sorted(unknown)}; choose from {','.join(WORKLOADS)}")
-    for name in ("pdl_rows", "o_combines"):
+    for name in ("pdl_rows", "o_combines", "sample_ahead"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} is a row count (0: none), not "
                      f"{getattr(args, name)}")
@@ -227,6 +230,8 @@ def decode_options(args, device, config) -> dict:
         kernels = attrs.evolve(kernels, pdl_rows=args.pdl_rows)
     if args.o_combines is not None:
         kernels = attrs.evolve(kernels, o_combines=args.o_combines)
+    if args.sample_ahead is not None:
+        kernels = attrs.evolve(kernels, sample_ahead=args.sample_ahead)
     kernels = attrs.evolve(kernels, dispatch=kernels.dispatch.forced(args.split_below,
                                                                      args.attention))
     if args.gemm == "cublas":

@@ -14,10 +14,24 @@ Per step, in one of two DecodeSlots:
 
 Forwards and samplings of both slots are enqueued on one compute stream, in
 call order (I1), so a later step's forward reads the token an earlier step
-sampled straight from device memory. A steady-state decode step's launch
-and finalize make no host synchronization and no device allocation (I10):
-every buffer is preallocated, copies come from pinned memory, and the work
-is graph replays. Without CUDA the same code runs eagerly on the CPU.
+sampled straight from device memory.
+
+Sampling ahead (``KernelConfig.sample_ahead``): a decode step of few rows
+samples greedily, unmasked, at the end of its forward's graph, into the
+slot's ``sampled`` and ``last_token``. A finalize whose rows are all greedy
+with no mask and no value keeps those tokens: no sampling inputs, no
+sampling graph, no copy of the logits into the slot (launch defers it:
+``_defer``). Any other finalize copies them and samples as before,
+overwriting what was sampled ahead. One order would let a step see a
+token sampled ahead that its finalize may replace: a launch whose rows
+share a row slot with a step still launched. That launch first undoes
+the other step's writes (the kernel kept what was there), and both steps
+then sample at finalize, as without sampling ahead.
+
+A steady-state decode step's launch and finalize make no host
+synchronization and no device allocation (I10): every buffer is
+preallocated, copies come from pinned memory, and the work is graph
+replays. Without CUDA the same code runs eagerly on the CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ import torch
 from bubblefree.core.protocol import Capacity, check_plan, check_sample, slot_index
 from bubblefree.core.values import SamplePlan, StepFailed, StepKind, StepOutput, StepPlan
 from bubblefree.cuda_backend.errors import PlanRejected
-from bubblefree.cuda_backend.greedy_sample import make_sampler, torch_greedy
+from bubblefree.cuda_backend.greedy_sample import make_sampler, torch_ahead, torch_greedy
 from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
 from bubblefree.cuda_backend.kernel_config import KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
@@ -103,8 +117,13 @@ class CudaBackend:
         self._salt = vocab_hash(self._vocab, self.device)  # [V]
         self._greedy = make_sampler(max_rows, self._vocab, self.device) \
             if self.kernels.greedy_kernel else None
+        # Both slots' sampled tokens, and what sampling ahead overwrote
+        # (tokens, then flags): a forward's graph finds its slot's row by index.
+        self._sampled = torch.zeros(2, max_rows, dtype=torch.long, device=self.device)
+        self._undo = torch.zeros(2, 2 * max_rows, dtype=torch.long, device=self.device)
         self._slots = [make_slot(i, staging_size=staging_size(self._cap), max_rows=max_rows,
-                                 vocab_size=self._vocab, device=self.device) for i in (0, 1)]
+                                 vocab_size=self._vocab, device=self.device,
+                                 sampled=self._sampled[i]) for i in (0, 1)]
         self._compute = torch.cuda.Stream(self.device) if cuda else None  # I1: the one stream
         self._copy = torch.cuda.Stream(self.device) if cuda else None
         self._rows = batch_buckets(max_rows)
@@ -172,10 +191,17 @@ class CudaBackend:
         self._check_launch(plan)
         try:
             with self._on(self._compute):
+                shared = self._before_forward(s, plan)
                 logits, b = self._forward(s, plan)
-                s.logits[:logits.shape[0]].copy_(logits)
+                self._defer(s, s.logits[:logits.shape[0]], logits)
+                s.ahead = plan.kind is StepKind.DECODE and b <= self.kernels.sample_ahead \
+                    and not shared
+                if not s.ahead:
+                    self._flush(s)
         except Exception as ex:  # noqa: BLE001 - any forward failure fails the step's rows
             self._quiesce()
+            s.ahead = False
+            s.pending.clear()
             self._forward_failed(s)
             raise StepFailed(f"step {plan.step_id}: forward failed: {ex!r}") from ex
         s.advance("launch")
@@ -186,13 +212,20 @@ class CudaBackend:
         s.check("finalize")
         plan, b = s.plan, s.bucket
         self._check_sample(sample, plan)
-        greedy = pack_sampling(s.sample_np, plan.rows, sample.mask_ids, b,
-                                self._runner.scratch_row)
+        kept = s.ahead and not sample.values and all(m is None for m in sample.mask_ids) \
+            and not any(r.sampling.temperature for r in plan.rows)
+        greedy = kept or pack_sampling(s.sample_np, plan.rows, sample.mask_ids, b,
+                                       self._runner.scratch_row)
         n = len(plan.rows)
         try:
             with self._on(self._compute):
-                s.sample_inputs[:7 * b].copy_(s.sample_staging[:7 * b], non_blocking=True)
-                self._sample_graphs.run((slot, b, greedy), lambda: self._sample(s, b, greedy))
+                if kept:  # the tokens sampled ahead stand: nothing reads the forward's outputs
+                    s.pending.clear()
+                else:
+                    self._flush(s)
+                    s.sample_inputs[:7 * b].copy_(s.sample_staging[:7 * b], non_blocking=True)
+                    self._sample_graphs.run((slot, b, greedy), lambda: self._sample(s, b, greedy))
+                s.ahead = False
                 self._after_sampling(s, sample, b, greedy)
                 if self._copy is not None:
                     s.sampled_event.record(self._compute)
@@ -227,7 +260,8 @@ class CudaBackend:
         if failed:  # the failed work may still hold the slot's buffers
             self._quiesce()
         s.advance("release")
-        s.plan = None
+        s.plan, s.ahead = None, False
+        s.pending.clear()
         self._released(s, failed)
 
     # -- what a step runs (a subclass with more step kinds or outputs overrides) --
@@ -242,15 +276,63 @@ class CudaBackend:
         if plan.kind is StepKind.DECODE:
             b = bucket(n, self._rows)
             p = bucket(self._runner.pages_needed(plan), self._pages)
-            k = self._runner.pack_decode(plan, s.staging_np, b, p)
+            k = self._runner.pack_decode(plan, s.staging_np, b, p, slot=s.index)
             self._runner.decode_meta[:k].copy_(s.staging[:k], non_blocking=True)
-            return self._decode_graphs.run(
-                (b, p), lambda: self._runner.decode_forward(b, p)), b  # [b, V]
+            return self._decode_graphs.run((b, p), lambda: self._decode_step(b, p)), b  # [b, V]
         if (tp := self._runner.token_prefill) is not None and tp.fits(plan):
             return tp.launch(plan, s.staging_np, s.staging, self._prefill_graphs)
         k, shape = self._runner.pack_prefill(plan, s.staging_np)
         meta = s.staging[:k].to(self.device, non_blocking=True)
         return self._runner.prefill_forward(meta, shape), bucket(n, self._rows)  # [n, V]
+
+    def _decode_step(self, b: int, p: int) -> torch.Tensor:
+        """What the decode graphs record for bucket (b, p): the forward, and
+        at up to ``sample_ahead`` rows its greedy tokens into the slot the
+        metadata names. Returns the logits ``[b, V]``."""
+        r = self._runner
+        logits = r.decode_forward(b, p)
+        if b <= self.kernels.sample_ahead:
+            ahead = self._greedy.ahead if self._greedy is not None else torch_ahead
+            ahead(logits, r.meta_views(r.decode_meta, b, p)[0], r.meta_slot(r.decode_meta),
+                  self._sampled, self._undo, r.last_token, self._sample_clears())
+        return logits
+
+    def _defer(self, s: DecodeSlot, into: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the forward's output ``src`` into the slot's ``into`` when
+        something reads it: at a finalize that samples, or before the next
+        launch (whose forward may overwrite ``src``, a graph's output). Both
+        come after the forward in stream order (I1)."""
+        s.pending.append((into, src))
+
+    def _flush(self, s: DecodeSlot) -> None:
+        for into, src in s.pending:
+            into.copy_(src)
+        s.pending.clear()
+
+    def _before_forward(self, s: DecodeSlot, plan: StepPlan) -> bool:
+        """On the compute stream, before ``plan``'s forward in slot ``s``:
+        the other slot's deferred copies; and where that slot's step is
+        launched, sampled ahead and shares a row slot with ``plan``, what
+        its sampling ahead wrote there undone, so this forward reads the
+        tokens sampled before it (the contract's). Returns whether rows
+        were shared: then both steps sample at finalize."""
+        shared = False
+        for o in self._slots:
+            if o is s:
+                continue
+            self._flush(o)
+            if not (o.ahead and o.state is SlotState.LAUNCHED):
+                continue
+            mine = {r.row_slot for r in plan.rows}
+            if not any(r.row_slot in mine for r in o.plan.rows):
+                continue
+            n, m = len(o.plan.rows), self._cap.max_rows
+            rows = torch.tensor([r.row_slot for r in o.plan.rows], device=self.device)
+            self._runner.last_token.index_copy_(0, rows, self._undo[o.index, :n])
+            if (flags := self._sample_clears()) is not None:
+                flags.index_copy_(0, rows, self._undo[o.index, m:m + n].bool())
+            o.ahead, shared = False, True
+        return shared
 
     def _forward_failed(self, s: DecodeSlot) -> None:
         """A launch raised: undo what ``_forward`` recorded on the host."""
@@ -334,7 +416,8 @@ class CudaBackend:
                         row_slots.fill_(r.scratch_row)
                         positions.zero_()
                         table.fill_(self.cache.scratch_page)
-                    yield (b, p), prepare, (lambda b=b, p=p: r.decode_forward(b, p))
+                        r.meta_slot(meta).zero_()
+                    yield (b, p), prepare, (lambda b=b, p=p: self._decode_step(b, p))
         with self._on(self._compute):
             self._decode_graphs.capture_all(items())
         self._sync()

@@ -16,6 +16,13 @@ logit is forbidden (or -inf) takes token 0, as there. Logits are finite or
 -inf (a NaN logit is a broken model; ``torch.argmax`` would pick it, this
 kernel need not). ``torch_greedy`` is the same in torch: the reference,
 and what runs where Triton does not.
+
+The same kernel samples *ahead* (``GreedySampler.ahead``, ``torch_ahead``):
+at the end of a decode forward's graph, unmasked, from the forward's own
+logits, into the row of ``sampled`` of the slot the device's metadata
+names (one graph serves both slots). What ``last_token`` and the flags
+held at the rows' slots before is kept, so the backend can undo it in
+the one order where a later step must not see it (``CudaBackend``).
 """
 
 from __future__ import annotations
@@ -30,17 +37,19 @@ BLOCK = 4096  # logits a program reads: 16 KB of float32 and 4 KB of mask
 if triton is not None:
 
     @triton.jit
-    def _greedy_kernel(logits_ptr, table_ptr, inputs_ptr, out_ptr, last_ptr, flag_ptr,
-                       best_ptr, at_ptr, cnt_ptr, b, V, sl_m, st_m, chunks,
-                       BLOCK: tl.constexpr, CHUNKS: tl.constexpr, FLAG: tl.constexpr):
+    def _greedy_kernel(logits_ptr, table_ptr, slots_ptr, masks_ptr, out_ptr, at_slot_ptr, undo_ptr,
+                       last_ptr, flag_ptr, best_ptr, at_ptr, cnt_ptr, V, sl_m, st_m, out_m, chunks,
+                       BLOCK: tl.constexpr, CHUNKS: tl.constexpr, FLAG: tl.constexpr,
+                       MASKED: tl.constexpr, AHEAD: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1)
-        mask_id = tl.load(inputs_ptr + b + row)  # pack_sampling's layout: row slots, then mask ids
         cols = c * BLOCK + tl.arange(0, BLOCK)
         ok = cols < V
-        x = tl.load(logits_ptr + row * sl_m + cols, mask=ok, other=-float("inf"))
-        allowed = tl.load(table_ptr + mask_id * st_m + cols, mask=ok, other=0)
-        x = tl.where(allowed != 0, x, -float("inf"))
+        x = tl.load(logits_ptr + row * sl_m + cols, mask=ok, other=-float("inf")).to(tl.float32)
+        if MASKED:
+            mask_id = tl.load(masks_ptr + row)
+            allowed = tl.load(table_ptr + mask_id * st_m + cols, mask=ok, other=0)
+            x = tl.where(allowed != 0, x, -float("inf"))
         best = tl.max(x, 0)
         at = tl.min(tl.where(ok & (x == best), cols, V), 0)  # the lowest id of the best
         tl.store(best_ptr + row * CHUNKS + c, best)
@@ -58,8 +67,16 @@ if triton is not None:
             # Chunks hold ascending ids: the lowest id among the best chunks is the row's.
             token = tl.min(tl.where(there & (bests == top), ats, V), 0)
             token = tl.where(token == V, 0, token).to(tl.int64)  # unreachable unless V == 0
-            tl.store(out_ptr + row, token)
-            slot = tl.load(inputs_ptr + row)
+            slot = tl.load(slots_ptr + row)
+            out = out_ptr + row
+            if AHEAD:  # the step's slot from the device; what the row slot held, kept to undo
+                k = tl.load(at_slot_ptr)
+                out = out_ptr + k * out_m + row
+                undo = undo_ptr + k * 2 * out_m + row
+                tl.store(undo, tl.load(last_ptr + slot))
+                if FLAG:
+                    tl.store(undo + out_m, tl.load(flag_ptr + slot).to(tl.int64))
+            tl.store(out, token)
             tl.store(last_ptr + slot, token)
             if FLAG:
                 tl.store(flag_ptr + slot, 0)
@@ -76,6 +93,29 @@ def torch_greedy(logits: torch.Tensor, table: torch.Tensor, inputs: torch.Tensor
     masked = logits[:b].masked_fill(~table.index_select(0, mask_ids), float("-inf"))
     tokens = masked.argmax(dim=-1)  # [b]
     sampled[:b].copy_(tokens)
+    last_token.index_copy_(0, row_slots, tokens)
+    if flags is not None:
+        flags.index_fill_(0, row_slots, False)
+
+
+def torch_ahead(logits: torch.Tensor, row_slots: torch.Tensor, at_slot: torch.Tensor,
+                sampled: torch.Tensor, undo: torch.Tensor, last_token: torch.Tensor,
+                flags: torch.Tensor | None = None) -> None:
+    """Greedy sampling ahead, in torch (``GreedySampler.ahead``'s contract):
+    the unmasked argmax of each of the ``b = len(row_slots)`` rows of
+    ``logits`` into ``sampled[at_slot, :b]`` (``sampled`` ``[slots, R]``,
+    ``at_slot`` ``[1]`` on the device) and ``last_token`` at its row slot,
+    and ``flags`` cleared there; what ``last_token`` and ``flags`` held
+    there first into ``undo[at_slot, :b]`` and ``undo[at_slot, R:R + b]``
+    (``undo`` ``[slots, 2R]``)."""
+    b, r = row_slots.shape[0], sampled.shape[1]
+    tokens = logits[:b].argmax(dim=-1)  # [b]: the dtype's order is float32's
+    cols = torch.arange(b, device=tokens.device)  # [b]
+    undo.view(-1).index_copy_(0, at_slot * 2 * r + cols, last_token.index_select(0, row_slots))
+    if flags is not None:
+        undo.view(-1).index_copy_(0, at_slot * 2 * r + r + cols,
+                                  flags.index_select(0, row_slots).long())
+    sampled.view(-1).index_copy_(0, at_slot * r + cols, tokens)
     last_token.index_copy_(0, row_slots, tokens)
     if flags is not None:
         flags.index_fill_(0, row_slots, False)
@@ -104,12 +144,29 @@ class GreedySampler:
             raise ValueError("greedy kernel: float32 logits with unit column stride and a "
                              "contiguous mask table")
         table8 = table.view(torch.uint8)  # bool storage, one byte a token
+        self._launch(b, logits, table8, inputs, inputs[b:], sampled, sampled, sampled, last_token,
+                     flags, table8.stride(0), 0, masked=True, ahead=False)
+
+    def ahead(self, logits: torch.Tensor, row_slots: torch.Tensor, at_slot: torch.Tensor,
+              sampled: torch.Tensor, undo: torch.Tensor, last_token: torch.Tensor,
+              flags: torch.Tensor | None = None) -> None:
+        """``torch_ahead``'s contract, in one launch: logits of any float
+        dtype, read as they are (a bfloat16 forward's need no float32 copy)."""
+        if logits.stride(1) != 1 or not (sampled.is_contiguous() and undo.is_contiguous()) \
+                or undo.shape[1] != 2 * sampled.shape[1]:
+            raise ValueError("greedy kernel ahead: logits with unit column stride, contiguous "
+                             "sampled [slots, R] and undo [slots, 2R]")
+        self._launch(row_slots.shape[0], logits, logits, row_slots, row_slots, sampled, at_slot,
+                     undo, last_token, flags, 0, sampled.shape[1], masked=False, ahead=True)
+
+    def _launch(self, b, logits, table8, slots, masks, out, at_slot, undo, last_token, flags,
+                st_m, out_m, *, masked, ahead):
         _greedy_kernel[(b, self.chunks)](
-            logits, table8, inputs, sampled, last_token,
-            flags.view(torch.uint8) if flags is not None else sampled,
-            self.best, self.at, self.arrived, b, self.vocab_size, logits.stride(0),
-            table8.stride(0), self.chunks,
-            BLOCK=BLOCK, CHUNKS=self.width, FLAG=flags is not None, num_warps=4)
+            logits, table8, slots, masks, out, at_slot, undo, last_token,
+            flags.view(torch.uint8) if flags is not None else out,
+            self.best, self.at, self.arrived, self.vocab_size, logits.stride(0), st_m, out_m,
+            self.chunks, BLOCK=BLOCK, CHUNKS=self.width, FLAG=flags is not None,
+            MASKED=masked, AHEAD=ahead, num_warps=4)
 
 
 def make_sampler(max_rows: int, vocab_size: int, device: torch.device) -> GreedySampler | None:

@@ -340,6 +340,11 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable, int, int]]] = ty
 })
 
 
+# Rows up to which a decode step samples ahead by default: where a step is
+# short enough that finalize's sampling is a share of it worth saving.
+SAMPLE_AHEAD = 8
+
+
 @attrs.frozen
 class KernelConfig:
     """Everything that decides which kernels a decode step runs (the
@@ -378,6 +383,12 @@ class KernelConfig:
     over ``last_combines``; Phi's output GEMM also reads the MLP's half,
     so Phi keeps them. 0: none.
 
+    ``sample_ahead``: decode buckets of at most this many rows sample
+    greedily, unmasked, at the end of the forward's graph; a finalize whose
+    rows are all greedy with no mask and no value keeps those tokens and
+    launches no sampling, any other samples as before (``CudaBackend``).
+    0: none.
+
     ``greedy_kernel``: a greedy step samples in one kernel
     (``greedy_sample``) instead of torch's seven; ``step_inputs``: a fused
     decode step gathers its rows' inputs, KV slots and rotary values in one
@@ -395,9 +406,11 @@ class KernelConfig:
     greedy_kernel: bool = True
     step_inputs: bool = True
     o_combines: int = attrs.field(default=0)
+    sample_ahead: int = attrs.field(default=SAMPLE_AHEAD)
 
     @last_combines.validator
     @o_combines.validator
+    @sample_ahead.validator
     def _rows(self, field, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"KernelConfig.{field.name} is a row count (0: none), not {value!r}")
@@ -435,6 +448,9 @@ class KernelConfig:
                           + ("at one row" if rows == 1 else f"up to {rows} rows"))
             if (rows := min(self.last_combines, self.pdl_rows)) > self.o_combines:
                 where += f", the split kernel's last programs combining up to {rows} rows"
+        if self.sample_ahead != SAMPLE_AHEAD:
+            where += (f"; tokens sampled ahead in the forward up to {self.sample_ahead} rows"
+                      if self.sample_ahead else "; no tokens sampled ahead in the forward")
         if not self.greedy_kernel:
             where += "; greedy sampling in torch"
         if not self.step_inputs:

@@ -6,8 +6,11 @@ Host metadata is packed into a DecodeSlot's staging buffer (pinned on CUDA)
 and copied to the device with one non-blocking copy per step, so a launch
 never waits for the device. Decode metadata lands in one static buffer that
 every captured decode graph reads; a graph for bucket (B, P) reads it as
-``[row_slots (B of max_rows) | positions (B of max_rows) | page_table B*P]``:
-each part starts at a fixed offset whatever the bucket, so the compiled step
+``[slot, 0 | row_slots (B of max_rows) | positions (B of max_rows) |
+page_table B*P]``, where ``slot`` is the DecodeSlot the step runs in (a
+graph serves both: what it writes per slot it finds through this; the
+header is two elements so the parts after it stay 16-byte aligned).
+Each part starts at a fixed offset whatever the bucket, so the compiled step
 sees the same input layout in every bucket (a bucket-dependent offset would
 make torch.compile recompile per bucket). Sharing that buffer between
 the two slots is safe because both slots' copies and replays run in launch
@@ -31,10 +34,14 @@ from bubblefree.cuda_backend.step_inputs import step_inputs
 from bubblefree.cuda_backend.token_prefill import TokenPrefill
 
 
+# The decode metadata's header: the step's slot index, then padding.
+META_HEAD = 2
+
+
 def staging_size(cap: Capacity) -> int:
     """int64 elements a slot's host staging needs for any kind of step."""
     max_pages = -(-cap.max_context // cap.page_size)
-    return max(2 * cap.max_rows + cap.max_rows * max_pages,
+    return max(META_HEAD + 2 * cap.max_rows + cap.max_rows * max_pages,
                4 * cap.max_prefill_tokens + 6 * cap.max_rows + cap.max_rows * max_pages,
                3 * cap.max_prefill_tokens + cap.max_rows + (cap.max_rows + 1) * max_pages)
 
@@ -70,8 +77,8 @@ class ModelRunner:
                                               cap.max_rows, self.max_pages, device,
                                               kernels.dispatch)
         self.key_budget = prefill_key_budget(cap.max_prefill_tokens, cap.max_context)
-        # [2 * max_rows + max_rows * max_pages]: the decode graphs' static input
-        self.decode_meta = torch.zeros(2 * cap.max_rows + cap.max_rows * self.max_pages,
+        # [META_HEAD + 2 * max_rows + max_rows * max_pages]: the decode graphs' static input
+        self.decode_meta = torch.zeros(META_HEAD + 2 * cap.max_rows + cap.max_rows * self.max_pages,
                                        dtype=torch.long, device=device)
         # Each row slot's page table on the host, scratch pages past its own
         # (``pack_decode``), and the pages tuple it was written from.
@@ -99,12 +106,19 @@ class ModelRunner:
     def meta_views(self, meta, b: int, p: int):
         """Row slots ``[b]``, positions ``[b]`` and page table ``[b, p]`` of
         a decode metadata buffer (``decode_meta`` or a staging array)."""
-        m = self.cap.max_rows
-        return meta[:b], meta[m:m + b], meta[2 * m:2 * m + b * p].reshape(b, p)
+        m, h = self.cap.max_rows, META_HEAD
+        return meta[h:h + b], meta[h + m:h + m + b], meta[h + 2 * m:h + 2 * m + b * p].reshape(b, p)
 
-    def pack_decode(self, plan: StepPlan, staging: np.ndarray, b: int, p: int) -> int:
-        """Write bucket (b, p)'s metadata into ``staging``; padded rows point
-        at the scratch row and scratch page. Returns the element count to copy."""
+    @staticmethod
+    def meta_slot(meta):
+        """The step's slot index ``[1]`` in a decode metadata buffer."""
+        return meta[:1]
+
+    def pack_decode(self, plan: StepPlan, staging: np.ndarray, b: int, p: int, slot: int = 0) -> int:
+        """Write bucket (b, p)'s metadata for a step in slot ``slot`` into
+        ``staging``; padded rows point at the scratch row and scratch page.
+        Returns the element count to copy."""
+        staging[:META_HEAD] = (slot, 0)
         row_slots, positions, table = self.meta_views(staging, b, p)
         rows, n = plan.rows, len(plan.rows)
         # Each part at once: a host-bound step at 64 rows spent about 45 us
@@ -122,7 +136,7 @@ class ModelRunner:
             row_slots[n:] = self.scratch_row
             positions[n:] = 0
             table[n:] = self.cache.scratch_page
-        return 2 * self.cap.max_rows + b * p
+        return META_HEAD + 2 * self.cap.max_rows + b * p
 
     def _remember_pages(self, row_slot: int, pages: tuple[int, ...]) -> None:
         row, kept = self.host_pages[row_slot], pages[:self.max_pages]  # no bucket reads further

@@ -48,6 +48,12 @@ class DecodeSlot:
     state: SlotState = SlotState.FREE
     plan: StepPlan | None = None
     bucket: int = 0  # padded row count the step runs at
+    # The launched step sampled ahead in its forward, and those tokens may
+    # stand (the backend clears this where another step's launch undid them).
+    ahead: bool = False
+    # (slot buffer, forward output) copies not yet enqueued: a step that
+    # sampled ahead may never need them (CudaBackend._defer).
+    pending: list = attrs.Factory(list)
 
     def advance(self, call: str) -> None:
         self.state = slot_call(self.state, call, self.index)
@@ -58,7 +64,10 @@ class DecodeSlot:
 
 
 def make_slot(index: int, *, staging_size: int, max_rows: int, vocab_size: int,
-              device: torch.device) -> DecodeSlot:
+              device: torch.device, sampled: torch.Tensor | None = None) -> DecodeSlot:
+    """``sampled``: the slot's ``[max_rows]`` row of a buffer the backend
+    shares between slots (a forward's graph writes it by slot index), or
+    None for a buffer of its own."""
     cuda = device.type == "cuda"
 
     def host(n: int) -> torch.Tensor:
@@ -71,7 +80,8 @@ def make_slot(index: int, *, staging_size: int, max_rows: int, vocab_size: int,
         sample_staging=sample_staging, sample_np=sample_staging.numpy(),
         sample_inputs=torch.zeros(7 * max_rows, dtype=torch.long, device=device),
         logits=torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device),
-        sampled=torch.zeros(max_rows, dtype=torch.long, device=device),
+        sampled=torch.zeros(max_rows, dtype=torch.long, device=device) if sampled is None
+        else sampled,
         landing=host(max_rows),
         sampled_event=torch.cuda.Event() if cuda else None,
         copied_event=torch.cuda.Event() if cuda else None,

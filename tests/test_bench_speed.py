@@ -103,10 +103,12 @@ def test_the_model_shape_is_an_argument():
 
 
 @pytest.mark.parametrize("flag,field,rows", [("--pdl-rows", "pdl_rows", 4),
-                                             ("--o-combines", "o_combines", 0)])
+                                             ("--o-combines", "o_combines", 0),
+                                             ("--sample-ahead", "sample_ahead", 0)])
 def test_the_kernel_configs_row_counts_are_counts(flag, field, rows, capsys):
-    """The dependent step's rows, and where its output projection combines
-    split attention: as given, or as measured when not; never negative."""
+    """The dependent step's rows, where its output projection combines split
+    attention, and where steps sample ahead: as given, or as measured when
+    not; never negative."""
     assert getattr(speed.parse([]), field) is None
     kernels = speed.decode_options(speed.parse([flag, str(rows)]), torch.device("cpu"), None)
     assert getattr(kernels["kernels"], field) == rows

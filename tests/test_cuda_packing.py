@@ -17,7 +17,7 @@ from bubblefree.core.values import SamplingParams, StepKind, StepPlan, StepRow
 from bubblefree.cuda_backend.graphs import batch_buckets, bucket, page_buckets
 from bubblefree.cuda_backend.kernel_config import Dispatch, KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
-from bubblefree.cuda_backend.runner import ModelRunner, staging_size
+from bubblefree.cuda_backend.runner import META_HEAD, ModelRunner, staging_size
 from bubblefree.cuda_backend.sampling import UNCONSTRAINED, pack_sampling, unpack_sampling
 from bubblefree.cuda_backend.token_prefill import TokenPrefill
 
@@ -52,9 +52,12 @@ def test_decode_metadata_sits_at_fixed_offsets(plan_rows):
     b = bucket(len(plan_rows), batch_buckets(CAP.max_rows))
     p = bucket(RUNNER.pages_needed(plan), page_buckets(MAX_PAGES))
     staging = np.full(staging_size(CAP), -7, dtype=np.int64)
-    count = RUNNER.pack_decode(plan, staging, b, p)
+    count = RUNNER.pack_decode(plan, staging, b, p, slot=1)
     slots, positions, table = RUNNER.meta_views(staging, b, p)
-    assert count == 2 * CAP.max_rows + b * p  # one copy covers every part
+    assert count == META_HEAD + 2 * CAP.max_rows + b * p  # one copy covers every part
+    assert list(RUNNER.meta_slot(staging)) == [1]  # the step's slot, in the header
+    assert slots.ctypes.data % 16 == positions.ctypes.data % 16 == table.ctypes.data % 16 \
+        == staging.ctypes.data % 16  # the header keeps the parts' alignment
     for i, r in enumerate(plan_rows):
         assert slots[i] == r.row_slot and positions[i] == r.position
         used = r.position // CAP.page_size + 1  # the pages the kernel may read

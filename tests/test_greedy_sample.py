@@ -3,7 +3,9 @@ masked argmax, the lowest id on ties, token 0 when nothing is allowed, and
 the token written where the torch path writes it (the slot's ``sampled``,
 ``last_token`` at the row slot, a subclass's flags cleared there). The
 torch path is checked on the CPU against the definition written out; the
-kernel against the torch path on the GPU, in graphs and out."""
+kernel against the torch path on the GPU, in graphs and out. Sampling
+ahead the same way: unmasked, into the row of ``sampled`` the device's
+slot index names, what it overwrote kept in ``undo``."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bubblefree.cuda_backend.greedy_sample import BLOCK, make_sampler, torch_greedy
+from bubblefree.cuda_backend.greedy_sample import BLOCK, make_sampler, torch_ahead, torch_greedy
 from bubblefree.cuda_backend.kernel_config import KernelConfig
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a Triton kernel")
@@ -60,6 +62,32 @@ def test_the_torch_path_is_the_masked_argmax_by_definition(data, v, b):
     untouched = [s for s in range(seqs) if s not in row_slots]
     assert all(last[s].item() == -1 and flags[s].item() for s in untouched)
     assert not any(flags[s].item() for s in row_slots)
+
+
+@settings(max_examples=60)
+@given(data=st.data(), v=st.integers(1, 40), b=st.integers(1, 5), at=st.integers(0, 1),
+       bf16=st.booleans())
+def test_sampling_ahead_in_torch_is_the_argmax_into_its_slot_with_what_it_overwrote_kept(
+        data, v, b, at, bf16):
+    rows = data.draw(st.lists(st.lists(logit, min_size=v, max_size=v), min_size=b, max_size=b))
+    seqs, r = 6, 5
+    row_slots = data.draw(st.lists(st.integers(0, seqs - 1), min_size=b, max_size=b, unique=True))
+    logits = torch.tensor(rows).to(torch.bfloat16 if bf16 else torch.float32)
+    last = torch.tensor(data.draw(st.lists(st.integers(0, 99), min_size=seqs, max_size=seqs)))
+    flags = torch.tensor(data.draw(st.lists(st.booleans(), min_size=seqs, max_size=seqs)))
+    before_last, before_flags = last.clone(), flags.clone()
+    sampled, undo = torch.full((2, r), -1), torch.full((2, 2 * r), -1)
+    torch_ahead(logits, torch.tensor(row_slots), torch.tensor([at]), sampled, undo, last, flags)
+    # bfloat16 orders as its float32 values do: the definition on those
+    want = [by_definition(x, [True] * v) for x in logits.float().tolist()]
+    assert sampled[at, :b].tolist() == want
+    assert (sampled[at, b:] == -1).all() and (sampled[1 - at] == -1).all()
+    assert [last[s].item() for s in row_slots] == want
+    assert not any(flags[s].item() for s in row_slots)
+    assert undo[at, :b].tolist() == [before_last[s].item() for s in row_slots]
+    assert undo[at, r:r + b].tolist() == [int(before_flags[s]) for s in row_slots]
+    untouched = [s for s in range(seqs) if s not in row_slots]
+    assert all(last[s] == before_last[s] and flags[s] == before_flags[s] for s in untouched)
 
 
 def test_the_kernel_is_chosen_on_cuda_only_and_the_config_says_when_it_is_off():
@@ -175,3 +203,31 @@ def test_a_backend_gives_the_same_tokens_with_the_kernel_and_without():
     assert runs[0] == runs[1]
     assert [len(r) for r in runs[0]] == [12, 12, 12]
     assert set(runs[0][1]) <= allowed
+
+
+@CUDA
+@pytest.mark.parametrize("v", [64, BLOCK + 1, 128256, 151936])
+@pytest.mark.parametrize("b", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampling_ahead_in_the_kernel_matches_the_torch_path(v, b, dtype):
+    logits, _, inputs, seqs = gpu_case(v, b, seed=2 * v + b)
+    logits, row_slots = logits.to(dtype).cuda(), inputs[:b].cuda()
+    sampler = make_sampler(8, v, torch.device("cuda"))
+    g = torch.Generator().manual_seed(b)
+    start_last = torch.randint(0, 99, (seqs,), generator=g)
+    start_flags = torch.rand(seqs, generator=g) > 0.5
+    for at in (1, 0, 1):  # either slot, again: the arrival counters reset themselves
+        got, want = [], []
+        for run, out in ((sampler.ahead, got), (torch_ahead, want)):
+            sampled, undo = torch.full((2, 8), -1, device="cuda"), torch.full((2, 16), -1, device="cuda")
+            last, flags = start_last.cuda(), start_flags.cuda()
+            run(logits, row_slots, torch.tensor([at], device="cuda"), sampled, undo, last, flags)
+            out.append([t.cpu() for t in (sampled, undo, last, flags)])
+        (g_s, g_u, g_l, g_f), (w_s, w_u, w_l, w_f) = got[0], want[0]
+        assert torch.equal(g_f, w_f) and torch.equal(g_s[1 - at], w_s[1 - at])
+        real = [i for i in range(b) if int(inputs[i]) != seqs - 1]  # padded rows share the scratch row
+        assert torch.equal(g_s[at, real], w_s[at, real]) and torch.equal(g_l[:-1], w_l[:-1])
+        assert torch.equal(g_u[at, real], w_u[at, real])
+        assert torch.equal(g_u[at, [8 + i for i in real]], w_u[at, [8 + i for i in real]])
+        assert (g_u[1 - at] == -1).all()
+    assert int(sampler.arrived.sum()) == 0

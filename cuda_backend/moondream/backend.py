@@ -192,7 +192,7 @@ class MoondreamBackend(CudaBackend):
         v = self._vslots[s.index]
         if plan.kind is StepKind.DECODE:
             logits, b = super()._forward(s, plan)
-            v.hidden[:b].copy_(self._runner.hidden[:b])
+            self._defer(s, v.hidden[:b], self._runner.hidden[:b])  # read only by a value decode
             return logits, b
         n = len(plan.rows)
         if plan.kind is StepKind.IMAGE_PREFILL:

@@ -1,0 +1,25 @@
+# Sourced by the one-call GPU scripts (bench/*_run.sh): the environment
+# every one of them runs in, the filter for their records, and the lines
+# naming the machine and versions that open each record.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+quiet() { grep -v -i -e warn -e USDT; }
+machine() {
+  date -u +"%Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+}
+# bench.speed's cells for each model, with the defaults and then with FLAG
+# ROWS (e.g. --sample-ahead 0): speed_ab FLAG ROWS MODEL... Knobs:
+# SPEED_SECONDS (75 a run), STREAMS (1), WORKLOADS (text,point,detect).
+speed_ab() {
+  local flag="$1" rows="$2" m extra
+  shift 2
+  for m in "$@"; do
+    for extra in "" "$flag $rows"; do
+      echo "== bench.speed --model $m $extra"
+      env -u OUT timeout -k 10 "${SPEED_SECONDS:-75}" python3 -m bubblefree.bench.speed --model "$m" \
+        --streams "${STREAMS:-1}" --workloads "${WORKLOADS:-text,point,detect}" --repeats 3 \
+        --peer-streams "" --out "" --plot "" $extra 2>&1
+    done
+  done
+}
