@@ -39,11 +39,16 @@ META_HEAD = 2
 
 
 def staging_size(cap: Capacity) -> int:
-    """int64 elements a slot's host staging needs for any kind of step."""
+    """int64 elements a slot's host staging needs for any kind of step: the
+    largest of the three layouts packed into it."""
     max_pages = -(-cap.max_context // cap.page_size)
-    return max(META_HEAD + 2 * cap.max_rows + cap.max_rows * max_pages,
-               4 * cap.max_prefill_tokens + 6 * cap.max_rows + cap.max_rows * max_pages,
-               3 * cap.max_prefill_tokens + cap.max_rows + (cap.max_rows + 1) * max_pages)
+    t, r = cap.max_prefill_tokens, cap.max_rows
+    return max(META_HEAD + 2 * r + r * max_pages,  # a decode step (``pack_decode``)
+               # a padded prefill (``pack_prefill``: four parts a token; four a
+               # row, a prefix LM's prefix ends, moondream's rows by kind; pages)
+               4 * t + 6 * r + r * max_pages,
+               # a prefill as token rows (``TokenPrefill.pack``)
+               3 * t + r + (r + 1) * max_pages)
 
 
 class ModelRunner:
