@@ -76,6 +76,7 @@ def test_a_variant_sets_a_row_count_and_nothing_else():
     assert variant(default, "o_combines=0").o_combines == 0 != default.o_combines
     assert variant(default, "last_combines=8").last_combines == 8
     assert variant(default, "pdl_rows=0").pdl_rows == 0
+    assert variant(default, "sample_ahead=0").sample_ahead == 0 != default.sample_ahead
     got = variant(default, "o_combines=2")
     assert got.o_combines == 2 and got.pdl_tiles == default.pdl_tiles
     mixed = variant(default, "o_combines=0+2048,2048=128n256k8s4w3p")
