@@ -330,8 +330,9 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable, int, int]]] = ty
             # o and down: slices of K that need not divide it (down's 38 steps of
             # 128 in 8 slices of 4 and 5), timed with the norm that adds them.
             # o, sums; at one row combining the split kernel's states (o_combines),
-            # in one slice a head
-            (896, 896): ((1, Tile(32, 64, 14, 4, 3)), (8, Tile(32, 128, 4, 4, 3))),
+            # in one slice a head, 64 columns a program (0.600 and 0.604 ms a
+            # step against 0.606 and 0.610 with 32, in two calls: performance.md)
+            (896, 896): ((1, Tile(64, 64, 14, 4, 3)), (8, Tile(32, 128, 4, 4, 3))),
             (896, 9728): ((8, Tile(32, 128, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (4864, 896): ((1, Tile(64, 128, 8, 4, 3)), (8, Tile(32, 128, 8, 4, 3))),  # down, sums
             (896, 151936): ((8, Tile(64, 128, 1, 4, 3)),),  # head
