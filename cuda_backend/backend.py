@@ -327,6 +327,8 @@ class CudaBackend:
             if not any(r.row_slot in mine for r in o.plan.rows):
                 continue
             n, m = len(o.plan.rows), self._cap.max_rows
+            # A pageable copy that waits for the device: this order is legal
+            # but never the engine's, so its launch may pay one.
             rows = torch.tensor([r.row_slot for r in o.plan.rows], device=self.device)
             self._runner.last_token.index_copy_(0, rows, self._undo[o.index, :n])
             if (flags := self._sample_clears()) is not None:
