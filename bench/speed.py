@@ -5,6 +5,7 @@ in one process on one GPU, on one model shape: moondream2's text decoder
     python -m bubblefree.bench.speed [--model phi|llama1b|qwen05b] [--tiny] [--quick] [--streams 1,8,32,64]
                           [--workloads text,detect,point,mix] [--decode fused+compile]
                           [--split-below PROGRAMS] [--attention 4x32w4s1] [--gemm cublas]
+                          [--variant 896,1152=32n128k2s4w3p+sample_ahead=0]
                           [--out docs/benchmarks.md] [--plot docs/benchmarks.png]
 
 One backend is built (its CUDA graphs captured once); every cell runs a
@@ -90,6 +91,10 @@ def parse(argv):
     ap.add_argument("--sample-ahead", type=int, default=None, metavar="ROWS",
                     help="decode buckets of at most ROWS rows sample greedily in the forward's "
                          "graph (KernelConfig.sample_ahead; 0: none; default: the config's)")
+    ap.add_argument("--variant", default=None, metavar="ITEMS",
+                    help="the kernels' settings as bench.step_ab's --variant gives them: "
+                         "+-joined K,N=TILE entries for the dependent-launch step's GEMMs "
+                         "and FIELD=ROWS counts (default: as measured)")
     ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
                     help="the decode step's GEMMs: ours where measured faster (default), "
                          "or cuBLAS everywhere")
@@ -232,6 +237,12 @@ def decode_options(args, device, config) -> dict:
         kernels = attrs.evolve(kernels, o_combines=args.o_combines)
     if args.sample_ahead is not None:
         kernels = attrs.evolve(kernels, sample_ahead=args.sample_ahead)
+    if args.variant:
+        from bubblefree.bench.step_ab import variant
+        try:
+            kernels = variant(kernels, args.variant)
+        except ValueError as err:
+            raise SystemExit(f"bench.speed: --variant: {err}") from None
     kernels = attrs.evolve(kernels, dispatch=kernels.dispatch.forced(args.split_below,
                                                                      args.attention))
     if args.gemm == "cublas":

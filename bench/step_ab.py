@@ -14,6 +14,7 @@ the captured step without its tokens sampled ahead) and ``K,N=TILE``
 entries that replace the dependent-launch step's tile for the GEMM of that
 weight shape (``KernelConfig.pdl_tiles``) in every bucket it runs. A q, k, v tile that
 cuts K hands its sums to the attention kernels (``pdl_step.project_attend``).
+A variant that fails (a tile the GPU cannot launch) is reported and skipped.
 Each is timed as ``bench.profile_step`` times a captured step (GPU ms by
 CUDA events; here the better of two timings of 200 replays), and the table
 printed at the end; ``--increments`` adds ``bench.step_increments``' table
@@ -105,13 +106,20 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[float]] = {}
     for name, kernels in configs.items():
         t = time.perf_counter()
-        be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=max(rows),
-                         max_seqs=max(rows), max_prefill_tokens=2048,
-                         max_context=max(256, 1 << args.context.bit_length()), kernels=kernels,
-                         compile_decode=True)
-        p = bucket(args.context // be.capacity.page_size + 1, be._pages)
-        results[name] = [min(time_graph(be, b, p, args.context, iters=200) for _ in range(2))
-                         for b in rows]
+        try:
+            be = CudaBackend(model, page_size=16, num_pages=8192, max_rows=max(rows),
+                             max_seqs=max(rows), max_prefill_tokens=2048,
+                             max_context=max(256, 1 << args.context.bit_length()),
+                             kernels=kernels, compile_decode=True)
+            p = bucket(args.context // be.capacity.page_size + 1, be._pages)
+            results[name] = [min(time_graph(be, b, p, args.context, iters=200) for _ in range(2))
+                             for b in rows]
+        except Exception as err:  # a tile the GPU cannot launch: the other variants still run
+            print(f"{name}: failed, {type(err).__name__}: {str(err)[:300]}", flush=True)
+            be = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         print(f"{name}: built in {time.perf_counter() - t:.0f} s; "
               + ", ".join(f"{ms:.3f} ms at {b} rows" for b, ms in zip(rows, results[name])),
               flush=True)

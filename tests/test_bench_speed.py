@@ -117,6 +117,29 @@ def test_the_kernel_configs_row_counts_are_counts(flag, field, rows, capsys):
     assert f"{flag} is a row count (0: none), not -1" in capsys.readouterr().err
 
 
+def test_a_variant_sets_the_kernels_as_step_ab_would_and_names_what_is_wrong(monkeypatch):
+    """``--variant`` gives the kernels bench.step_ab's variant would: row
+    counts anywhere, tiles where a dependent-launch step runs; a tile the
+    config cannot take ends the run naming it, before any model is built."""
+    from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile
+    cpu = torch.device("cpu")
+    kernels = speed.decode_options(speed.parse(["--variant", "sample_ahead=0+o_combines=1"]),
+                                   cpu, None)["kernels"]
+    assert (kernels.sample_ahead, kernels.o_combines) == (0, 1)
+    with pytest.raises(SystemExit, match="no dependent-launch step"):
+        speed.decode_options(speed.parse(["--variant", "896,1152=32n128k2s4w3p"]), cpu, None)
+    hopper = attrs.evolve(KernelConfig(), pdl_rows=8)
+    monkeypatch.setattr(speed.KernelConfig, "measured", lambda device, config: hopper)
+    kernels = speed.decode_options(speed.parse(["--variant", "896,1152=32n128k2s4w3p"]), cpu,
+                                   None)["kernels"]
+    assert kernels.pdl_tiles.tile_for(8, 896, 1152) == Tile(32, 128, 2, 4, 3)
+    assert kernels.pdl_tiles.tile_for(9, 896, 1152) is None
+    for bad, why in (("896,9728=32n128k9s4w3p", "does not cut K=896"),
+                     ("896=32n128k2s4w3p", "is not K,N=TILE"), ("pdl_rows=x", "row count")):
+        with pytest.raises(SystemExit, match=why):
+            speed.decode_options(speed.parse(["--variant", bad]), cpu, None)
+
+
 @pytest.mark.parametrize("shape, gigabytes, layers, tied", [
     ("phi", 2.837, 24, False), ("llama1b", 2.472, 16, True), ("qwen05b", 0.988, 24, True)])
 def test_each_shape_has_its_published_size(shape, gigabytes, layers, tied):
