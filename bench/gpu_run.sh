@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One call on a lent GPU: the GPU-only tests, the bf16 parity record, the
-# decode-step profile, then the speed benchmark. Everything it prints is also
-# written under $OUT. GPU_TESTS selects tests (-k expression; empty = all);
+# One call on a lent GPU: the GPU-only tests (every test marked gpu, which
+# tests/conftest.py derives from the skip reasons, then the files whose tests
+# run on the GPU where there is one and on the CPU elsewhere), the decode-step
+# profile, then the speed benchmark. Everything it prints is also written
+# under $OUT. GPU_TESTS selects tests (-k expression; empty = all);
 # PROFILE_ARGS adds to the profile's arguments (e.g. --attention, --gemm);
 # BENCH names the benchmark module (default speed; api_speed is the serving
 # layer against the core); its arguments are this script's.
@@ -16,14 +18,18 @@ mkdir -p "$out"
 } 2>&1 | tee "$out/env.txt"
 # The GGUF loader tests need the embedded model's package, which this machine
 # lacks; they run in CI on the CPU.
-timeout "${TEST_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -p no:warnings -rs -s \
-  --junitxml="$out/gpu_tests.xml" -k "${GPU_TESTS:-}" \
-  tests/test_cuda_gpu.py tests/test_cuda_fused.py tests/test_cuda_parity.py \
-  tests/test_cuda_attention.py tests/test_cuda_sampling.py tests/test_cuda_backend.py \
-  tests/test_skinny_tiles.py tests/test_paged_launch.py tests/test_rope_attention.py \
-  tests/test_kernel_config.py tests/test_backend_contract.py \
-  2>&1 | tee "$out/gpu_tests.txt"
-echo "pytest exit status: ${PIPESTATUS[0]}" | tee -a "$out/gpu_tests.txt"
+{
+  timeout "${TEST_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -p no:warnings -rs \
+    --junitxml="$out/gpu_tests.xml" -k "${GPU_TESTS:-}" -m gpu tests/ 2>&1
+  echo "pytest exit status (gpu-marked): $?"
+  timeout "${TEST_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -p no:warnings -rs \
+    --junitxml="$out/device_tests.xml" -k "${GPU_TESTS:-}" \
+    tests/test_cuda_fused.py tests/test_cuda_parity.py tests/test_cuda_attention.py \
+    tests/test_cuda_sampling.py tests/test_cuda_backend.py tests/test_skinny_tiles.py \
+    tests/test_paged_launch.py tests/test_rope_attention.py tests/test_kernel_config.py \
+    tests/test_backend_contract.py 2>&1
+  echo "pytest exit status (on the device where there is one): $?"
+} | tee "$out/gpu_tests.txt"
 timeout "${PROFILE_SECONDS:-150}" python3 -m bubblefree.bench.profile_step --rows 1,8,32,64 \
   --paths "${PROFILE_PATHS:-transformers,fused,fused+compile}" ${PROFILE_ARGS:-} 2>&1 | grep -v -i warn \
   | tee "$out/profile.txt"

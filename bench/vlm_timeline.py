@@ -6,6 +6,7 @@ thread hand-offs, the API).
 
     python -m bubblefree.bench.vlm_timeline [--workloads point,query] [--requests 24]
         [--side 378] [--modes auto,True,False] [--tiny] [--trace K] [--crops-on-host]
+        [--streams N [--rounds R]]
 
 Requests one after another (one stream), each on a fresh image; every
 backend call and the caller's image preparation timed on the host
@@ -24,6 +25,16 @@ waits on the loop's condition and each notify of it.
 On CUDA each line also gives the device window per request: the device
 clock's time from before the first request to after the last (CUDA
 events), divided by the requests, idle time included.
+
+With ``--streams N`` (N > 1), N client threads ask at once, as
+``bench.vlm_speed``'s cells do, and a request's window no longer holds one
+request's work alone. Each line then sums every span of the run, per kind
+and thread (the decode thread's backend calls, ticks, hand-offs and idle
+waits; the callers' submits and crops), divided by the requests; gives the
+image prefills' count and rows, auto's ticks ahead and behind, and the
+run's req/s. ``--rounds R`` runs the modes R times in the order A B C C B
+A, each run its own line, so that what moves with the mode can be told
+from what moves between runs.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from typing import Any, Callable
 
 import torch
 
-from bubblefree.bench.vlm_speed import WORKLOADS, images
+from bubblefree.bench.vlm_speed import WORKLOADS, images, run_cell
 
 CALLS = ("launch", "wait", "finalize", "release")
 APART = ("delivered", "idle", "notify", "gc")  # marks and spans shown in a trace, not in the parts
@@ -77,6 +88,7 @@ class Recorder:
     def __init__(self, engine: Any):
         self.spans: list[tuple[str, float, float]] = []
         self.kinds: dict[int, str] = {}  # slot -> the kind launched into it
+        self.launched: list[tuple[str, int]] = []  # (kind, rows) of each launch
         backend = engine.backend
         for name in (*CALLS, "image_ref"):
             setattr(backend, name, self._wrap(name, getattr(backend, name)))
@@ -124,6 +136,7 @@ class Recorder:
         def timed(*args: Any) -> Any:
             if name == "launch":
                 self.kinds[args[0]] = args[1].kind.value
+                self.launched.append((args[1].kind.value, len(args[1].rows)))
             what = (name if name in ("image_ref", "release", "submit", "tick", "gather", "take")
                     else f"{name} {self.kinds.get(args[0], '?')}")
             start = time.perf_counter()
@@ -211,6 +224,47 @@ def measure(engine: Any, recorder: Recorder, workload: str, side: int, count: in
                                           for s, e in windows) for k in names})
 
 
+DECODE_THREAD = ("tick", "gather", "take", "idle", "release", *CALLS)
+
+
+def measure_streams(engine: Any, recorder: Recorder, workload: str, side: int, count: int,
+                    streams: int, seed: int) -> dict[str, Any]:
+    """``streams`` callers over ``count`` fresh images: every span of the
+    run summed per kind, in ms per request (the decode thread's own time:
+    ``tick`` less the backend calls inside it, ``submit`` less the crops),
+    the image prefills' count and rows, auto's ticks."""
+    run_cell(engine, workload, images(2 * streams, side, seed + 99), streams)  # warm
+    core = engine.core
+    before = (core.ahead_ticks, core.behind_ticks)
+    recorder.spans.clear()
+    recorder.launched.clear()
+    start = time.perf_counter()
+    cell = run_cell(engine, workload, images(count, side, seed), streams)
+    parts = within(recorder.spans, start, time.perf_counter())
+    parts.pop("notify", None)
+    parts.pop("delivered", None)
+    parts["submit"] = parts.get("submit", 0.0) - parts.get("image_ref", 0.0)
+    parts["tick"] = parts.get("tick", 0.0) - sum(v for k, v in parts.items() if k.split()[0] in CALLS)
+    prefills = [rows for kind, rows in recorder.launched if kind == "image_prefill"]
+    return dict(workload=workload, req_s=cell["req_s"], p50_ms=cell["p50_ms"],
+                parts={k: 1e3 * v / count for k, v in parts.items()},
+                prefills=len(prefills) / count, prefill_rows=statistics.mean(prefills) if prefills else 0.0,
+                decodes=sum(1 for kind, _ in recorder.launched if kind == "decode") / count,
+                ahead=core.ahead_ticks - before[0], behind=core.behind_ticks - before[1])
+
+
+def show_streams(mode: str, streams: int, r: dict[str, Any]) -> str:
+    def listed(keys):
+        return ", ".join(f"{k} {v:.2f}" for k, v in sorted(keys, key=lambda kv: -kv[1]))
+    own = [(k, v) for k, v in r["parts"].items() if k.split()[0] in DECODE_THREAD]
+    callers = [(k, v) for k, v in r["parts"].items() if k.split()[0] not in DECODE_THREAD]
+    return (f"{r['workload']:7s} pipelined={mode:5s} x{streams}: {r['req_s']:.1f} req/s, p50 "
+            f"{r['p50_ms']:.1f} ms; image prefills {r['prefills']:.2f} a request of "
+            f"{r['prefill_rows']:.2f} rows, decode steps {r['decodes']:.2f} a request; ticks "
+            f"ahead {r['ahead']}, behind {r['behind']}; decode thread, ms a request: "
+            f"{listed(own)}; callers, ms a request (all threads): {listed(callers)}")
+
+
 def show(mode: str, r: dict[str, Any]) -> str:
     parts = ", ".join(f"{k} {v:.2f}" + (f" (x{r['calls'][k]:.1f})" if k in r["calls"] else "")
                       for k, v in sorted(r["parts"].items(), key=lambda kv: -kv[1]))
@@ -255,7 +309,15 @@ def main(argv: list[str] | None = None) -> None:
                     "(MoondreamBackend's crops_on_device=False)")
     ap.add_argument("--trace", type=int, default=0, metavar="K",
                     help="also print every timed span of the last K requests of each line")
+    ap.add_argument("--streams", type=int, default=1,
+                    help="client threads asking at once (more than one: the run's spans summed)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --streams: the modes this many times, A B C C B A")
     args = ap.parse_args(argv)
+    if args.streams < 1 or args.rounds < 1:
+        ap.error(f"--streams and --rounds must be at least 1, not {args.streams} and {args.rounds}")
+    if args.streams > 1 and args.trace:
+        ap.error("--trace shows one request's spans: it needs --streams 1")
     from bubblefree import Engine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -265,6 +327,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"prefill: {engine.backend.prefill_path}", flush=True)
     print(prepare_ms(engine, args.side), flush=True)
     try:
+        if args.streams > 1:
+            modes = args.modes.split(",")
+            order = [m for i in range(args.rounds) for m in (modes if i % 2 == 0 else modes[::-1])]
+            for workload in args.workloads.split(","):
+                for i, mode in enumerate(order):
+                    engine.pipelined = {"True": True, "False": False}.get(mode, mode)
+                    result = measure_streams(engine, recorder, workload, args.side, args.requests,
+                                             args.streams, seed=7 + 1000 * i)
+                    print(show_streams(mode, args.streams, result), flush=True)
+            return
         for mode in args.modes.split(","):
             engine.pipelined = {"True": True, "False": False}.get(mode, mode)
             for workload in args.workloads.split(","):

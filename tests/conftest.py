@@ -4,11 +4,27 @@ CI sets CI=true, which makes Hypothesis load its built-in ``ci`` profile
 (derandomized, no example database). We derive our own CI profile from it
 so the run is reproducible, and a dev profile from the default one. A deeper
 profile for long runs is picked with BUBBLEFREE_PROFILE=deep.
+
+Every test skipped where the GPU's parts are missing (a skip whose reason
+names CUDA, a GPU, Triton or sm_90) is marked ``gpu``, so ``pytest -m gpu``
+runs all of them on a GPU machine (``bench/gpu_run.sh``) and no list of
+files goes stale.
 """
 
 import os
+import re
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+GPU_REASON = re.compile(r"CUDA|GPU|Triton|sm_90")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(GPU_REASON.search(str(mark.kwargs.get("reason", "")))
+               for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
 
 _slow = [HealthCheck.too_slow, HealthCheck.data_too_large]
 

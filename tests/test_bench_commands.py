@@ -38,3 +38,29 @@ def test_auto_sim_runs_each_mode_on_the_same_ends():
     assert runs[0][1] == runs[1][1] == runs[2][1]
     assert len({len(tokens) for tokens in runs[0][1]}) > 1  # the ends vary between requests
     assert runs[0][0] != runs[1][0]  # and the orders' times differ
+
+
+def test_tests_skipped_without_the_gpus_parts_are_marked_gpu():
+    """``pytest -m gpu`` (``bench/gpu_run.sh``) selects every test whose skip
+    names CUDA, a GPU, Triton or sm_90, and no other: the marker is derived
+    from the reason, so no list of files goes stale."""
+    import pytest
+
+    from tests.conftest import pytest_collection_modifyitems
+
+    class Item:
+        def __init__(self, *reasons):
+            self.marks = [pytest.mark.skipif(True, reason=r).mark for r in reasons]
+
+        def iter_markers(self, name):
+            return iter([m for m in self.marks if m.name == name])
+
+        def add_marker(self, mark):
+            self.marks.append(mark.mark)
+
+    items = [Item("needs CUDA: Triton kernels"), Item("needs a GPU of compute capability 9"),
+             Item("needs Triton's ptxas to compile for sm_90"), Item("the ray extra"), Item(),
+             Item("the client left", "needs CUDA: a real shape's step")]
+    pytest_collection_modifyitems(None, items)
+    assert [any(m.name == "gpu" for m in item.marks) for item in items] == \
+        [True, True, True, False, False, True]

@@ -179,6 +179,36 @@ def test_vlm_timeline_runs_on_the_tiny_model_and_accounts_each_request(capsys):
     assert r["gc_ms"] >= 0
 
 
+def test_vlm_timeline_with_several_callers_sums_the_runs_spans_per_request(capsys):
+    """``--streams``: N callers at once; every launch counted by kind and
+    rows, the decode thread's spans apart from the callers', each image
+    prefill's rows and the modes run A B B A with ``--rounds 2``."""
+    from bubblefree import Engine
+    from bubblefree.bench import vlm_timeline
+    engine = Engine.moondream_random("tiny", device="cpu", pipelined="auto")
+    try:
+        recorder = vlm_timeline.Recorder(engine)
+        r = vlm_timeline.measure_streams(engine, recorder, "point", 378, 8, 3, seed=5)
+        recorder.close()
+    finally:
+        engine.close()
+    prefills = [rows for kind, rows in recorder.launched if kind == "image_prefill"]
+    assert r["prefills"] * 8 == len(prefills) and sum(prefills) == 8  # every request prefilled once
+    assert r["prefill_rows"] == pytest.approx(8 / len(prefills))
+    assert r["req_s"] > 0 and r["ahead"] == 0 and r["behind"] > 0  # on the CPU auto never goes ahead
+    assert all(v >= 0 for v in r["parts"].values()), r["parts"]
+    line = vlm_timeline.show_streams("auto", 3, r)
+    own, callers = line.split("decode thread, ms a request: ")[1].split("; callers")
+    assert "launch image_prefill" in own and "image_ref" not in own and "image_ref" in callers
+    vlm_timeline.main(["--tiny", "--streams", "2", "--requests", "4", "--workloads", "point",
+                       "--modes", "True,False", "--rounds", "2"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("point")]
+    assert [line.split()[1] for line in lines] == ["pipelined=True", "pipelined=False",
+                                                   "pipelined=False", "pipelined=True"]
+    with pytest.raises(SystemExit):
+        vlm_timeline.main(["--tiny", "--streams", "2", "--trace", "1"])
+
+
 def test_llava_speed_serves_the_peers_model_against_its_generate_and_writes_its_section(tmp_path):
     """bench.llava_speed: the same tiny LLaVA served and through ``generate``
     (the attention switched for the peer's turn and back), every mode giving
