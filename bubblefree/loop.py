@@ -56,6 +56,10 @@ class ServingLoop:
         # tell them (it refused the request, or it is broken); decode thread only.
         self._listeners: dict[int, Listener] = {}
         self._taking: collections.deque = collections.deque()  # inbox items being taken
+        # Submits in the inbox, for the core's auto rule (``Engine.arrivals``):
+        # changed under the lock, read without it (an int's read is atomic).
+        self._arriving = 0
+        core.arrivals = lambda: self._arriving
         self._closed = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="bubblefree-decode", daemon=True)
@@ -78,6 +82,7 @@ class ServingLoop:
             self.check_running()
             handles = [Handle(next(self._ids), request, self) for request, _ in items]
             self._inbox.extend(("submit", h, listener) for h, (_, listener) in zip(handles, items))
+            self._arriving += len(handles)
             self._wake.notify()
         return handles
 
@@ -155,6 +160,7 @@ class ServingLoop:
                 with self._wake:
                     while self._inbox:  # popleft: a finalizer may append meanwhile
                         self._taking.append(self._inbox.popleft())
+                    self._arriving = 0
                     closing = self._closed
                 while self._taking:
                     self._take(*self._taking.popleft())
@@ -222,6 +228,7 @@ class ServingLoop:
             self._error = err
             late = [*self._taking, *self._inbox]
             self._inbox.clear()
+            self._arriving = 0
         reason = f"engine error: {type(err).__name__}: {err}"
         for kind, handle, made in late:
             if kind == "submit":  # accepted: it ends, failed, like every live one

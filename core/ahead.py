@@ -54,7 +54,14 @@ launch's, by the share of v's rows still live (``weighed_bubble``):
 behind, the next launch is that prefill's, with nothing in flight; ahead,
 v's live rows advance under it. An image prefill's call is 2.5-7 ms of
 host time on moondream2 against 0.2-1.4 for a decode's at 8 streams
-(docs/performance.md, "Auto on images").
+(docs/performance.md, "Auto on images"). Requests already handed over
+for a prefill make v that prefill (``_taken``), whether the scheduler
+holds them yet or the serving loop's inbox still does (``arrivals``): on
+moondream2's images at 8 streams the callers' threads hand theirs in
+while the decode thread waits on the device, and a rule blind to the
+inbox foresaw a decode holding the ending rows as zombies, went behind,
+and left the device idle through that prefill's launch call
+(docs/performance.md, "Point on images at 8 streams, span by span").
 
 Pure and torch-free: the Engine measures with the clock it was given and
 hands this module numbers.
@@ -67,6 +74,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, NamedTuple
 
 import attrs
 
+from bubblefree.core.policy import PREFILLS
 from bubblefree.core.sequence import ENDED, Sequence
 from bubblefree.core.values import StepKind
 
@@ -101,13 +109,15 @@ May = dict[tuple[Hashable, int], list[int]]
 MARGIN = 1e-9
 
 
-def outlook(sched: "Scheduler", rates: "EndRates", follow: float = 0.0) -> tuple[int, float, May]:
+def outlook(sched: "Scheduler", rates: "EndRates", follow: float = 0.0,
+            arrivals: int = 0) -> tuple[int, float, May]:
     """What the core knows at the end of a tick, without the device: the row
     count of the uncommitted step u, the expected cost in rows of launching
     the next step v ahead of its commit (the rule's ``z``: each row of u that
     may end, by its skill's rate at that token, weighted 1 where v takes it
     and ``follow`` elsewhere; ``follow`` for each row at its last token), and
-    u's rows that may end (``May``, for ``EndRates``). Pure: it plans
+    u's rows that may end (``May``, for ``EndRates``). ``arrivals``:
+    requests handed over and not yet submitted (``_taken``). Pure: it plans
     nothing and admits nobody."""
     pending = _pending(sched)
     if pending is None:
@@ -115,7 +125,7 @@ def outlook(sched: "Scheduler", rates: "EndRates", follow: float = 0.0) -> tuple
     rows, may, last = pending
     if not may:  # the common tick of a skill that ends at known tokens: no need to foresee v
         return rows, last * follow, {}
-    return rows, _zombies(_rates(rates, may), follow, may, last, _taken(sched)), may
+    return rows, _zombies(_rates(rates, may), follow, may, last, _taken(sched, arrivals)), may
 
 
 class Choice(NamedTuple):
@@ -151,7 +161,7 @@ def weighed_bubble(bubble: float, prefill_extra: float, follow: float, ends: flo
 
 
 def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
-           forward: float, prefill_extra: float = 0.0) -> Choice:
+           forward: float, prefill_extra: float = 0.0, arrivals: int = 0) -> Choice:
     """``launch_ahead`` of ``outlook``'s rows and ``z`` against the
     ``weighed_bubble``, and u's rows that may end: the same answer, found
     with less host work, which at 64 rows is what a host-bound step is made
@@ -161,7 +171,8 @@ def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
     (past ``MARGIN``), which rows v takes cannot change it, and v is not
     foreseen (``Scheduler.preview`` looks at every sequence). The expected
     ends (each row that may end by its rate, each at its last token 1) do
-    not depend on v."""
+    not depend on v. ``arrivals``: requests handed over and not yet
+    submitted (``_taken``)."""
     pending = _pending(sched)
     if pending is None:
         return Choice(True, {}, bubble=bubble)
@@ -179,7 +190,7 @@ def choose(sched: "Scheduler", rates: "EndRates", follow: float, bubble: float,
     least = weighed * lo + last * follow
     if not launch_ahead(rows, least * (1 - MARGIN), bubble, forward):
         return Choice(False, may, rows, least, bubble)
-    z = _zombies(rate, follow, may, last, _taken(sched))
+    z = _zombies(rate, follow, may, last, _taken(sched, arrivals))
     return Choice(launch_ahead(rows, z, bubble, forward), may, rows, z, bubble)
 
 
@@ -218,8 +229,16 @@ def _pending(sched: "Scheduler") -> tuple[int, May, int] | None:
     return len(step.seq_ids), may, last
 
 
-def _taken(sched: "Scheduler") -> set[int]:
-    """The seq ids the next decode step would take (none if a prefill is next)."""
+def _taken(sched: "Scheduler", arrivals: int = 0) -> set[int]:
+    """The seq ids the next decode step would take (none if a prefill is
+    next). Requests not yet admitted, queued or handed over and not yet
+    submitted (``arrivals``), make a prefill next as ``policy.choose_step``
+    alternates: while a row slot is free for them, and unless the last
+    launch was a prefill (its rows decode next). Pages they might lack go
+    unchecked: a misjudged tick costs time, never a token (I8)."""
+    if (arrivals > 0 or sched.queue) and sched.rows.num_free > 0 \
+            and sched._last_kind not in PREFILLS:
+        return set()
     chosen = sched.preview()
     return {s.seq_id for s in chosen[1]} if chosen is not None and chosen[0] is StepKind.DECODE else set()
 

@@ -56,6 +56,9 @@ class Engine:
     probe: Callable[[str], None] = lambda situation: None
     # Host clock for the auto mode's measurements (``ahead.Timings``).
     clock: Callable[[], float] = time.perf_counter
+    # Requests handed over and not yet submitted: what the serving loop's
+    # inbox holds. The auto rule foresees their prefill (``ahead._taken``).
+    arrivals: Callable[[], int] = lambda: 0
     scheduler: Scheduler = attrs.field(init=False)
     timings: Timings = attrs.field(init=False)
     end_rates: EndRates = attrs.Factory(EndRates)
@@ -186,7 +189,8 @@ class Engine:
             return False
         t = self.timings
         follow, forward = self.successors.rate, t.forward or 0.0
-        choice = choose(self.scheduler, self.end_rates, follow, t.bubble, forward, t.prefill_extra)
+        choice = choose(self.scheduler, self.end_rates, follow, t.bubble, forward, t.prefill_extra,
+                        self.arrivals())
         self._may_end = choice.may
         self._ended = set()  # its rows were all live: none has ended since
         if not choice.ahead:

@@ -252,6 +252,7 @@ def test_a_mask_the_registry_does_not_know_may_end():
 # ------------------------------------------------------------- outlook
 CAP = Capacity(num_pages=16, page_size=4, max_rows=4, max_seqs=4, max_prefill_tokens=8, max_context=16)
 ONE_ROW = attrs.evolve(CAP, max_rows=1)
+ONE_SEQ = attrs.evolve(CAP, max_seqs=1)
 NO_STOP = 7  # the mask that leaves out the stop id 0
 
 
@@ -288,6 +289,17 @@ def launch(sched):
 def commit(sched, *tokens):
     step = sched.next_commit()
     sched.commit(step, StepOutput(step.step_id, tokens), None)
+
+
+def one_may_end():
+    """Two rows decoding: row 0 may end at the pending decode u (stop id 0),
+    row 1 cannot."""
+    sched = scheduler(CAP, Request(prompt=(1, 2), max_tokens=8, stop_ids=frozenset({0})),
+                      Request(prompt=(1, 2), max_tokens=8))
+    launch(sched)  # both prefilled
+    commit(sched, 1, 1)
+    launch(sched)  # u
+    return sched
 
 
 def plain(**kw):
@@ -607,18 +619,41 @@ def test_the_bubble_weighs_the_next_prefill_s_launch_by_a_caller_s_chance_and_th
     # token), row 1 is plain and runs on. With an image prefill's launch 4.0
     # over a decode's and every caller answering: 0.3 + (0.5 x 1 / 2) x 4.0
     # x 1.5 / 2.
-    sched = scheduler(CAP, Request(prompt=(1, 2), max_tokens=8, stop_ids=frozenset({0})),
-                      Request(prompt=(1, 2), max_tokens=8))
-    launch(sched)  # both prefilled
-    commit(sched, 1, 1)
-    launch(sched)  # u: row 0 may end (stop id 0), row 1 cannot
-    rates = EndRates()
+    sched, rates = one_may_end(), EndRates()
     rows, zombies, _ = outlook(sched, rates, 1.0)
     assert (rows, zombies) == (2, 0.5)
     assert not choose(sched, rates, 1.0, 0.3, 2.0).ahead  # 0.3 < 2.0 x 0.5 / 2
     got = choose(sched, rates, 1.0, 0.3, 2.0, prefill_extra=4.0)
     assert got.bubble == pytest.approx(0.3 + 0.25 * 4.0 * 1.5 / 2) and got.ahead
     assert choose(sched, rates, 0.0, 0.3, 2.0, prefill_extra=4.0).bubble == 0.3  # nobody follows
+
+
+def test_requests_handed_over_and_not_yet_admitted_make_a_prefill_next():
+    # v is the prefill of requests the scheduler has queued or the serving
+    # loop still holds (``arrivals``), as ``choose_step`` alternates: u's
+    # rows that may end are then in no step v runs, and weigh the callers'
+    # share alone; while a row slot is free for them and the last launch
+    # was not a prefill.
+    sched, rates = one_may_end(), EndRates()
+    assert outlook(sched, rates, 0.0) == (2, 0.5, {(None, 1): [0]})  # v a decode: row 0 is in it
+    assert outlook(sched, rates, 0.0, arrivals=1) == (2, 0.0, {(None, 1): [0]})  # v a prefill
+    assert outlook(sched, rates, 0.5, arrivals=3) == (2, 0.25, {(None, 1): [0]})
+    for share in (0.0, 0.3, 1.0):  # the shortcut agrees with the whole outlook
+        rows, zombies, may = outlook(sched, rates, share, arrivals=1)
+        got = choose(sched, rates, share, 0.4, 2.0, arrivals=1)
+        assert got[:3] == (launch_ahead(rows, zombies, 0.4, 2.0), may, rows)
+    assert not choose(sched, rates, 0.0, 0.4, 2.0).ahead  # 0.4 < 2.0 x 0.5 / 2
+    assert choose(sched, rates, 0.0, 0.4, 2.0, arrivals=1).ahead  # no zombie: v is a prefill
+    sched.add(Sequence(2, Request(prompt=(3, 4), max_tokens=8)))  # queued, a row slot free
+    assert outlook(sched, rates, 0.0) == (2, 0.0, {(None, 1): [0]})
+    full = scheduler(ONE_SEQ, Request(prompt=(1, 2), max_tokens=8, stop_ids=frozenset({0})))
+    launch(full)
+    commit(full, 1)
+    launch(full)
+    assert outlook(full, rates, 0.0, arrivals=2) == (1, 0.5, {(None, 1): [0]})  # no slot: it decodes on
+    after = scheduler(CAP, Request(prompt=(1, 2), max_tokens=8, stop_ids=frozenset({0})))
+    launch(after)  # u is a prefill: the rows it started decode next
+    assert outlook(after, rates, 0.0, arrivals=2) == (1, 0.5, {(None, 0): [0]})
 
 
 def test_choose_foresees_the_next_step_only_where_the_answer_depends_on_it(monkeypatch):

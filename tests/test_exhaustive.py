@@ -103,9 +103,9 @@ def test_the_choice_search_refuses_an_outlook_that_changes_what_it_looks_at(monk
 
     looked = core_engine.choose
 
-    def planning(sched, rates, follow, bubble, forward, prefill_extra=0.0):
+    def planning(sched, rates, follow, bubble, forward, prefill_extra=0.0, arrivals=0):
         sched._next_step += 1  # as if it had planned a step
-        return looked(sched, rates, follow, bubble, forward, prefill_extra)
+        return looked(sched, rates, follow, bubble, forward, prefill_extra, arrivals)
 
     monkeypatch.setattr(core_engine, "choose", planning)
     bounds = BOUNDS["quick"]
@@ -123,7 +123,7 @@ def test_the_choice_search_refuses_a_shortcut_that_is_not_the_rule(monkeypatch):
     # as taken by the next step (never foreseeing it) is caught.
     import exhaustive_world
 
-    def hasty(sched, rates, follow, bubble, forward, prefill_extra=0.0):
+    def hasty(sched, rates, follow, bubble, forward, prefill_extra=0.0, arrivals=0):
         rows, zombies, may = ahead.outlook(sched, rates, max(follow, 1.0))
         return ahead.Choice(ahead.launch_ahead(rows, zombies, bubble, forward), may, rows, zombies, bubble)
 
@@ -139,8 +139,8 @@ def test_the_choice_search_refuses_zombies_named_on_the_wrong_side(monkeypatch):
     # answered, is caught where ahead was the answer.
     import exhaustive_world
 
-    def halved(sched, rates, follow, bubble, forward, prefill_extra=0.0):
-        got = ahead.choose(sched, rates, follow, bubble, forward, prefill_extra)
+    def halved(sched, rates, follow, bubble, forward, prefill_extra=0.0, arrivals=0):
+        got = ahead.choose(sched, rates, follow, bubble, forward, prefill_extra, arrivals)
         return got._replace(zombies=got.zombies / 2)
 
     monkeypatch.setattr(exhaustive_world, "choose", halved)
@@ -155,7 +155,7 @@ def test_the_choice_search_refuses_a_bubble_without_the_next_prefill_s_launch(mo
     # where the grid's prefill extra is not zero.
     import exhaustive_world
 
-    def unweighed(sched, rates, follow, bubble, forward, prefill_extra=0.0):
+    def unweighed(sched, rates, follow, bubble, forward, prefill_extra=0.0, arrivals=0):
         return ahead.choose(sched, rates, follow, bubble, forward)
 
     monkeypatch.setattr(exhaustive_world, "choose", unweighed)

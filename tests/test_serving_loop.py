@@ -57,20 +57,33 @@ def test_a_lost_device_fails_every_live_request_and_refuses_new_work():
     loop.close()
 
 
-class HeldThenLost(FakeBackend):
-    """A device that holds its second launch until told, then dies: work
-    handed to the loop meanwhile is still in the inbox when it is lost."""
+class Held(FakeBackend):
+    """A device that holds its second launch until told (``go``)."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.reached, self.release = threading.Event(), threading.Event()
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def hold(self, plan) -> bool:
+        if plan.step_id != 1:
+            return False
+        self.reached.set()
+        assert self.go.wait(30)
+        return True
 
     def launch(self, slot, plan):
-        if plan.step_id == 1:
-            self.reached.set()
-            assert self.release.wait(30)
-            raise RuntimeError("device lost")
+        self.hold(plan)
         return super().launch(slot, plan)
+
+
+class HeldThenLost(Held):
+    """Held, then dies instead of launching: work handed to the loop
+    meanwhile is still in the inbox when it is lost."""
+
+    def launch(self, slot, plan):
+        if self.hold(plan):
+            raise RuntimeError("device lost")
+        return FakeBackend.launch(self, slot, plan)
 
 
 def test_work_handed_over_as_the_device_is_lost_is_answered():
@@ -86,7 +99,7 @@ def test_work_handed_over_as_the_device_is_lost_is_answered():
     switch.start()
     while len(loop._inbox) < 2:  # both handed over before the device dies
         threading.Event().wait(0.001)
-    backend.release.set()
+    backend.go.set()
     switch.join(30)
     assert not switch.is_alive()
     assert first.result(30).status is Status.FAILED
@@ -96,6 +109,28 @@ def test_work_handed_over_as_the_device_is_lost_is_answered():
     assert result.finish_reason == "engine error: RuntimeError: device lost"
     assert not loop._live
     loop.close()
+
+
+def test_the_core_counts_the_submits_handed_over_and_not_yet_taken():
+    """``Engine.arrivals`` (the auto rule's foresight of a prefill) counts
+    the requests in the inbox: each submit, not a cancel; none once the
+    decode thread has taken them, or once the loop has stopped."""
+    backend = Held(zero_cost=True)
+    loop = ServingLoop(Engine(backend, pipelined="auto"))
+    first = loop.submit(Request(prompt=(0, 1), max_tokens=6))
+    assert backend.reached.wait(30)  # the decode thread is inside a tick
+    assert loop.core.arrivals() == 0
+    loop.submit_all([(Request(prompt=(2, 3), max_tokens=2), None),
+                     (Request(prompt=(4, 5), max_tokens=2), None)])
+    third = loop.submit(Request(prompt=(6, 7), max_tokens=2))
+    third.cancel()
+    assert loop.core.arrivals() == 3
+    backend.go.set()
+    assert first.result(30).status is Status.COMPLETED
+    third.result(30)
+    assert loop.core.arrivals() == 0
+    loop.close()
+    assert loop.core.arrivals() == 0
 
 
 class AbortFails(Engine):
