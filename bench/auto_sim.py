@@ -81,10 +81,14 @@ def requests(p: float | None, n: int, seed: int, early: bool = False) -> list[Re
 
 
 def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request], think: float = 0.0,
-        prefill: tuple[float, float, float] = (PREFILL, PREFILL_PER_ROW, PREFILL_LAUNCH)) -> tuple[float, list]:
+        prefill: tuple[float, float, float] = (PREFILL, PREFILL_PER_ROW, PREFILL_LAUNCH),
+        inbox: bool = False) -> tuple[float, list]:
     """Simulated time to answer ``reqs`` with ``streams`` callers, each
     sending its next request ``think`` after its last one's end reached it,
-    and the outputs."""
+    and the outputs. ``inbox``: a request whose time comes during a tick
+    waits in an inbox the core can count (``Engine.arrivals``), as the
+    serving loop's callers on other threads do; it is still submitted
+    between ticks."""
     _, forward, launch, finalize, per_row = regime
     # The commit's host cost per row is charged at release, after the
     # scheduler's commit, where the engine's clock sees it, as it sees the
@@ -100,6 +104,8 @@ def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
                           num_pages=8192, page_size=16, max_prefill_tokens=64 * streams)
     engine = Engine(backend, pipelined=pipelined, clock=lambda: backend.clock.host)
     todo, handles, ended, due = list(reversed(reqs)), [], [], []
+    if inbox:
+        engine.arrivals = lambda: min(len(todo), sum(1 for t in due if t <= backend.clock.host))
 
     def submit() -> None:
         handles.append(engine.submit(todo.pop()))
@@ -125,13 +131,13 @@ def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
 
 def cell(regime: tuple, streams: int, p: float | None, think: float, seeds: int, per_stream: int,
          prefill: tuple[float, float, float] = (PREFILL, PREFILL_PER_ROW, PREFILL_LAUNCH),
-         early: bool = False) -> dict[str, float]:
+         early: bool = False, inbox: bool = False) -> dict[str, float]:
     times = dict.fromkeys((name for _, name in MODES), 0.0)
     for seed in range(seeds):
         reqs = requests(p, max(per_stream * streams, 24), seed, early)
         outputs = {}
         for pipelined, name in MODES:
-            t, outputs[name] = run(pipelined, regime, streams, reqs, think, prefill)
+            t, outputs[name] = run(pipelined, regime, streams, reqs, think, prefill, inbox)
             times[name] += t
         if len({tuple(o) for o in outputs.values()}) != 1:
             raise AssertionError(f"I8: the modes' outputs differ ({regime[0]}, {streams} streams, p={p})")
@@ -150,6 +156,9 @@ def main(argv: list[str] | None = None) -> str:
                     help="a prefill's launch call, in decode launches' host time")
     ap.add_argument("--skills", default=None, help="a comma-separated subset of the skills, each by its "
                     "name or its name's first word (default: all)")
+    ap.add_argument("--inbox", action="store_true",
+                    help="a request due during a tick waits in an inbox the core counts, as the "
+                         "serving loop's callers on other threads do")
     ap.add_argument("--out", default="docs/auto-sim.md", help="append the table here ('' for none)")
     args = ap.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
@@ -168,7 +177,8 @@ def main(argv: list[str] | None = None) -> str:
             for caller, think in CALLERS:
                 for n in streams:
                     t = cell(regime, n, p, think, args.seeds, args.per_stream,
-                             (args.prefill, args.prefill_per_row, args.prefill_launch), early)
+                             (args.prefill, args.prefill_per_row, args.prefill_launch), early,
+                             args.inbox)
                     ratio = min(t["pipelined"], t["blocking"]) / t["auto"]
                     misses += ratio < 0.98
                     lines.append(f"| {regime[0]} | {skill} | {caller} | {n} | {t['pipelined']:.1f} | "
@@ -188,13 +198,14 @@ def main(argv: list[str] | None = None) -> str:
                   f"\n\nCommand: `python -m bubblefree.bench.auto_sim "
                   f"--seeds {args.seeds} --per-stream {args.per_stream} --streams {args.streams} "
                   f"--prefill {args.prefill:g} --prefill-per-row {args.prefill_per_row:g} "
-                  f"--prefill-launch {args.prefill_launch:g}`. "
+                  f"--prefill-launch {args.prefill_launch:g}{' --inbox' if args.inbox else ''}`. "
                   f"Decode forward, launch, finalize and per-row commit host costs per regime: "
                   + "; ".join(f"{r[0]} {r[1]}, {r[2]}, {r[3]}, {r[4]}" for r in REGIMES)
                   + f"; a prefill costs {args.prefill:g} forwards and {args.prefill_per_row:g} a row; "
                   "the commit's host cost is paid after the "
                   "copy's arrival, where the engine's clock sees it. Callers send their next request "
-                  + " or ".join(f"{think:g}" for _, think in CALLERS) + " after an end reaches them.\n\n")
+                  + " or ".join(f"{think:g}" for _, think in CALLERS) + " after an end reaches them"
+                  + (", into an inbox the core counts" if args.inbox else "") + ".\n\n")
         path.write_text(old.rstrip() + "\n\n" + header + table + "\n")
     return table
 
