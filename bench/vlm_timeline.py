@@ -31,8 +31,9 @@ With ``--streams N`` (N > 1), N client threads ask at once, as
 request's work alone. Each line then sums every span of the run, per kind
 and thread (the decode thread's backend calls, ticks, hand-offs and idle
 waits; the callers' submits and crops), divided by the requests; gives the
-image prefills' count and rows, auto's ticks ahead and behind, and the
-run's req/s. ``--rounds R`` runs the modes R times in the order A B C C B
+image prefills' count and rows, auto's ticks ahead and behind (with the
+medians of what the rule weighed at its behind ticks), and the run's
+req/s. ``--rounds R`` runs the modes R times in the order A B C C B
 A, each run its own line, so that what moves with the mode can be told
 from what moves between runs.
 """
@@ -49,6 +50,7 @@ from typing import Any, Callable
 
 import torch
 
+from bubblefree.bench.speed_report import behind_summary
 from bubblefree.bench.vlm_speed import WORKLOADS, images, run_cell
 
 CALLS = ("launch", "wait", "finalize", "release")
@@ -246,7 +248,9 @@ def measure_streams(engine: Any, recorder: Recorder, workload: str, side: int, c
     parts["submit"] = parts.get("submit", 0.0) - parts.get("image_ref", 0.0)
     parts["tick"] = parts.get("tick", 0.0) - sum(v for k, v in parts.items() if k.split()[0] in CALLS)
     prefills = [rows for kind, rows in recorder.launched if kind == "image_prefill"]
-    return dict(workload=workload, req_s=cell["req_s"], p50_ms=cell["p50_ms"],
+    new = min(core.behind_ticks - before[1], len(core.behind))
+    why = behind_summary(list(core.behind)[len(core.behind) - new:])
+    return dict(workload=workload, req_s=cell["req_s"], p50_ms=cell["p50_ms"], why=why,
                 parts={k: 1e3 * v / count for k, v in parts.items()},
                 prefills=len(prefills) / count, prefill_rows=statistics.mean(prefills) if prefills else 0.0,
                 decodes=sum(1 for kind, _ in recorder.launched if kind == "decode") / count,
@@ -258,10 +262,15 @@ def show_streams(mode: str, streams: int, r: dict[str, Any]) -> str:
         return ", ".join(f"{k} {v:.2f}" for k, v in sorted(keys, key=lambda kv: -kv[1]))
     own = [(k, v) for k, v in r["parts"].items() if k.split()[0] in DECODE_THREAD]
     callers = [(k, v) for k, v in r["parts"].items() if k.split()[0] not in DECODE_THREAD]
+    why = r.get("why")
+    weighed = "" if not why else (
+        f" (medians there: rows {why['rows']:g}, zombies {why['zombies']:.2f}, follow "
+        f"{why['follow']:.2f}, bubble {why['bubble_ms']:.2f} ms, zombie cost "
+        f"{why['zombie_cost_ms']:.2f} ms)")
     return (f"{r['workload']:7s} pipelined={mode:5s} x{streams}: {r['req_s']:.1f} req/s, p50 "
             f"{r['p50_ms']:.1f} ms; image prefills {r['prefills']:.2f} a request of "
             f"{r['prefill_rows']:.2f} rows, decode steps {r['decodes']:.2f} a request; ticks "
-            f"ahead {r['ahead']}, behind {r['behind']}; decode thread, ms a request: "
+            f"ahead {r['ahead']}, behind {r['behind']}{weighed}; decode thread, ms a request: "
             f"{listed(own)}; callers, ms a request (all threads): {listed(callers)}")
 
 

@@ -196,8 +196,13 @@ def test_vlm_timeline_with_several_callers_sums_the_runs_spans_per_request(capsy
     assert r["prefills"] * 8 == len(prefills) and sum(prefills) == 8  # every request prefilled once
     assert r["prefill_rows"] == pytest.approx(8 / len(prefills))
     assert r["req_s"] > 0 and r["ahead"] == 0 and r["behind"] > 0  # on the CPU auto never goes ahead
+    assert r["why"] is None  # nor weighs anything: a launch there computes its step
     assert all(v >= 0 for v in r["parts"].values()), r["parts"]
     line = vlm_timeline.show_streams("auto", 3, r)
+    weighed = vlm_timeline.show_streams("auto", 3, dict(r, why=dict(
+        rows=5, zombies=1.1, follow=0.26, bubble_ms=1.9, zombie_cost_ms=0.48)))
+    assert "behind " + str(r["behind"]) + " (medians there: rows 5, zombies 1.10, follow 0.26, " \
+        "bubble 1.90 ms, zombie cost 0.48 ms);" in weighed
     own, callers = line.split("decode thread, ms a request: ")[1].split("; callers")
     assert "launch image_prefill" in own and "image_ref" not in own and "image_ref" in callers
     vlm_timeline.main(["--tiny", "--streams", "2", "--requests", "4", "--workloads", "point",
