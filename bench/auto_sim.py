@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> str:
             "to answer every request (lower is better), the sum over the seeds.\n")
         header = (f"## {datetime.date.today().isoformat()}, a prefill of {args.prefill:g} forwards "
                   f"and {args.prefill_per_row:g} a row, its launch {args.prefill_launch:g} decode launches"
-                  f"\n\nCommand: `python -m bubblefree.bench.auto_sim "
+                  + (", callers' requests counted in an inbox" if args.inbox else "")
+                  + f"\n\nCommand: `python -m bubblefree.bench.auto_sim "
                   f"--seeds {args.seeds} --per-stream {args.per_stream} --streams {args.streams} "
                   f"--prefill {args.prefill:g} --prefill-per-row {args.prefill_per_row:g} "
                   f"--prefill-launch {args.prefill_launch:g}{' --inbox' if args.inbox else ''}`. "
