@@ -191,6 +191,7 @@ def measure(engine: Any, recorder: Recorder, workload: str, side: int, count: in
         ask(engine, picture)  # warm
     pictures = images(count, side, 7)
     recorder.spans.clear()
+    recorder.launched.clear()
     windows = []
     cuda = torch.cuda.is_available()
     if cuda:
