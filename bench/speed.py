@@ -131,7 +131,7 @@ def measure_cell(backend, kind: str, streams: int, args, mask_ids) -> list[dict]
             runs[mode].append(r)
             args.clock.say(f"{kind} x{streams} {mode} run {i + 1}/{args.repeats}"
                 f"{' (timing hook)' if hooked else ''}: {r['tok_s']:,.0f} tok/s, "
-                f"{r['ms_step']:.2f} ms/step")
+                f"{r['ms_step']:.2f} ms/step ({report.run_spans(r)})")
     rows = []
     for mode, rs in runs.items():
         hooked = rs[-1]

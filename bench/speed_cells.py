@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import random
 import statistics
+import threading
 import time
 from collections import defaultdict
 
@@ -214,6 +216,32 @@ def zombie_stats(trace: list[tuple], ntokens: dict[int, int]) -> tuple[int, int,
     return len(rows), sum(zombies.values()), wasted
 
 
+class Collections:
+    """The garbage collections (any thread, any generation) while entered:
+    how many, and the seconds they took. A full collection of a process
+    serving a model takes about 100 ms on a CPU: inside a run it is a stall
+    of every stream, and it shows here and not in the host's own work."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds = 0, 0.0
+        self._started: dict[int, float] = {}
+
+    def _seen(self, phase: str, info: dict) -> None:
+        now, thread = time.perf_counter(), threading.get_ident()
+        if phase == "start":
+            self._started[thread] = now
+        elif thread in self._started:
+            self.count += 1
+            self.seconds += now - self._started.pop(thread)
+
+    def __enter__(self) -> "Collections":
+        gc.callbacks.append(self._seen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._seen)
+
+
 def run_closed_loop(backend: TimedBackend, requests: list[Request], streams: int,
                     pipelined: bool | str, record: bool) -> dict:
     """Keep ``streams`` requests in flight until all are done; measure."""
@@ -238,23 +266,24 @@ def run_closed_loop(backend: TimedBackend, requests: list[Request], streams: int
     done, ticks, results = 0, 0, []
     start = time.perf_counter()
     try:
-        while todo and len(submitted_at) < streams:
-            submit(todo.pop())
-        while done < len(requests):
-            if not engine.tick():
-                raise RuntimeError(f"engine idle with {len(requests) - done} requests unfinished")
-            ticks += 1
-            if ticks > budget:
-                raise RuntimeError(f"no end after {ticks} ticks")
-            while finished:
-                h, t = finished.pop()
-                latency.append(t - submitted_at[h.request_id])
-                results.append(h.result)
-                done += 1
-                if todo:
-                    submit(todo.pop())
-        engine.run_until_idle(max_ticks=16)  # zombies still in flight
-        wall = time.perf_counter() - start
+        with Collections() as collected:
+            while todo and len(submitted_at) < streams:
+                submit(todo.pop())
+            while done < len(requests):
+                if not engine.tick():
+                    raise RuntimeError(f"engine idle with {len(requests) - done} requests unfinished")
+                ticks += 1
+                if ticks > budget:
+                    raise RuntimeError(f"no end after {ticks} ticks")
+                while finished:
+                    h, t = finished.pop()
+                    latency.append(t - submitted_at[h.request_id])
+                    results.append(h.result)
+                    done += 1
+                    if todo:
+                        submit(todo.pop())
+            engine.run_until_idle(max_ticks=16)  # zombies still in flight
+            wall = time.perf_counter() - start
     finally:
         backend.recording = False
     bad = [r for r in results if r.status is not Status.COMPLETED]
@@ -266,6 +295,15 @@ def run_closed_loop(backend: TimedBackend, requests: list[Request], streams: int
     out = dict(requests=len(results), tokens=tokens, wall_s=wall, steps=steps,
                tok_s=tokens / wall, req_s=len(results) / wall, ms_step=wall / steps * 1e3,
                zombie_rows=zombie_rows, wasted_steps=wasted, z=wasted / steps,
+               # Where each run's steps went on the host, in every run (the
+               # timing hook's idle and busy are the last run's only): blocked
+               # in wait (the device's step, or its copy), the host's own
+               # work (the rest), auto's choosing inside that, and garbage
+               # collections; per step, ms.
+               wait_ms=backend.wait_total / steps * 1e3,
+               host_ms=(wall - backend.wait_total) / steps * 1e3,
+               choose_ms=engine.choose_host / steps * 1e3,
+               gc_count=collected.count, gc_ms=collected.seconds * 1e3,
                ahead_ticks=engine.ahead_ticks, behind_ticks=engine.behind_ticks,
                behind_why=behind_summary(engine.behind), timings=timings_summary(engine),
                p50_ms=statistics.median(latency) * 1e3, p99_ms=_quantile(latency, 0.99) * 1e3,

@@ -39,6 +39,11 @@ def notes(tokens: dict[str, int], repeats: int) -> str:
         "minimum). Peers submit all their requests at once (text only).")
 
 
+# Each run's figures kept in its mode's row, in the order run: throughput,
+# and where its steps went on the host (``speed_cells.run_closed_loop``).
+RUN_FIELDS = ("tok_s", "wait_ms", "host_ms", "choose_ms", "gc_ms")
+
+
 def mode_row(runs: list[dict]) -> dict:
     """One mode's runs of a cell (in the order run; the timing hook's last)
     as the table's row: tok/s, req/s and ms/step the median over the runs
@@ -62,8 +67,18 @@ def mode_row(runs: list[dict]) -> dict:
     for key in ("tok_s", "req_s", "ms_step"):
         if all(key in r for r in plain):
             row[key] = statistics.median(r[key] for r in plain)
-    row["tok_s_runs"] = [r["tok_s"] for r in runs]
+    for key in RUN_FIELDS:
+        if all(key in r for r in runs):
+            row[f"{key}_runs"] = [r[key] for r in runs]
     return row
+
+
+def run_spans(run: dict) -> str:
+    """Where one run's steps went on the host, ms a step: blocked in
+    ``wait``, the host's own work (auto's choosing inside it), and the
+    garbage collections of the run (ms in all)."""
+    return (f"wait {run['wait_ms']:.2f}, host {run['host_ms']:.2f} of which choosing "
+            f"{run['choose_ms']:.3f}; gc {run['gc_count']} in {run['gc_ms']:.1f} ms")
 
 
 def behind_summary(behind) -> dict | None:

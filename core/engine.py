@@ -89,6 +89,10 @@ class Engine:
     # behind ticks.
     ahead_ticks: int = 0
     behind_ticks: int = 0
+    # Host-clock seconds auto has spent choosing (``_ahead``): the rule's own
+    # cost, which pipelined does not pay. Where the host sets a step's pace
+    # (64 constrained rows on a small model) it is what auto gives up.
+    choose_host: float = 0.0
     behind: collections.deque[Behind] = attrs.field(
         factory=lambda: collections.deque(maxlen=BEHIND_KEPT), init=False)
 
@@ -187,6 +191,7 @@ class Engine:
         if not self.backend.capacity.asynchronous:
             self._may_end = {}
             return False
+        started = self.clock()
         t = self.timings
         follow, forward = self.successors.rate, t.forward or 0.0
         choice = choose(self.scheduler, self.end_rates, follow, t.bubble, forward, t.prefill_extra,
@@ -195,6 +200,7 @@ class Engine:
         self._ended = set()  # its rows were all live: none has ended since
         if not choice.ahead:
             self.behind.append(Behind(choice.rows, choice.zombies, choice.bubble, forward, follow))
+        self.choose_host += self.clock() - started
         return choice.ahead
 
     def _learn(self) -> None:

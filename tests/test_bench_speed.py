@@ -5,6 +5,7 @@ three modes is measured, the peers are reported (as not applicable without CUDA)
 the docs entry and the JSON lines are written, and the seed's model is run.
 """
 
+import gc
 import json
 import statistics
 
@@ -14,7 +15,7 @@ import torch
 import transformers
 
 from bubblefree.bench import speed, speed_report
-from bubblefree.bench.speed_cells import Cycle, bin_masks, zombie_stats
+from bubblefree.bench.speed_cells import Collections, Cycle, bin_masks, zombie_stats
 from bubblefree.bench.speed_setup import SHAPES, weight_bytes
 from bubblefree.cuda_backend.backend import CudaBackend
 
@@ -69,6 +70,17 @@ def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
             assert why["ticks"] == min(r["behind_ticks"], BEHIND_KEPT) and why["zombies"] > 0
             assert why["zombie_cost_ms"] > why["bubble_ms"] * (1 - 1e-9)  # the rule's "behind"
     assert any(r["behind_why"] for r in cells if r["mode"] == "auto")
+    # where every run's steps went on the host: each run's figures in its
+    # mode's row, the wait and the host's own work making up its step, the
+    # choosing auto's alone
+    for r in cells:
+        assert len(r["tok_s_runs"]) == len(r["host_ms_runs"]) == len(r["choose_ms_runs"]) == 2
+        assert r["wait_ms"] >= 0 and r["host_ms"] > 0 and r["gc_ms"] >= 0 and r["gc_count"] >= 0
+        assert r["wait_ms"] + r["host_ms"] == pytest.approx(r["wall_s"] / r["steps"] * 1e3)
+        chose = [c > 0 for c in r["choose_ms_runs"]]
+        assert chose == [r["mode"] == "auto"] * 2, r["mode"]
+        assert r["choose_ms"] < r["host_ms"]
+    assert printed.count("of which choosing") == 4 * 2 * 3 * 2  # every run's line
     # the rule's running means at each cell's end, per step kind
     for r in cells:
         timed = r["timings"]
@@ -256,3 +268,15 @@ def test_a_mode_row_takes_the_median_of_its_plain_runs_and_the_upper_median_s_fi
     assert row["p50_ms"] == 4.0 and row["tok_s_runs"] == [900.0, 1100.0, 5000.0]
     only = speed_report.mode_row([dict(tok_s=700.0, req_s=1.0, ms_step=3.0, hooked=True)])
     assert only["tok_s"] == 700.0  # one run, hooked: that run
+
+
+def test_collections_counts_the_garbage_collections_inside_and_stops_listening_after():
+    with Collections() as seen:
+        gc.collect()
+        gc.collect()
+    assert seen.count == 2 and seen.seconds > 0
+    gc.collect()
+    assert seen.count == 2
+    with pytest.raises(ZeroDivisionError), Collections() as raised:
+        1 / 0
+    assert raised._seen not in gc.callbacks and seen._seen not in gc.callbacks

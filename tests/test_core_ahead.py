@@ -5,6 +5,8 @@ with the tokens of blocking (I8)."""
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import pytest
 
@@ -413,6 +415,23 @@ def test_auto_skips_the_zombie_step_of_a_sure_end_and_keeps_the_tokens():
     assert ahead_launches == 4  # the zombie decode after the third token
     assert auto_launches == 3
     assert False in engine.choices and engine.end_rates.rate(None) > 0.5
+
+
+@pytest.mark.parametrize("mode", [True, False, "auto"])
+def test_auto_counts_the_host_clock_it_spends_choosing_and_the_other_modes_none(mode):
+    """``Engine.choose_host``, the rule's own host time (``bench.speed``
+    reports it per run): on a clock that moves one unit a reading, exactly
+    one unit a choice, as the rule itself reads no clock; the modes that
+    never choose spend none."""
+    readings = itertools.count()
+    backend = FakeBackend(model=FakeModel(), timing=Timing(forward=2.0, sampling=0.0, copy=0.0))
+    engine = Engine(backend, pipelined=mode, clock=lambda: float(next(readings)))
+    for _ in range(3):
+        engine.submit(Request(prompt=(3, 5), max_tokens=8, decode_state=Three))
+    engine.run_until_idle(max_ticks=200)
+    choices = engine.ahead_ticks + engine.behind_ticks
+    assert engine.choose_host == choices
+    assert (choices > 0) == (mode == "auto")
 
 
 def test_auto_launches_ahead_once_text_rarely_ends():
