@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(_ptxas() is None,
 
 ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32",
         "N": "i32", "steps": "i32", "sx_m": "i32", "sw_n": "i32", "so_s": "i32", "so_m": "i32",
-        "up_off": "i32"}
+        "up_off": "i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "heads": "i32"}
 
 
 @pytest.mark.parametrize("form", ["partial", "whole", "glu"])
@@ -39,8 +39,34 @@ ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32"
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_gemm_compiles_for_hopper(form, ahead, pdl):
     consts = dict(HAS_BIAS=True, PARTIAL=form == "partial", IEEE=False, GLU=form == "glu",
-                  PDL=pdl, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, STAGES=3, AHEAD=ahead)
+                  PDL=pdl, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, STAGES=3, AHEAD=ahead,
+                  STATES=0, BLOCK_S=1, HD=1, DT=triton.language.bfloat16, ROWS=1)
     signature = {**ARGS, **dict.fromkeys(consts, "constexpr")}
     source = ASTSource(fn=skinny_gemm._gemm_kernel, signature=signature, constexprs=consts)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert kernel.asm["cubin"]
+
+
+MLP_ARGS = {**{p: "*bf16" for p in ("x_ptr", "a_ptr", "wo_ptr", "bo_ptr", "nw_ptr", "wgu_ptr",
+                                    "bgu_ptr", "wd_ptr", "bd_ptr", "h1_ptr", "act_ptr")},
+            "out_ptr": "*fp32", "sync_ptr": "*i32", "M": "i32", "N": "i32", "KO": "i32", "I": "i32",
+            "eps": "fp32", **dict.fromkeys(("sx", "sa", "swo", "sh", "swgu", "sact", "swd", "so"), "i32")}
+
+
+@pytest.mark.parametrize("phase", [0, 1, 2, 3])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_layers_persistent_kernel_compiles_for_hopper(phase, pdl):
+    """``layer_mlp``: each phase alone and the three with the grid-wide
+    waits, at Qwen2-0.5B's tile widths over 132 programs. The waits'
+    reads must stay atomic loads (the interpreter cannot check them)."""
+    from bubblefree.cuda_backend import layer_mlp
+    consts = dict(PHASE=phase, HAS_BO=False, HAS_BGU=True, HAS_BD=False, PDL=pdl, BM=16, BN_O=16,
+                  BN_G=64, BN_D=16, BK=128, STAGES=3)
+    signature = {**MLP_ARGS, **dict.fromkeys(consts, "constexpr")}
+    source = ASTSource(fn=layer_mlp._mlp_kernel, signature=signature, constexprs=consts)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert kernel.asm["cubin"]
+    ptx = kernel.asm["ptx"]
+    waits = ptx.count("ld.global.gpu.acquire")
+    assert waits == (2 if phase == 3 else 0)  # one spinning read a wait
+    assert ("griddepcontrol.wait" in ptx) == pdl
