@@ -91,12 +91,14 @@ def test_the_config_takes_a_row_count_and_says_where_it_is_on():
 
 
 @KERNELS
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape, programs", [((64, 48, 96), 3), ((40, 40, 200), 5)])
+@pytest.mark.parametrize("shape, programs", [((64, 48, 96), 3), ((40, 40, 200), 5), ((40, 40, 70), 50)])
 def test_the_phases_launched_one_by_one_compute_the_reference(m, bias, shape, programs):
     """Columns cut unevenly over the programs, K and the MLP's width not
-    steps of the kernel's K (128): every mask is exercised."""
+    steps of the kernel's K (128), more programs than columns (a tiny
+    model on a GPU of 132 multiprocessors: some programs own none, and
+    still wait with the others): every mask is exercised."""
     n, ko, inter = shape
     w = weights(m, n, ko, inter, bias, DTYPE, DEVICE)
     h1, sums = layer_mlp.launch(**w, sync=None, programs=programs, persistent=False, pdl=False)
