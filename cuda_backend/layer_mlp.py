@@ -45,7 +45,11 @@ from bubblefree.cuda_backend.add_norm import rms_norm
 from bubblefree.cuda_backend.pdl import launch_options, tl, triton
 
 PHASES = 3  # A, B, C; PHASE == PHASES runs all three with the waits
-BLOCK_K = 128
+# A step of K is about this many weights of a program's columns: a phase of
+# few columns a program (o and down: 7 of Qwen2's 896 over 132) reads its
+# K in wider steps, so that each program keeps as many bytes in flight as
+# gate and up's 64 columns do in steps of 128.
+STEP_WEIGHTS = 8192
 
 
 if triton is not None:
@@ -188,7 +192,8 @@ if triton is not None:
                     sx, sa, swo, sh, swgu, sact, swd, so,
                     PHASE: tl.constexpr, HAS_BO: tl.constexpr, HAS_BGU: tl.constexpr,
                     HAS_BD: tl.constexpr, PDL: tl.constexpr, BM: tl.constexpr, BN_O: tl.constexpr,
-                    BN_G: tl.constexpr, BN_D: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                    BN_G: tl.constexpr, BN_D: tl.constexpr, BK_O: tl.constexpr, BK_G: tl.constexpr,
+                    BK_D: tl.constexpr, STAGES: tl.constexpr):
         """PHASE 0, 1 or 2: that phase alone, launched as a kernel of its
         own (dependent, with ``PDL``, as ``pdl.enter`` has it); 3: all
         three, with the grid-wide waits between them."""
@@ -198,34 +203,34 @@ if triton is not None:
         rn_g, ok_g = _columns(p, programs, I, BN_G)
         rn_d, ok_d = _columns(p, programs, N, BN_D)
         if PHASE == 0 or PHASE == 3:
-            first_o = _first(wo_ptr, rn_o, ok_o, KO, swo, BK)
+            first_o = _first(wo_ptr, rn_o, ok_o, KO, swo, BK_O)
         if PHASE == 1:
-            first_g = _first(wgu_ptr, rn_g, ok_g, N, swgu, BK)
-            first_u = _first(wgu_ptr + I * swgu, rn_g, ok_g, N, swgu, BK)
+            first_g = _first(wgu_ptr, rn_g, ok_g, N, swgu, BK_G)
+            first_u = _first(wgu_ptr + I * swgu, rn_g, ok_g, N, swgu, BK_G)
         if PHASE == 2:
-            first_d = _first(wd_ptr, rn_d, ok_d, I, swd, BK)
+            first_d = _first(wd_ptr, rn_d, ok_d, I, swd, BK_D)
         if PDL:
             tl.extra.cuda.gdc_wait()
             if PHASE != 3:  # a persistent grid lets the next kernel launch only after its last wait
                 tl.extra.cuda.gdc_launch_dependents()
         if PHASE == 0 or PHASE == 3:
             _o_phase(first_o, x_ptr, a_ptr, wo_ptr, bo_ptr, h1_ptr, M, N, KO, sx, sa, swo, sh, rn_o,
-                     ok_o, HAS_BO, BM, BN_O, BK, STAGES)
+                     ok_o, HAS_BO, BM, BN_O, BK_O, STAGES)
         if PHASE == 3:  # B's first weights asked for before the wait for every program's h1
-            first_g = _first(wgu_ptr, rn_g, ok_g, N, swgu, BK)
-            first_u = _first(wgu_ptr + I * swgu, rn_g, ok_g, N, swgu, BK)
+            first_g = _first(wgu_ptr, rn_g, ok_g, N, swgu, BK_G)
+            first_u = _first(wgu_ptr + I * swgu, rn_g, ok_g, N, swgu, BK_G)
             _grid_wait(sync_ptr, programs)
         if PHASE == 1 or PHASE == 3:
             _glu_phase(first_g, first_u, h1_ptr, nw_ptr, wgu_ptr, bgu_ptr, act_ptr, M, N, I, eps, sh,
-                       swgu, sact, rn_g, ok_g, HAS_BGU, BM, BN_G, BK, STAGES)
+                       swgu, sact, rn_g, ok_g, HAS_BGU, BM, BN_G, BK_G, STAGES)
         if PHASE == 3:  # C's first weights asked for before the wait for every program's act
-            first_d = _first(wd_ptr, rn_d, ok_d, I, swd, BK)
+            first_d = _first(wd_ptr, rn_d, ok_d, I, swd, BK_D)
             _grid_wait(sync_ptr + 2, programs)
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
         if PHASE == 2 or PHASE == 3:
             _down_phase(first_d, act_ptr, wd_ptr, bd_ptr, out_ptr, M, N, I, sact, swd, so, rn_d, ok_d,
-                        HAS_BD, BM, BN_D, BK, STAGES)
+                        HAS_BD, BM, BN_D, BK_D, STAGES)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -241,6 +246,12 @@ def new_sync(device: torch.device | str) -> torch.Tensor:
 
 def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
+
+
+def step_k(columns: int) -> int:
+    """A phase's step of K for ``columns`` (a power of two) a program:
+    ``STEP_WEIGHTS`` weights a step, between 128 and 1024."""
+    return min(1024, max(128, STEP_WEIGHTS // columns))
 
 
 def _check(x, a, w_o, norm_w, w_gu, w_down) -> None:
@@ -297,10 +308,10 @@ def launch(x, a, w_o, b_o, norm_w, eps, w_gu, b_gu, w_down, b_down, sync, *, pro
             sync if sync is not None else out, m, n, a.shape[1], inter, float(eps),
             x.stride(0), a.stride(0), w_o.stride(0), h1.stride(0), w_gu.stride(0), act.stride(0),
             w_down.stride(0), out.stride(1))
+    bn_o, bn_g = _block(triton.cdiv(n, programs)), _block(triton.cdiv(inter, programs))
     consts = dict(HAS_BO=b_o is not None, HAS_BGU=b_gu is not None, HAS_BD=b_down is not None,
-                  PDL=pdl, BM=_block(m), BN_O=_block(triton.cdiv(n, programs)),
-                  BN_G=_block(triton.cdiv(inter, programs)), BN_D=_block(triton.cdiv(n, programs)),
-                  BK=BLOCK_K, STAGES=stages, num_warps=warps,
+                  PDL=pdl, BM=_block(m), BN_O=bn_o, BN_G=bn_g, BN_D=bn_o, BK_O=step_k(bn_o),
+                  BK_G=step_k(bn_g), BK_D=step_k(bn_o), STAGES=stages, num_warps=warps,
                   **launch_options(pdl))
     for phase in ((PHASES,) if persistent else range(PHASES)):
         _mlp_kernel[(programs,)](*args, PHASE=phase, **consts)

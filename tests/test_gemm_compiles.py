@@ -61,7 +61,7 @@ def test_the_layers_persistent_kernel_compiles_for_hopper(phase, pdl):
     reads must stay atomic loads (the interpreter cannot check them)."""
     from bubblefree.cuda_backend import layer_mlp
     consts = dict(PHASE=phase, HAS_BO=False, HAS_BGU=True, HAS_BD=False, PDL=pdl, BM=16, BN_O=16,
-                  BN_G=64, BN_D=16, BK=128, STAGES=3)
+                  BN_G=64, BN_D=16, BK_O=512, BK_G=128, BK_D=512, STAGES=3)
     signature = {**MLP_ARGS, **dict.fromkeys(consts, "constexpr")}
     source = ASTSource(fn=layer_mlp._mlp_kernel, signature=signature, constexprs=consts)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
