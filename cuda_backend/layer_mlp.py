@@ -29,11 +29,16 @@ Every program must be resident at once for the waits to end: the grid is
 at most the GPU's multiprocessors (one program each), and the next kernel
 is let launch only after the last wait (``gdc_launch_dependents``), so a
 dependent kernel can never take a multiprocessor a program of this one
-still needs. Triton's interpreter runs programs one after another, so the
-grid-wide wait cannot be checked there: ``phase`` launches one phase as a
-kernel of its own (three launches make the same result, and the tests
-check each against torch), and the persistent kernel runs under the
-interpreter with one program, where its waits pass at once.
+still needs. (A GPU shared under MPS with an active thread percentage
+below 100 gives a process fewer multiprocessors than it reports: keep
+``KernelConfig.mlp_rows`` at 0 there.) The step's kernels run on one
+stream, so no two launches share the counters at once.
+
+Triton's interpreter runs programs one after another, so the grid-wide
+wait cannot be checked there: ``launch(..., persistent=False)`` runs each
+phase as a kernel of its own (three launches make the same result, and
+the tests check each against torch), and the persistent kernel runs under
+the interpreter with one program, where its waits pass at once.
 """
 
 from __future__ import annotations
