@@ -77,6 +77,16 @@ if triton is not None:
                 seen = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
 
     @triton.jit
+    def _dot(a, w, IEEE: tl.constexpr):
+        """``a @ w^T`` in float32; float32 inputs at full precision (as
+        ``skinny_gemm`` and cuBLAS give them), not TensorFloat-32."""
+        if IEEE:
+            out = tl.dot(a, tl.trans(w), input_precision="ieee")
+        else:
+            out = tl.dot(a, tl.trans(w))
+        return out
+
+    @triton.jit
     def _columns(p, programs, n, BN: tl.constexpr):
         """This program's columns of ``n`` (as even as they divide) and
         whether each of its BN lanes holds one."""
@@ -86,7 +96,7 @@ if triton is not None:
 
     @triton.jit
     def _times_w(first, a_ptr, w_ptr, b_ptr, M, K, sa, sw, rn, n_ok, HAS_B: tl.constexpr,
-                 BM: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                 BM: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
         """``a @ w^T + b`` in float32 at w's rows ``rn``, K whole; ``first``, w's
         first BK of K at those rows, was read before any wait. a is read
         past L1: another program wrote it."""
@@ -95,14 +105,14 @@ if triton is not None:
         m_ok = rm < M
         a0 = tl.load(a_ptr + rm[:, None] * sa + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
                      other=0.0, cache_modifier=".cg")
-        acc = tl.dot(a0, tl.trans(first))
+        acc = _dot(a0, first, IEEE)
         for k in tl.range(BK, K, BK, num_stages=STAGES):
             k_ok = (k + rk) < K
             a = tl.load(a_ptr + rm[:, None] * sa + (k + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
                         other=0.0, cache_modifier=".cg")
             w = tl.load(w_ptr + rn[:, None] * sw + (k + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            acc += tl.dot(a, tl.trans(w))
+            acc += _dot(a, w, IEEE)
         if HAS_B:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         return acc
@@ -110,9 +120,9 @@ if triton is not None:
     @triton.jit
     def _o_phase(first, x_ptr, a_ptr, w_ptr, b_ptr, h1_ptr, M, N, K, sx, sa, sw, sh, rn, n_ok,
                  HAS_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 STAGES: tl.constexpr, IEEE: tl.constexpr):
         """A: ``h1 = x + round(a @ w^T + b)`` at this program's columns."""
-        acc = _times_w(first, a_ptr, w_ptr, b_ptr, M, K, sa, sw, rn, n_ok, HAS_B, BM, BK, STAGES)
+        acc = _times_w(first, a_ptr, w_ptr, b_ptr, M, K, sa, sw, rn, n_ok, HAS_B, BM, BK, STAGES, IEEE)
         rm = tl.arange(0, BM)
         mask = (rm < M)[:, None] & n_ok[None, :]
         x = tl.load(x_ptr + rm[:, None] * sx + rn[None, :], mask=mask, other=0.0)
@@ -136,7 +146,7 @@ if triton is not None:
     @triton.jit
     def _glu_phase(first_g, first_u, h1_ptr, nw_ptr, w_ptr, b_ptr, act_ptr, M, N, I, eps, sh, sw, sa,
                    rn, n_ok, HAS_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, STAGES: tl.constexpr):
+                   BK: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
         """B: ``silu(gate) * up`` of RMSNorm(h1) at this program's columns
         (gate rows ``rn`` of w, up rows ``I + rn``); h1's rows are read
         through once for their scale, then normed a step of K at a time
@@ -153,8 +163,8 @@ if triton is not None:
             squares += tl.sum(v * v, axis=1)
         scale = tl.math.rsqrt(squares / N + eps)
         h = _normed(h1_ptr, nw_ptr, 0, M, N, sh, scale, BM, BK)
-        acc_g = tl.dot(h, tl.trans(first_g))
-        acc_u = tl.dot(h, tl.trans(first_u))
+        acc_g = _dot(h, first_g, IEEE)
+        acc_u = _dot(h, first_u, IEEE)
         for k in tl.range(BK, N, BK, num_stages=STAGES):
             k_ok = (k + rk) < N
             h = _normed(h1_ptr, nw_ptr, k, M, N, sh, scale, BM, BK)
@@ -162,8 +172,8 @@ if triton is not None:
                         other=0.0)
             u = tl.load(w_ptr + (I + rn)[:, None] * sw + (k + rk)[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_g += tl.dot(h, tl.trans(g))
-            acc_u += tl.dot(h, tl.trans(u))
+            acc_g += _dot(h, g, IEEE)
+            acc_u += _dot(h, u, IEEE)
         if HAS_B:
             acc_g += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(b_ptr + I + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -177,9 +187,9 @@ if triton is not None:
     @triton.jit
     def _down_phase(first, act_ptr, w_ptr, b_ptr, out_ptr, M, N, I, sa, sw, so, rn, n_ok,
                     HAS_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    STAGES: tl.constexpr):
+                    STAGES: tl.constexpr, IEEE: tl.constexpr):
         """C: ``act @ w^T + b`` in float32 at this program's columns."""
-        acc = _times_w(first, act_ptr, w_ptr, b_ptr, M, I, sa, sw, rn, n_ok, HAS_B, BM, BK, STAGES)
+        acc = _times_w(first, act_ptr, w_ptr, b_ptr, M, I, sa, sw, rn, n_ok, HAS_B, BM, BK, STAGES, IEEE)
         rm = tl.arange(0, BM)
         tl.store(out_ptr + rm[:, None] * so + rn[None, :], acc, mask=(rm < M)[:, None] & n_ok[None, :])
 
@@ -198,7 +208,7 @@ if triton is not None:
                     PHASE: tl.constexpr, HAS_BO: tl.constexpr, HAS_BGU: tl.constexpr,
                     HAS_BD: tl.constexpr, PDL: tl.constexpr, BM: tl.constexpr, BN_O: tl.constexpr,
                     BN_G: tl.constexpr, BN_D: tl.constexpr, BK_O: tl.constexpr, BK_G: tl.constexpr,
-                    BK_D: tl.constexpr, STAGES: tl.constexpr):
+                    BK_D: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
         """PHASE 0, 1 or 2: that phase alone, launched as a kernel of its
         own (dependent, with ``PDL``, as ``pdl.enter`` has it); 3: all
         three, with the grid-wide waits between them."""
@@ -220,14 +230,14 @@ if triton is not None:
                 tl.extra.cuda.gdc_launch_dependents()
         if PHASE == 0 or PHASE == 3:
             _o_phase(first_o, x_ptr, a_ptr, wo_ptr, bo_ptr, h1_ptr, M, N, KO, sx, sa, swo, sh, rn_o,
-                     ok_o, HAS_BO, BM, BN_O, BK_O, STAGES)
+                     ok_o, HAS_BO, BM, BN_O, BK_O, STAGES, IEEE)
         if PHASE == 3:  # B's first weights asked for before the wait for every program's h1
             first_g = _first(wgu_ptr, rn_g, ok_g, N, swgu, BK_G)
             first_u = _first(wgu_ptr + I * swgu, rn_g, ok_g, N, swgu, BK_G)
             _grid_wait(sync_ptr, programs)
         if PHASE == 1 or PHASE == 3:
             _glu_phase(first_g, first_u, h1_ptr, nw_ptr, wgu_ptr, bgu_ptr, act_ptr, M, N, I, eps, sh,
-                       swgu, sact, rn_g, ok_g, HAS_BGU, BM, BN_G, BK_G, STAGES)
+                       swgu, sact, rn_g, ok_g, HAS_BGU, BM, BN_G, BK_G, STAGES, IEEE)
         if PHASE == 3:  # C's first weights asked for before the wait for every program's act
             first_d = _first(wd_ptr, rn_d, ok_d, I, swd, BK_D)
             _grid_wait(sync_ptr + 2, programs)
@@ -235,7 +245,7 @@ if triton is not None:
                 tl.extra.cuda.gdc_launch_dependents()
         if PHASE == 2 or PHASE == 3:
             _down_phase(first_d, act_ptr, wd_ptr, bd_ptr, out_ptr, M, N, I, sact, swd, so, rn_d, ok_d,
-                        HAS_BD, BM, BN_D, BK_D, STAGES)
+                        HAS_BD, BM, BN_D, BK_D, STAGES, IEEE)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -316,7 +326,8 @@ def launch(x, a, w_o, b_o, norm_w, eps, w_gu, b_gu, w_down, b_down, sync, *, pro
     bn_o, bn_g = _block(triton.cdiv(n, programs)), _block(triton.cdiv(inter, programs))
     consts = dict(HAS_BO=b_o is not None, HAS_BGU=b_gu is not None, HAS_BD=b_down is not None,
                   PDL=pdl, BM=_block(m), BN_O=bn_o, BN_G=bn_g, BN_D=bn_o, BK_O=step_k(bn_o),
-                  BK_G=step_k(bn_g), BK_D=step_k(bn_o), STAGES=stages, num_warps=warps,
+                  BK_G=step_k(bn_g), BK_D=step_k(bn_o), STAGES=stages, IEEE=x.dtype == torch.float32,
+                  num_warps=warps,
                   **launch_options(pdl))
     for phase in ((PHASES,) if persistent else range(PHASES)):
         _mlp_kernel[(programs,)](*args, PHASE=phase, **consts)

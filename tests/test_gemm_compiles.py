@@ -55,14 +55,16 @@ MLP_ARGS = {**{p: "*bf16" for p in ("x_ptr", "a_ptr", "wo_ptr", "bo_ptr", "nw_pt
 
 @pytest.mark.parametrize("phase", [0, 1, 2, 3])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_the_layers_persistent_kernel_compiles_for_hopper(phase, pdl):
+@pytest.mark.parametrize("ieee", [False, True])
+def test_the_layers_persistent_kernel_compiles_for_hopper(phase, pdl, ieee):
     """``layer_mlp``: each phase alone and the three with the grid-wide
     waits, at Qwen2-0.5B's tile widths over 132 programs. The waits'
     reads must stay atomic loads (the interpreter cannot check them)."""
     from bubblefree.cuda_backend import layer_mlp
     consts = dict(PHASE=phase, HAS_BO=False, HAS_BGU=True, HAS_BD=False, PDL=pdl, BM=16, BN_O=16,
-                  BN_G=64, BN_D=16, BK_O=512, BK_G=128, BK_D=512, STAGES=3)
-    signature = {**MLP_ARGS, **dict.fromkeys(consts, "constexpr")}
+                  BN_G=64, BN_D=16, BK_O=512, BK_G=128, BK_D=512, STAGES=3, IEEE=ieee)
+    args = {k: ("*fp32" if ieee and v == "*bf16" else v) for k, v in MLP_ARGS.items()}
+    signature = {**args, **dict.fromkeys(consts, "constexpr")}
     source = ASTSource(fn=layer_mlp._mlp_kernel, signature=signature, constexprs=consts)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert kernel.asm["cubin"]

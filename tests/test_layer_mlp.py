@@ -108,6 +108,20 @@ def test_the_phases_launched_one_by_one_compute_the_reference(m, bias, shape, pr
 
 
 @KERNELS
+@pytest.mark.parametrize("persistent", [False, True])
+def test_float32_is_computed_at_full_precision(persistent):
+    """A float32 model's sums at float32's precision, not TensorFloat-32's
+    (whose 10-bit mantissa would show at 1e-3): as ``skinny_gemm`` and
+    cuBLAS compute them, so its greedy tokens stay the usual step's."""
+    w = weights(3, 64, 48, 160, True, torch.float32, DEVICE)
+    got = layer_mlp.launch(**w, sync=layer_mlp.new_sync(DEVICE), programs=1 if not CUDA else 6,
+                           persistent=persistent, pdl=False)
+    want = layer_mlp.torch_mlp_block(**w)
+    for g, t in zip(got, want):
+        torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-5)
+
+
+@KERNELS
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_persistent_kernel_is_its_phases_and_leaves_its_counters_at_zero(bias):
     """Each phase's programs run the same code either way: the results are
