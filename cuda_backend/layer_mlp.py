@@ -294,8 +294,8 @@ def mlp_block(x: torch.Tensor, a: torch.Tensor, w_o: torch.Tensor, b_o: torch.Te
     multiprocessors where ``persistent`` (one kernel, ``sync`` its
     counters: ``new_sync``), else three kernels. Without Triton on x's
     device: ``torch_mlp_block``."""
-    _check(x, a, w_o, norm_w, w_gu, w_down)
     if not available(x):
+        _check(x, a, w_o, norm_w, w_gu, w_down)
         return torch_mlp_block(x, a, w_o, b_o, norm_w, eps, w_gu, b_gu, w_down, b_down)
     return launch(x, a, w_o, b_o, norm_w, eps, w_gu, b_gu, w_down, b_down, sync, programs=programs,
                   persistent=persistent, pdl=pdl, warps=warps, stages=stages)
@@ -304,7 +304,7 @@ def mlp_block(x: torch.Tensor, a: torch.Tensor, w_o: torch.Tensor, b_o: torch.Te
 def launch(x, a, w_o, b_o, norm_w, eps, w_gu, b_gu, w_down, b_down, sync, *, programs: int,
            persistent: bool, pdl: bool, warps: int = 4, stages: int = 3):
     """``mlp_block``'s kernels on x's device, whatever it is (Triton's
-    interpreter runs them on the CPU)."""
+    interpreter runs them on the CPU), its inputs checked first."""
     _check(x, a, w_o, norm_w, w_gu, w_down)
     m, n = x.shape
     inter = w_down.shape[1]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bubblefree.cuda_backend import layer_mlp
+from bubblefree.cuda_backend import layer_mlp, pdl
 from bubblefree.cuda_backend.add_norm import torch_add_norm
 from bubblefree.cuda_backend.kernel_config import KernelConfig
 
@@ -24,6 +24,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and layer_mlp.triton is 
 KERNELS = pytest.mark.skipif(not (CUDA or INTERPRETED),
                              reason="needs CUDA (or Triton's interpreter): Triton kernels")
 DEVICE = "cuda" if CUDA else "cpu"
+PDL = pytest.mark.skipif(not pdl.supported("cuda"),
+                         reason="needs a GPU of compute capability 9 or later and Triton: "
+                                "dependent launches in CUDA graphs")
 # Triton's interpreter has no bfloat16 dot: half precision there.
 DTYPE = torch.bfloat16 if CUDA else torch.float16
 
@@ -152,18 +155,15 @@ def test_on_a_gpu_the_persistent_kernel_at_qwen2s_shape_matches_the_reference(m)
     assert sync.tolist()[0::2] == [0, 0]
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA: whole decode steps in CUDA graphs")
+@PDL
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_step_with_the_persistent_kernel_decodes_the_same_tokens(arch, monkeypatch):
     """Captured in CUDA graphs, the dependent step with each layer's second
     half in one persistent kernel decodes the usual step's greedy tokens,
     and the kernel did run."""
-    from bubblefree.cuda_backend import pdl
     from bubblefree.cuda_backend.drive import generate
     from bubblefree.cuda_backend.tiny import tiny_model
     from tests.test_pdl_step import PROMPTS, _small
-    if not pdl.supported("cuda"):
-        pytest.skip("needs a GPU of compute capability 9 or later and Triton: dependent launches")
     calls = []
     real = layer_mlp.mlp_block
     monkeypatch.setattr(layer_mlp, "mlp_block", lambda *a, **kw: calls.append(1) or real(*a, **kw))
