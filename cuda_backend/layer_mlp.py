@@ -60,17 +60,30 @@ STEP_WEIGHTS = 8192
 if triton is not None:
 
     @triton.jit
-    def _grid_wait(sync_ptr, programs):
+    def _load_acquire(ptr):
+        """``*ptr`` read with acquire semantics at GPU scope: a load, not a
+        read-modify-write, so the waiting programs do not queue at the
+        counter's cache line ahead of the arrivals."""
+        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _grid_wait(sync_ptr, programs, LOAD_POLL: tl.constexpr):
         """Return once every program of the grid has called this. ``sync``
         is ``[count, generation]``: the last to arrive sets the count back
         to zero (each launch leaves it so) and moves the generation on; the
-        others wait for that. A program reads the generation before it
-        arrives, so the last arrival cannot move it unseen."""
+        others wait for that, polling with atomics or (``LOAD_POLL``)
+        acquiring loads. A program reads the generation before it arrives,
+        so the last arrival cannot move it unseen."""
         gen = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
         arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == programs - 1:
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+        elif LOAD_POLL:
+            seen = _load_acquire(sync_ptr + 1)
+            while seen == gen:
+                seen = _load_acquire(sync_ptr + 1)
         else:
             seen = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
             while seen == gen:
@@ -208,7 +221,8 @@ if triton is not None:
                     PHASE: tl.constexpr, HAS_BO: tl.constexpr, HAS_BGU: tl.constexpr,
                     HAS_BD: tl.constexpr, PDL: tl.constexpr, BM: tl.constexpr, BN_O: tl.constexpr,
                     BN_G: tl.constexpr, BN_D: tl.constexpr, BK_O: tl.constexpr, BK_G: tl.constexpr,
-                    BK_D: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+                    BK_D: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
+                    LOAD_POLL: tl.constexpr):
         """PHASE 0, 1 or 2: that phase alone, launched as a kernel of its
         own (dependent, with ``PDL``, as ``pdl.enter`` has it); 3: all
         three, with the grid-wide waits between them."""
@@ -234,13 +248,13 @@ if triton is not None:
         if PHASE == 3:  # B's first weights asked for before the wait for every program's h1
             first_g = _first(wgu_ptr, rn_g, ok_g, N, swgu, BK_G)
             first_u = _first(wgu_ptr + I * swgu, rn_g, ok_g, N, swgu, BK_G)
-            _grid_wait(sync_ptr, programs)
+            _grid_wait(sync_ptr, programs, LOAD_POLL)
         if PHASE == 1 or PHASE == 3:
             _glu_phase(first_g, first_u, h1_ptr, nw_ptr, wgu_ptr, bgu_ptr, act_ptr, M, N, I, eps, sh,
                        swgu, sact, rn_g, ok_g, HAS_BGU, BM, BN_G, BK_G, STAGES, IEEE)
         if PHASE == 3:  # C's first weights asked for before the wait for every program's act
             first_d = _first(wd_ptr, rn_d, ok_d, I, swd, BK_D)
-            _grid_wait(sync_ptr + 2, programs)
+            _grid_wait(sync_ptr + 2, programs, LOAD_POLL)
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
         if PHASE == 2 or PHASE == 3:
@@ -302,9 +316,13 @@ def mlp_block(x: torch.Tensor, a: torch.Tensor, w_o: torch.Tensor, b_o: torch.Te
 
 
 def launch(x, a, w_o, b_o, norm_w, eps, w_gu, b_gu, w_down, b_down, sync, *, programs: int,
-           persistent: bool, pdl: bool, warps: int = 4, stages: int = 3):
+           persistent: bool, pdl: bool, warps: int = 4, stages: int = 3, load_poll: bool = False,
+           phases: tuple[int, ...] | None = None):
     """``mlp_block``'s kernels on x's device, whatever it is (Triton's
-    interpreter runs them on the CPU), its inputs checked first."""
+    interpreter runs them on the CPU), its inputs checked first.
+    ``load_poll``: the waits poll with loads, not atomics. ``phases``: of
+    the three kernels (``persistent`` False), only these (a benchmark's
+    view of each phase alone)."""
     _check(x, a, w_o, norm_w, w_gu, w_down)
     m, n = x.shape
     inter = w_down.shape[1]
@@ -327,9 +345,8 @@ def launch(x, a, w_o, b_o, norm_w, eps, w_gu, b_gu, w_down, b_down, sync, *, pro
     consts = dict(HAS_BO=b_o is not None, HAS_BGU=b_gu is not None, HAS_BD=b_down is not None,
                   PDL=pdl, BM=_block(m), BN_O=bn_o, BN_G=bn_g, BN_D=bn_o, BK_O=step_k(bn_o),
                   BK_G=step_k(bn_g), BK_D=step_k(bn_o), STAGES=stages, IEEE=x.dtype == torch.float32,
-                  num_warps=warps,
-                  **launch_options(pdl))
-    for phase in ((PHASES,) if persistent else range(PHASES)):
+                  LOAD_POLL=load_poll, num_warps=warps, **launch_options(pdl))
+    for phase in ((PHASES,) if persistent else phases if phases is not None else range(PHASES)):
         _mlp_kernel[(programs,)](*args, PHASE=phase, **consts)
     return h1, out
 

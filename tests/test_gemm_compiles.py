@@ -53,6 +53,19 @@ MLP_ARGS = {**{p: "*bf16" for p in ("x_ptr", "a_ptr", "wo_ptr", "bo_ptr", "nw_pt
             "eps": "fp32", **dict.fromkeys(("sx", "sa", "swo", "sh", "swgu", "sact", "swd", "so"), "i32")}
 
 
+def _mlp_ptx(phase, pdl, ieee, load_poll=False) -> str:
+    from bubblefree.cuda_backend import layer_mlp
+    consts = dict(PHASE=phase, HAS_BO=False, HAS_BGU=True, HAS_BD=False, PDL=pdl, BM=16, BN_O=16,
+                  BN_G=64, BN_D=16, BK_O=512, BK_G=128, BK_D=512, STAGES=3, IEEE=ieee,
+                  LOAD_POLL=load_poll)
+    args = {k: ("*fp32" if ieee and v == "*bf16" else v) for k, v in MLP_ARGS.items()}
+    signature = {**args, **dict.fromkeys(consts, "constexpr")}
+    source = ASTSource(fn=layer_mlp._mlp_kernel, signature=signature, constexprs=consts)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert kernel.asm["cubin"]
+    return kernel.asm["ptx"]
+
+
 @pytest.mark.parametrize("phase", [0, 1, 2, 3])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("ieee", [False, True])
@@ -60,15 +73,15 @@ def test_the_layers_persistent_kernel_compiles_for_hopper(phase, pdl, ieee):
     """``layer_mlp``: each phase alone and the three with the grid-wide
     waits, at Qwen2-0.5B's tile widths over 132 programs. The waits'
     reads must stay atomic loads (the interpreter cannot check them)."""
-    from bubblefree.cuda_backend import layer_mlp
-    consts = dict(PHASE=phase, HAS_BO=False, HAS_BGU=True, HAS_BD=False, PDL=pdl, BM=16, BN_O=16,
-                  BN_G=64, BN_D=16, BK_O=512, BK_G=128, BK_D=512, STAGES=3, IEEE=ieee)
-    args = {k: ("*fp32" if ieee and v == "*bf16" else v) for k, v in MLP_ARGS.items()}
-    signature = {**args, **dict.fromkeys(consts, "constexpr")}
-    source = ASTSource(fn=layer_mlp._mlp_kernel, signature=signature, constexprs=consts)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    assert kernel.asm["cubin"]
-    ptx = kernel.asm["ptx"]
+    ptx = _mlp_ptx(phase, pdl, ieee)
     waits = ptx.count("ld.global.gpu.acquire")
     assert waits == (2 if phase == 3 else 0)  # one spinning read a wait
     assert ("griddepcontrol.wait" in ptx) == pdl
+
+
+def test_the_persistent_kernels_waits_can_poll_with_acquiring_loads():
+    """``LOAD_POLL``: each wait spins on an acquiring load of our own
+    (the compiler folds the read before the loop into it), not Triton's."""
+    ptx = _mlp_ptx(3, True, False, load_poll=True)
+    assert ptx.count("ld.acquire.gpu.global.b32") == 2
+    assert ptx.count("ld.global.gpu.acquire") == 0
