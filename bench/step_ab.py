@@ -39,7 +39,7 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 
 
 # KernelConfig's row counts a variant may set (``o_combines=0``).
-ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "mlp_rows")
+ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead")
 
 
 def variant(default: KernelConfig, text: str) -> KernelConfig:

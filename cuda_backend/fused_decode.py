@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubblefree.cuda_backend import layer_mlp, pdl_step, skinny_gemm
+from bubblefree.cuda_backend import pdl_step, skinny_gemm
 from bubblefree.cuda_backend.attention import (CONTEXT_KWARG, PagedContext, decode_attention,
                                                prefill_attention, store_kv)
 from bubblefree.cuda_backend.add_norm import rms_norm
@@ -182,11 +182,6 @@ class Dims:
     # kernel runs, the output projection combines its states
     # (KernelConfig.o_combines; sequential layers only).
     state_rows: int = 0
-    # In pdl_step's buckets of at most ``mlp_rows`` rows, a sequential
-    # layer's second half is one persistent kernel (KernelConfig.mlp_rows),
-    # its grid-wide waits' counters ``mlp_sync`` (layer_mlp.new_sync).
-    mlp_rows: int = 0
-    mlp_sync: torch.Tensor | None = attrs.field(default=None, eq=False)
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -345,7 +340,6 @@ class FusedDecoder:
         counters, combine_rows = None, min(pdl_rows, kernels.last_combines)
         if combine_rows:
             counters = torch.zeros(combine_rows * heads, dtype=torch.int32, device=device)
-        mlp_rows = 0 if parallel else min(pdl_rows, kernels.mlp_rows)
         self.dims = Dims(heads=heads, kv_heads=kv_heads, head_dim=attn.head_dim, eps=eps,
                          scaling=attn.scaling, split=qkv + ((inter,) if parallel else ()),
                          inter=inter, act=act, tiles=kernels.tiles,
@@ -353,9 +347,7 @@ class FusedDecoder:
                          pdl_tiles=kernels.pdl_tiles, sms=sms,
                          glu=not parallel and getattr(cfg, "hidden_act", None) == "silu",
                          counters=counters, combine_rows=combine_rows,
-                         state_rows=0 if parallel else min(pdl_rows, kernels.o_combines),
-                         mlp_rows=mlp_rows,
-                         mlp_sync=layer_mlp.new_sync(device) if mlp_rows else None)
+                         state_rows=0 if parallel else min(pdl_rows, kernels.o_combines))
         self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
         # What the first dependent layer adds to the embeddings: nothing,
         # from one buffer rather than a fill kernel each step.

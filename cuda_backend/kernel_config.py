@@ -390,13 +390,6 @@ class KernelConfig:
     launches no sampling, any other samples as before (``CudaBackend``).
     0: none.
 
-    ``mlp_rows``: in the dependent-launch step's buckets of at most this
-    many rows, a Llama or Qwen2 layer's second half (the output
-    projection, the residual add, the second norm, ``silu(gate) * up`` and
-    down) runs as one persistent kernel (``layer_mlp``) instead of four,
-    the output projection then reading attention's combined output. 0:
-    none (the default: not yet measured on a GPU).
-
     ``greedy_kernel``: a greedy step samples in one kernel
     (``greedy_sample``) instead of torch's seven; ``step_inputs``: a fused
     decode step gathers its rows' inputs, KV slots and rotary values in one
@@ -415,12 +408,10 @@ class KernelConfig:
     step_inputs: bool = True
     o_combines: int = attrs.field(default=0)
     sample_ahead: int = attrs.field(default=SAMPLE_AHEAD)
-    mlp_rows: int = attrs.field(default=0)
 
     @last_combines.validator
     @o_combines.validator
     @sample_ahead.validator
-    @mlp_rows.validator
     def _rows(self, field, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"KernelConfig.{field.name} is a row count (0: none), not {value!r}")
@@ -458,8 +449,6 @@ class KernelConfig:
                           + ("at one row" if rows == 1 else f"up to {rows} rows"))
             if (rows := min(self.last_combines, self.pdl_rows)) > self.o_combines:
                 where += f", the split kernel's last programs combining up to {rows} rows"
-            if rows := min(self.mlp_rows, self.pdl_rows):
-                where += f", a layer's second half in one persistent kernel up to {rows} rows"
         if self.sample_ahead != SAMPLE_AHEAD:
             where += (f"; tokens sampled ahead in the forward up to {self.sample_ahead} rows"
                       if self.sample_ahead else "; no tokens sampled ahead in the forward")

@@ -21,9 +21,7 @@ each takes to get going. Here:
   combine its states, without a second kernel.
 
 A Phi layer is four kernels (five with the split attention kernel at few
-rows); a Llama or Qwen2 layer six (seven), or three (four) where
-``KernelConfig.mlp_rows`` makes its second half one persistent kernel
-(``layer_mlp``). The layer functions take and
+rows); a Llama or Qwen2 layer six (seven). The layer functions take and
 return the residual stream as ``(x, delta)``, ``delta`` being the last
 projection's float32 partial sums ``[S, M, N]`` (bias included).
 ``FusedDecoder`` runs them for decode buckets of at most
@@ -36,7 +34,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from bubblefree.cuda_backend import layer_mlp, paged_decode, skinny_gemm
+from bubblefree.cuda_backend import paged_decode, skinny_gemm
 from bubblefree.cuda_backend.add_norm import add_norm, torch_add
 from bubblefree.cuda_backend.kernel_config import step_tile
 from bubblefree.cuda_backend.rope_attention import rope_attend
@@ -180,12 +178,6 @@ def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
     norm, gate and up as ``silu(gate) * up``, down."""
     norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
     x, h = add_norm(x, delta, norm1, None, dims.eps, rms=True, pdl=True)
-    if dims.glu and h.shape[0] <= dims.mlp_rows and layer_mlp.available(h):
-        # o, the residual add, the second norm, gate and up, down: one
-        # persistent kernel, reading attention's combined output
-        a = project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window)
-        return layer_mlp.mlp_block(x, a, w_o, b_o, norm2, dims.eps, w_gu, b_gu, w_down, b_down,
-                                   dims.mlp_sync, programs=dims.sms, pdl=True)
     o_tile = states_tile(h, w_o, ctx, dims)
     a = project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window, o_tile is not None)
     if o_tile is not None:  # the projection combines the attention's states as it reads them
