@@ -27,6 +27,7 @@ import argparse
 
 import torch
 
+from bubblefree.bench.attention_tune import time_in_graph
 from bubblefree.cuda_backend.pdl import launch_options, tl, triton
 
 if triton is not None:
@@ -66,26 +67,6 @@ if triton is not None:
         tl.store(out_ptr + tl.program_id(0), 1)
 
 
-def _graph_us(launch, replays: int = 20) -> float:
-    """GPU µs of one replay of ``launch`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        launch()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            launch()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
-
-
 def wait_us(programs: int, rounds: int, monotonic: bool) -> float:
     """One wait's µs: the kernel at ``rounds`` waits less the kernel at one,
     over ``rounds - 1``. The counters are checked after."""
@@ -94,7 +75,8 @@ def wait_us(programs: int, rounds: int, monotonic: bool) -> float:
 
     def run(n):
         return lambda: _waits_kernel[(programs,)](sync, out, n, MONOTONIC=monotonic, num_warps=4)
-    one, many = _graph_us(run(1)), _graph_us(run(rounds))
+    one = time_in_graph(run(1), reps=1, replays=20)
+    many = time_in_graph(run(rounds), reps=1, replays=20)
     if not monotonic and sync[0].item() != 0:
         raise RuntimeError(f"the generation wait left its count at {sync[0].item()}, not 0")
     if monotonic and sync[0].item() % programs:
@@ -109,7 +91,7 @@ def boundary_us(programs: int, kernels: int, pdl: bool) -> float:
     def chain():
         for _ in range(kernels):
             _empty_kernel[(programs,)](out, PDL=pdl, num_warps=4, **launch_options(pdl))
-    return _graph_us(chain) / kernels
+    return time_in_graph(chain, reps=1, replays=20) / kernels
 
 
 def main() -> None:
