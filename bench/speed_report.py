@@ -180,13 +180,26 @@ def auto_summary(rows: list[dict]) -> str:
             incomplete.append(cell)
     if not ratios:
         return "auto against the better mode: no cell ran all three modes"
-    under = [f"{w} x{n} {x:.3f}" for (w, n), x in ratios.items() if x < AUTO_TARGET]
+    hosts = {(r["workload"], r["streams"], r["mode"]): r.get("host_ms_runs")
+             for r in rows if not r.get("error")}
+    under = [f"{w} x{n} {x:.3f}" + _host_runs(hosts, (w, n))
+             for (w, n), x in ratios.items() if x < AUTO_TARGET]
     line = (f"auto >= {AUTO_TARGET} x the better of pipelined and blocking in "
             f"{len(ratios) - len(under)} of {len(ratios)} cells"
             + (f" (under: {', '.join(under)})" if under else ""))
     if incomplete:
         line += f"; not all three modes ran in {', '.join(f'{w} x{n}' for w, n in incomplete)}"
     return line
+
+
+def _host_runs(hosts: dict, cell: tuple[str, int]) -> str:
+    """A cell under the line: each mode's host work, ms a step, run by
+    run (the hooked run last), where the rows kept them. A slow stretch
+    of the host takes every mode it falls on; these say whether it fell
+    on auto's runs rather than auto choosing worse."""
+    parts = [f"{m} {' '.join(f'{h:.2f}' for h in hosts[(*cell, m)])}"
+             for m in MODES if hosts.get((*cell, m))]
+    return f" [host ms a step by run: {'; '.join(parts)}]" if parts else ""
 
 
 def seed_model(rows: list[dict], workload: str = "detect") -> tuple[str, list[dict]]:

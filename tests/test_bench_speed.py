@@ -200,6 +200,13 @@ def test_the_auto_summary_counts_each_cell_against_its_better_mode():
     assert line.startswith("auto >= 0.98 x the better of pipelined and blocking in 1 of 2 cells")
     assert "(under: point x1 0.967)" in line and "not all three modes ran in text x8" in line
     assert speed_report.auto_summary(rows[6:]).endswith("no cell ran all three modes")
+    # A cell under the line names each mode's host work run by run, where kept.
+    for row, host in zip(rows[3:6], ([0.5, 0.6, 0.7], [0.5, 0.5, 0.6], [1.2, 1.1, 0.7])):
+        row["host_ms_runs"] = host
+    line = speed_report.auto_summary(rows)
+    assert ("(under: point x1 0.967 [host ms a step by run: pipelined 0.50 0.60 0.70; "
+            "blocking 0.50 0.50 0.60; auto 1.20 1.10 0.70])") in line
+    assert "text x1 0.985" not in line  # a cell that met the line says nothing more
 
 
 def test_without_a_floor_the_column_says_so():
