@@ -47,7 +47,6 @@ def test_the_gemm_compiles_for_hopper(form, ahead, pdl):
     assert kernel.asm["cubin"]
 
 
-
 @pytest.mark.parametrize("monotonic", [False, True])
 def test_the_grid_wait_benchmarks_kernel_compiles_for_hopper(monotonic):
     """``bench.grid_wait``: its waits poll with acquiring loads; the count
@@ -55,8 +54,10 @@ def test_the_grid_wait_benchmarks_kernel_compiles_for_hopper(monotonic):
     generation more (the arrival, then the last arrival's reset and move)."""
     from bubblefree.bench import grid_wait
     consts = dict(MONOTONIC=monotonic)
-    signature = {"sync_ptr": "*i32", "out_ptr": "*i32", "rounds": "i32", **dict.fromkeys(consts, "constexpr")}
+    signature = {"sync_ptr": "*i32", "out_ptr": "*i32", "rounds": "i32",
+                 **dict.fromkeys(consts, "constexpr")}
     source = ASTSource(fn=grid_wait._waits_kernel, signature=signature, constexprs=consts)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = kernel.asm["ptx"]
     assert "ld.acquire.gpu.global.b32" in ptx
     assert (ptx.count("atom.") == 1) == monotonic
