@@ -117,21 +117,21 @@ def parse(argv):
     return args
 
 
-def measure_cell(backend, kind: str, streams: int, args, mask_ids) -> list[dict]:
-    """Alternate pipelined and blocking runs; the last run of each mode has
-    the timing hook on. Returns one row per mode."""
+def measure_cell(backend, kind: str, streams: int, args, mask_ids, turn: int = 0) -> list[dict]:
+    """The modes' runs in ``report.run_order`` (``turn``: the cell's place
+    in the grid); the last run of each mode has the timing hook on.
+    Returns one row per mode."""
     reqs = make_requests(kind, request_count(kind, streams, args.quick), args.tokens, mask_ids,
                          backend.vocab_size, seed=streams)
     runs = {m: [] for m in report.MODES}
-    for i in range(args.repeats):
+    for i, mode in report.run_order(args.repeats, turn):
         hooked = i == args.repeats - 1
-        for mode in (report.MODES if i % 2 == 0 else report.MODES[::-1]):
-            r = run_closed_loop(backend, reqs, streams, ENGINE_MODE[mode], hooked)
-            r["hooked"] = hooked
-            runs[mode].append(r)
-            args.clock.say(f"{kind} x{streams} {mode} run {i + 1}/{args.repeats}"
-                f"{' (timing hook)' if hooked else ''}: {r['tok_s']:,.0f} tok/s, "
-                f"{r['ms_step']:.2f} ms/step ({report.run_spans(r)})")
+        r = run_closed_loop(backend, reqs, streams, ENGINE_MODE[mode], hooked)
+        r["hooked"] = hooked
+        runs[mode].append(r)
+        args.clock.say(f"{kind} x{streams} {mode} run {i + 1}/{args.repeats}"
+            f"{' (timing hook)' if hooked else ''}: {r['tok_s']:,.0f} tok/s, "
+            f"{r['ms_step']:.2f} ms/step ({report.run_spans(r)})")
     rows = []
     for mode, rs in runs.items():
         hooked = rs[-1]
@@ -148,25 +148,24 @@ def measure_cell(backend, kind: str, streams: int, args, mask_ids) -> list[dict]
 
 def engine_cells(backend, args, mask_ids) -> list[dict]:
     rows = []
-    for kind in args.workloads:
-        for streams in args.streams:
-            if args.clock.elapsed() > args.budget:
-                err = "skipped: time budget"
-                new = [dict(workload=kind, streams=streams, mode=m, error=err) for m in report.MODES]
-            else:
-                try:
-                    limit = min(args.cell_timeout, args.deadline - args.clock.elapsed())
-                    with time_limit(limit):
-                        new = measure_cell(backend, kind, streams, args, mask_ids)
-                except (Exception, TimeLimit) as ex:  # noqa: BLE001 - a cell's failure is a row
-                    args.clock.say(f"{kind} x{streams} FAILED: {ex!r}")
-                    with contextlib.suppress(Exception):
-                        backend.repair()
-                    new = [dict(workload=kind, streams=streams, mode=m, error=f"error: {ex!r}"[:200])
-                           for m in report.MODES]
-            for r in new:
-                report.emit(r)
-            rows += new
+    for turn, (kind, streams) in enumerate((k, n) for k in args.workloads for n in args.streams):
+        if args.clock.elapsed() > args.budget:
+            err = "skipped: time budget"
+            new = [dict(workload=kind, streams=streams, mode=m, error=err) for m in report.MODES]
+        else:
+            try:
+                limit = min(args.cell_timeout, args.deadline - args.clock.elapsed())
+                with time_limit(limit):
+                    new = measure_cell(backend, kind, streams, args, mask_ids, turn)
+            except (Exception, TimeLimit) as ex:  # noqa: BLE001 - a cell's failure is a row
+                args.clock.say(f"{kind} x{streams} FAILED: {ex!r}")
+                with contextlib.suppress(Exception):
+                    backend.repair()
+                new = [dict(workload=kind, streams=streams, mode=m, error=f"error: {ex!r}"[:200])
+                       for m in report.MODES]
+        for r in new:
+            report.emit(r)
+        rows += new
     return rows
 
 

@@ -44,24 +44,37 @@ def notes(tokens: dict[str, int], repeats: int) -> str:
 RUN_FIELDS = ("tok_s", "wait_ms", "host_ms", "choose_ms", "gc_ms")
 
 
+def run_order(repeats: int, turn: int = 0) -> list[tuple[int, str]]:
+    """``(repeat, mode)`` in the order a cell runs them: ``MODES`` turned
+    by ``turn`` (the cell's place in the grid), reversed at every odd
+    repeat. The first cell runs P B A, A B P, P B A; the second B A P,
+    P A B, B A P; the third A P B, B P A, A P B. In every cell each mode's
+    plain runs sit at the same mean position, so a steady drift moves
+    every mode alike (``mode_row``). One mode's two plain runs sit side by
+    side in the middle, where one short slow stretch of the host can take
+    both; that mode turns from cell to cell instead of always being auto."""
+    k = turn % len(MODES)
+    base = MODES[k:] + MODES[:k]
+    return [(i, mode) for i in range(repeats) for mode in (base if i % 2 == 0 else base[::-1])]
+
+
 def mode_row(runs: list[dict]) -> dict:
     """One mode's runs of a cell (in the order run; the timing hook's last)
     as the table's row: tok/s, req/s and ms/step the median over the runs
     without the hook (of two, their mean), the other fields from the upper
     median of them.
 
-    Why: the modes run in the order P B A, A B P, P B A, so with an even
-    count of plain runs (an odd count of repeats, three by default) each
-    mode's sit at the same mean position (1 and 6, 2 and 5, 3 and 4), and
-    a steady drift in the machine's speed over the cell moves every mode's
-    mean alike. With four (five repeats) the middle two sit there too (6
-    and 7, 5 and 8, 4 and 9 of 1-12), and one run that stalls, as runs of
+    Why: the modes run in ``run_order``, e.g. P B A, A B P, P B A, so with
+    an even count of plain runs (an odd count of repeats, three by
+    default) each mode's sit at the same mean position (1 and 6, 2 and 5,
+    3 and 4), and a steady drift in the machine's speed over the cell
+    moves every mode's mean alike. With four (five repeats) the middle two
+    sit there too (6 and 7, 5 and 8, 4 and 9 of 1-12), and one run that stalls, as runs of
     a quarter of their neighbours' speed did at 64 streams (sixteenth
     stop), moves the median by a neighbour's gap, not the mean by a
     quarter of the run. The upper median of two was the later or the
     earlier run, whichever was faster: the mode at the ends of the order
-    (pipelined) took the most drifted run, and auto, in the middle
-    positions, never did."""
+    took the most drifted run, and the mode in the middle never did."""
     plain = [r for r in runs if not r.get("hooked")] or runs
     row = dict(sorted(plain, key=lambda r: r["tok_s"])[len(plain) // 2])
     for key in ("tok_s", "req_s", "ms_step"):

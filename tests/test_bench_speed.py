@@ -224,34 +224,53 @@ def test_the_docs_header_names_the_read_bandwidth_and_the_floor():
     assert "copy" not in text and "/ 2" not in text
 
 
-def _runs_in_order(repeats, speed_at):
-    """Each mode's runs as measure_cell makes them (P B A, A B P, ...; the
-    last repeat hooked), with tok/s ``speed_at(position)``, 1-based."""
-    runs, position = {m: [] for m in speed_report.MODES}, 0
-    for i in range(repeats):
-        for mode in speed_report.MODES if i % 2 == 0 else speed_report.MODES[::-1]:
-            position += 1
-            tok_s = speed_at(position)
-            runs[mode].append(dict(tok_s=tok_s, req_s=tok_s / 3, ms_step=1e3 / tok_s, p50_ms=position,
-                                   hooked=i == repeats - 1))
+def _runs_in_order(repeats, speed_at, turn=0):
+    """Each mode's runs as measure_cell makes them (``run_order``: P B A,
+    A B P, ... in the first cell; the last repeat hooked), with tok/s
+    ``speed_at(position)``, 1-based."""
+    runs = {m: [] for m in speed_report.MODES}
+    for position, (i, mode) in enumerate(speed_report.run_order(repeats, turn), 1):
+        tok_s = speed_at(position)
+        runs[mode].append(dict(tok_s=tok_s, req_s=tok_s / 3, ms_step=1e3 / tok_s, p50_ms=position,
+                               hooked=i == repeats - 1))
     return runs
 
 
+def test_each_cell_runs_every_mode_once_a_repeat_and_the_middle_turns_from_cell_to_cell():
+    """``run_order``: every repeat runs the three modes, the first cell's as
+    before (P B A, A B P, P B A); in three cells in a row each mode is once
+    the one whose two plain runs sit side by side in the middle (3 and 4),
+    where one short slow stretch of the host can take both."""
+    assert speed_report.run_order(3) == [(0, "pipelined"), (0, "blocking"), (0, "auto"),
+                                         (1, "auto"), (1, "blocking"), (1, "pipelined"),
+                                         (2, "pipelined"), (2, "blocking"), (2, "auto")]
+    middles = []
+    for turn in range(6):
+        order = speed_report.run_order(3, turn)
+        assert all(sorted(m for i, m in order if i == r) == sorted(speed_report.MODES) for r in range(3))
+        assert order[2][1] == order[3][1]  # positions 3 and 4: one mode's two plain runs
+        middles.append(order[2][1])
+    assert sorted(middles[:3]) == sorted(speed_report.MODES) and middles[3:] == middles[:3]
+
+
+@pytest.mark.parametrize("turn", [0, 1, 2])
 @pytest.mark.parametrize("repeats", [3, 5])
 @pytest.mark.parametrize("slope", [30.0, -30.0])
-def test_a_drift_over_the_cell_moves_every_mode_alike(slope, repeats):
+def test_a_drift_over_the_cell_moves_every_mode_alike(slope, repeats, turn):
     """The same speed in every mode, drifting run by run: with an even count
-    of plain runs the modes' rows agree. The upper median of two plain runs
-    gave pipelined, at the ends of the order, its most drifted run
-    (positions 1 and 6 against auto's 3 and 4): 1180 against 1120 rising."""
-    runs = _runs_in_order(repeats, lambda at: 1000.0 + slope * at)
+    of plain runs the modes' rows agree, whichever mode the cell's order
+    starts with. The upper median of two plain runs gave the mode at the
+    ends of the order its most drifted run (positions 1 and 6 against the
+    middle mode's 3 and 4): 1180 against 1120 rising."""
+    runs = _runs_in_order(repeats, lambda at: 1000.0 + slope * at, turn)
     rows = {m: speed_report.mode_row(rs) for m, rs in runs.items()}
     assert len({round(r["tok_s"], 6) for r in rows.values()}) == 1
     middle = 3 * (repeats - 1) / 2 + 0.5  # the mean position of every mode's plain runs
     assert rows["pipelined"]["tok_s"] == pytest.approx(1000.0 + slope * middle)
     if repeats == 3:
+        ends, inner = speed_report.MODES[turn], speed_report.MODES[(turn + 2) % 3]
         upper = {m: max(r["tok_s"] for r in rs if not r["hooked"]) for m, rs in runs.items()}
-        assert upper["pipelined"] - upper["auto"] == pytest.approx(2 * abs(slope))
+        assert upper[ends] - upper[inner] == pytest.approx(2 * abs(slope))
 
 
 def test_one_stalled_run_of_four_moves_a_mode_s_row_by_no_more_than_its_neighbours():
