@@ -38,7 +38,7 @@ import torch
 from PIL import Image
 
 from bubblefree.bench.doc_block import write_block
-from bubblefree.bench.speed_report import AUTO_TARGET, behind_summary, timings_summary
+from bubblefree.bench.speed_report import AUTO_TARGET, MODES, behind_summary, run_order, timings_summary
 from bubblefree.bench.vlm_peer import encoder_ms_per_crop, make_peer, time_requests
 
 BEGIN, END = "<!-- vlm-speed:begin -->", "<!-- vlm-speed:end -->"
@@ -99,18 +99,21 @@ def run_cell(engine, workload: str, pictures: list[Image.Image], streams: int) -
                 p99_ms=1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))])
 
 
-def measure(engine, workload: str, side: int, streams: int, count: int, seed: int, rounds: int = 1) -> dict:
+def measure(engine, workload: str, side: int, streams: int, count: int, seed: int, rounds: int = 1,
+            turn: int = 0) -> dict:
     """Pipelined, blocking and the per-tick choice ("auto"), alternating
-    (P B A A B P, ``rounds`` times) so drift hits all alike; req/s is each
-    mode's median."""
+    (P B A A B P, ``rounds`` times, in the first cell; ``speed_report.
+    run_order``, turned by ``turn``, the cell's place in the grid) so drift
+    hits all alike; req/s is each mode's median."""
     modes: tuple = (True, False, "auto")
+    engine_mode = dict(zip(MODES, modes))
     runs: dict = {mode: [] for mode in modes}
     warm = images(max(2, streams), side, seed + 7)
     engine.pipelined = True
     run_cell(engine, workload, warm, streams)  # shapes, graphs, allocator
     core, ticks = engine.core, [0, 0]  # auto's ticks ahead and behind, over its runs
     why: list = []  # the rule's inputs at auto's behind ticks (the newest the core keeps)
-    for i, mode in enumerate((modes + modes[::-1]) * rounds):
+    for i, mode in enumerate(engine_mode[name] for _, name in run_order(2 * rounds, turn)):
         engine.pipelined = mode
         before = (core.ahead_ticks, core.behind_ticks)
         runs[mode].append(run_cell(engine, workload, images(count, side, seed + i), streams))
@@ -305,7 +308,8 @@ def render(record: dict, out: Path | None, plot_path: Path | None) -> str:
 
 
 def grid(engine, args, sizes: list[int], workloads: list[str], streams: list[int], over_budget) -> list[dict]:
-    """Every cell of the grid, in order; a cell that fails or is past the budget says why."""
+    """Every cell of the grid, in order (each cell's runs in its own turn of
+    ``run_order``); a cell that fails or is past the budget says why."""
     rows: list[dict] = []
     for side in sizes:
         for workload in workloads:
@@ -317,7 +321,7 @@ def grid(engine, args, sizes: list[int], workloads: list[str], streams: list[int
                     continue
                 try:
                     rows.append(measure(engine, workload, side, n, count, seed=side * 1000 + n,
-                                        rounds=args.rounds))
+                                        rounds=args.rounds, turn=len(rows)))
                 except Exception as err:  # noqa: BLE001 - the cell says why
                     rows.append(dict(workload=workload, side=side, streams=n, error=f"{type(err).__name__}: {err}"))
                 print(rows[-1], flush=True)

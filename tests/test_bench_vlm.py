@@ -55,6 +55,34 @@ def test_unknown_workloads_are_refused_by_name(capsys):
     assert "unknown dance" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("turn,first", [(1, [False, "auto", True, True, "auto", False]),
+                                        (2, ["auto", True, False, False, True, "auto"]),
+                                        (3, [True, False, "auto", "auto", False, True])])
+def test_a_cells_turn_turns_the_order_of_its_runs(monkeypatch, turn, first):
+    """``measure(turn=...)``: the grid's later cells start the alternation
+    with another mode (``speed_report.run_order``), so the mode whose runs
+    sit side by side in the middle is not always auto."""
+    from bubblefree.core.ahead import Successors, Timings
+    order = []
+
+    class Core:
+        ahead_ticks = behind_ticks = 0
+        behind = collections.deque(maxlen=4)
+        timings, successors = Timings(lambda: 0.0), Successors()
+
+    class Engine:
+        pipelined = True
+        core = Core()
+
+    def cell(engine, workload, pictures, streams):
+        order.append(engine.pipelined)
+        return dict(req_s=1.0, p50_ms=1.0, p99_ms=1.0)
+    monkeypatch.setattr(vlm_speed, "run_cell", cell)
+    monkeypatch.setattr(vlm_speed, "images", lambda count, side, seed: [])
+    vlm_speed.measure(Engine(), "point", 378, 1, 3, seed=0, rounds=2, turn=turn)
+    assert order[1:] == first * 2  # after the warm-up run
+
+
 def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatch):
     order, rates = [], {True: iter([10, 30, 20, 99]), False: iter([5, 6, 7, 8]), "auto": iter([9, 1, 2, 3])}
 
@@ -252,11 +280,13 @@ def test_vlm_speed_past_its_budget_lists_the_cells_left_and_still_writes_its_tab
 def test_the_switch_interval_holds_for_the_cells_and_is_given_back(monkeypatch, tmp_path):
     """--switch-interval is the interpreter's while the cells run (a cell
     that raises included) and Python's again after, for the peer and the
-    caller; a value outside (0, 1) seconds is refused by name."""
-    seen = []
+    caller; a value outside (0, 1) seconds is refused by name. Each cell
+    is given its place in the grid, the turn of its runs' order."""
+    seen, turns = [], []
 
-    def measure(engine, workload, side, streams, count, seed, rounds=1):
+    def measure(engine, workload, side, streams, count, seed, rounds=1, turn=0):
         seen.append(sys.getswitchinterval())
+        turns.append(turn)
         raise RuntimeError("a cell that fails")
 
     monkeypatch.setattr(vlm_speed, "measure", measure)
@@ -264,6 +294,7 @@ def test_the_switch_interval_holds_for_the_cells_and_is_given_back(monkeypatch, 
     vlm_speed.main(["--quick", "--no-peer", "--device", "cpu", "--streams", "1,2", "--sizes", "378",
                     "--workloads", "point", "--switch-interval", "0.0005", "--record", str(tmp_path / "r.json")])
     assert seen == [0.0005, 0.0005] and sys.getswitchinterval() == before
+    assert turns == [0, 1]  # a cell that failed still took its turn
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert [r["error"] for r in rows] == ["RuntimeError: a cell that fails"] * 2
     for bad in ("0", "1", "-0.001", "nan"):
