@@ -6,6 +6,7 @@ import collections
 import gc
 import json
 import sys
+import types
 
 import pytest
 
@@ -55,6 +56,16 @@ def test_unknown_workloads_are_refused_by_name(capsys):
     assert "unknown dance" in capsys.readouterr().err
 
 
+def _engine(ticks=(0, 0), kept=()):
+    """The serving engine as ``vlm_speed.measure`` reads it: the mode it
+    sets, auto's tick counters and the rule's records of behind ticks."""
+    from bubblefree.core.ahead import Successors, Timings
+    core = types.SimpleNamespace(ahead_ticks=ticks[0], behind_ticks=ticks[1],
+                                 behind=collections.deque(kept, maxlen=4),
+                                 timings=Timings(lambda: 0.0), successors=Successors())
+    return types.SimpleNamespace(pipelined=True, core=core)
+
+
 @pytest.mark.parametrize("turn,first", [(1, [False, "auto", True, True, "auto", False]),
                                         (2, ["auto", True, False, False, True, "auto"]),
                                         (3, [True, False, "auto", "auto", False, True])])
@@ -62,41 +73,24 @@ def test_a_cells_turn_turns_the_order_of_its_runs(monkeypatch, turn, first):
     """``measure(turn=...)``: the grid's later cells start the alternation
     with another mode (``speed_report.run_order``), so the mode whose runs
     sit side by side in the middle is not always auto."""
-    from bubblefree.core.ahead import Successors, Timings
     order = []
-
-    class Core:
-        ahead_ticks = behind_ticks = 0
-        behind = collections.deque(maxlen=4)
-        timings, successors = Timings(lambda: 0.0), Successors()
-
-    class Engine:
-        pipelined = True
-        core = Core()
 
     def cell(engine, workload, pictures, streams):
         order.append(engine.pipelined)
         return dict(req_s=1.0, p50_ms=1.0, p99_ms=1.0)
     monkeypatch.setattr(vlm_speed, "run_cell", cell)
     monkeypatch.setattr(vlm_speed, "images", lambda count, side, seed: [])
-    vlm_speed.measure(Engine(), "point", 378, 1, 3, seed=0, rounds=2, turn=turn)
+    vlm_speed.measure(_engine(), "point", 378, 1, 3, seed=0, rounds=2, turn=turn)
     assert order[1:] == first * 2  # after the warm-up run
 
 
 def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatch):
     order, rates = [], {True: iter([10, 30, 20, 99]), False: iter([5, 6, 7, 8]), "auto": iter([9, 1, 2, 3])}
 
-    from bubblefree.core.ahead import Behind, Successors, Timings
+    from bubblefree.core.ahead import Behind
     from bubblefree.core.values import StepKind
-
-    class Core:  # auto's counters, moved only by auto's runs (as the core's), and by earlier cells
-        ahead_ticks, behind_ticks = 100, 50
-        behind = collections.deque([Behind(1, 9.0, 0.0, 0.0, 1.0)] * 3, maxlen=4)
-        timings, successors = Timings(lambda: 0.0), Successors()
-
-    class Engine:
-        pipelined = True
-        core = Core()
+    # auto's counters, moved only by auto's runs (as the core's), and by earlier cells
+    engine = _engine(ticks=(100, 50), kept=[Behind(1, 9.0, 0.0, 0.0, 1.0)] * 3)
 
     def cell(engine, workload, pictures, streams):
         order.append(engine.pipelined)
@@ -114,7 +108,7 @@ def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatc
 
     monkeypatch.setattr(vlm_speed, "run_cell", cell)
     monkeypatch.setattr(vlm_speed, "images", lambda count, side, seed: [])
-    row = vlm_speed.measure(Engine(), "point", 378, 1, 3, seed=0, rounds=2)
+    row = vlm_speed.measure(engine, "point", 378, 1, 3, seed=0, rounds=2)
     assert order[1:] == [True, False, "auto", "auto", False, True] * 2
     assert (row["p_req_s"], row["b_req_s"], row["a_req_s"]) == (25, 6.5, 2.5)
     assert row["runs"] == {"p": [10, 30, 20, 99], "b": [5, 6, 7, 8], "a": [9, 1, 2, 3]}  # in the order run
