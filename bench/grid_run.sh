@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a lent GPU: bench.speed's whole grid (runs 28 and 29), the
+# One call on a lent GPU: bench.speed's whole grid (runs 28 to 31), the
 # three shapes one after another, 1, 8, 32 and 64 streams, every workload,
 # peers at 1 and 32 streams, each shape in its own process. Every run's
 # line says where its steps went on the host (wait, host work, auto's

@@ -94,12 +94,15 @@ def boundary_us(programs: int, kernels: int, pdl: bool) -> float:
     return time_in_graph(chain, reps=1, replays=20) / kernels
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=200)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.rounds < 2:
-        raise SystemExit("--rounds: at least 2 (one wait is the difference of two round counts)")
+        ap.error(f"--rounds: at least 2 (one wait is the difference of two round counts), "
+                 f"not {args.rounds}")
+    if triton is None or not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU and Triton: the waits are timed on the device")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name(0)}, {sms} multiprocessors; one program each, 4 warps")
     print("| what | µs each |\n|---|---:|")

@@ -69,10 +69,10 @@ def mode_row(runs: list[dict]) -> dict:
     default) each mode's sit at the same mean position (1 and 6, 2 and 5,
     3 and 4), and a steady drift in the machine's speed over the cell
     moves every mode's mean alike. With four (five repeats) the middle two
-    sit there too (6 and 7, 5 and 8, 4 and 9 of 1-12), and one run that stalls, as runs of
-    a quarter of their neighbours' speed did at 64 streams (sixteenth
-    stop), moves the median by a neighbour's gap, not the mean by a
-    quarter of the run. The upper median of two was the later or the
+    sit there too (6 and 7, 5 and 8, 4 and 9 of 1-12), and one run that
+    stalls, as runs of a quarter of their neighbours' speed did at 64
+    streams (sixteenth stop), moves the median by a neighbour's gap, not
+    the mean by a quarter of the run. The upper median of two was the later or the
     earlier run, whichever was faster: the mode at the ends of the order
     took the most drifted run, and the mode in the middle never did."""
     plain = [r for r in runs if not r.get("hooked")] or runs

@@ -1,5 +1,7 @@
 """The CPU benchmark commands run end to end, so they cannot rot."""
 
+import pytest
+
 from bubblefree.bench import auto_sim, bookkeeping, fake_pipeline
 
 
@@ -69,8 +71,6 @@ def test_tests_skipped_without_the_gpus_parts_are_marked_gpu():
     """``pytest -m gpu`` (``bench/gpu_run.sh``) selects every test whose skip
     names CUDA, a GPU, Triton or sm_90, and no other: the marker is derived
     from the reason, so no list of files goes stale."""
-    import pytest
-
     from tests.conftest import pytest_collection_modifyitems
 
     class Item:
@@ -89,3 +89,23 @@ def test_tests_skipped_without_the_gpus_parts_are_marked_gpu():
     pytest_collection_modifyitems(None, items)
     assert [any(m.name == "gpu" for m in item.marks) for item in items] == \
         [True, True, True, False, False, True]
+
+
+@pytest.mark.parametrize("argv,why", [(["--rounds", "1"], "--rounds: at least 2"),
+                                      (["--rounds", "-5"], "--rounds: at least 2"),
+                                      (["--rounds", "two"], "invalid int value")])
+def test_grid_wait_refuses_bad_rounds_by_name(capsys, argv, why):
+    from bubblefree.bench import grid_wait
+    with pytest.raises(SystemExit):
+        grid_wait.main(argv)
+    assert why in capsys.readouterr().err
+
+
+def test_grid_wait_without_a_gpu_says_what_it_needs(capsys, monkeypatch):
+    import torch
+
+    from bubblefree.bench import grid_wait
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        grid_wait.main([])
+    assert "needs a CUDA GPU and Triton" in capsys.readouterr().err
