@@ -16,13 +16,8 @@ mkdir -p "$out"
 . bench/gpu_env.sh
 {
   machine
-  if [ "${TESTS:-1}" = 1 ]; then
-    echo "== GPU tests"
-    timeout -k 10 "${TEST_SECONDS:-240}" python3 -m pytest -p no:cacheprovider -p no:warnings -rs \
-      --tb=short tests/test_greedy_sample.py tests/test_sample_ahead.py tests/test_cuda_backend.py \
-      tests/test_backend_contract.py 2>&1
-    echo "pytest exit status: $?"
-  fi
+  [ "${TESTS:-1}" = 1 ] && gpu_tests "${TEST_SECONDS:-240}" tests/test_greedy_sample.py \
+    tests/test_sample_ahead.py tests/test_cuda_backend.py tests/test_backend_contract.py
 } 2>&1 | quiet | tee "$out/tests.txt"
 {
   if [ "${INTERVALS:-1}" = 1 ]; then

@@ -23,3 +23,12 @@ speed_ab() {
     done
   done
 }
+# The GPU tests of a one-call script, under a time limit, and their exit
+# status: gpu_tests SECONDS PYTEST_ARGS...
+gpu_tests() {
+  local secs="$1"
+  shift
+  echo "== GPU tests"
+  timeout -k 10 "$secs" python3 -m pytest -p no:cacheprovider -p no:warnings -rs --tb=short "$@" 2>&1
+  echo "pytest exit status: $?"
+}

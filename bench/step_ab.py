@@ -9,8 +9,8 @@ between processes and machines; a comparison holds only within one).
 
 A variant is ``base`` (the defaults measured for the GPU and the shape:
 ``KernelConfig.measured``) or ``+``-joined items: row counts of the config
-(``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``; ``sample_ahead=0``:
-the captured step without its tokens sampled ahead) and ``K,N=TILE``
+(``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``, ``early_norms=8``;
+``sample_ahead=0``: the captured step without its tokens sampled ahead) and ``K,N=TILE``
 entries that replace the dependent-launch step's tile for the GEMM of that
 weight shape (``KernelConfig.pdl_tiles``) in every bucket it runs. A q, k, v tile that
 cuts K hands its sums to the attention kernels (``pdl_step.project_attend``).
@@ -39,7 +39,7 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 
 
 # KernelConfig's row counts a variant may set (``o_combines=0``).
-ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead")
+ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms")
 
 
 def variant(default: KernelConfig, text: str) -> KernelConfig:

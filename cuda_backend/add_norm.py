@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bubblefree.cuda_backend.pdl import enter, launch_options, tl, triton
+from bubblefree.cuda_backend.pdl import enter, launch_options, release, tl, triton, wait
 
 
 if triton is not None:
@@ -34,14 +34,20 @@ if triton is not None:
     @triton.jit
     def _add_norm_kernel(x_ptr, p_ptr, w_ptr, b_ptr, xo_ptr, h_ptr, N, splits, sx_m, sp_s,
                          sp_m, so_m, eps, RMS: tl.constexpr, HAS_B: tl.constexpr,
-                         PDL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+                         PDL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                         EARLY: tl.constexpr):
+        if EARLY:  # the next kernel is placed and reads its weights while ours waits
+            release(PDL)
         m = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         ok = c < N
         w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
         if HAS_B:
             b = tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
-        enter(PDL)
+        if EARLY:
+            wait(PDL)
+        else:
+            enter(PDL)
         # x asked for with the slices, not after them: one round trip less.
         x = tl.load(x_ptr + m * sx_m + c, mask=ok, other=0.0)
         # SPLITS slices per load: one round trip for all of them, not one each
@@ -85,10 +91,11 @@ def _check(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor,
 
 def add_norm(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None, eps: float, rms: bool, *,
-             pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             pdl: bool = False, early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x ``[M, N]``, parts ``[S, M, N]`` float32 -> ``(x + sum(parts), norm
     of it)``, both ``[M, N]`` in x's dtype. ``rms``: RMSNorm (no bias), else
-    LayerNorm with ``bias``."""
+    LayerNorm with ``bias``. ``early`` (with ``pdl``): the next kernel may
+    launch before this one waits for its predecessor (``pdl.release``)."""
     _check(x, parts, weight, bias)
     if not available(x):
         return torch_add_norm(x, parts, weight, bias, eps, rms)
@@ -102,7 +109,7 @@ def add_norm(x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor,
         x, parts, weight, bias if bias is not None else weight, xo, h, n, parts.shape[0],
         x.stride(0), parts.stride(0), parts.stride(1), xo.stride(0), float(eps),
         RMS=rms, HAS_B=bias is not None, PDL=pdl, BLOCK=block, SPLITS=splits,
-        num_warps=warps, **launch_options(pdl))
+        EARLY=early and pdl, num_warps=warps, **launch_options(pdl))
     return xo, h
 
 

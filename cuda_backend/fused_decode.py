@@ -182,6 +182,9 @@ class Dims:
     # kernel runs, the output projection combines its states
     # (KernelConfig.o_combines; sequential layers only).
     state_rows: int = 0
+    # In pdl_step's buckets of at most ``early_rows`` rows, the norms let the
+    # next kernel launch before they wait (KernelConfig.early_norms).
+    early_rows: int = 0
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -347,7 +350,8 @@ class FusedDecoder:
                          pdl_tiles=kernels.pdl_tiles, sms=sms,
                          glu=not parallel and getattr(cfg, "hidden_act", None) == "silu",
                          counters=counters, combine_rows=combine_rows,
-                         state_rows=0 if parallel else min(pdl_rows, kernels.o_combines))
+                         state_rows=0 if parallel else min(pdl_rows, kernels.o_combines),
+                         early_rows=min(pdl_rows, kernels.early_norms))
         self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
         # What the first dependent layer adds to the embeddings: nothing,
         # from one buffer rather than a fill kernel each step.
@@ -439,7 +443,8 @@ class FusedDecoder:
         kernel for both where the step runs ``pdl_step``'s layers)."""
         x, delta, pdl = self._layers(x, positions, ctx, one_op, True, rope)
         if pdl:
-            return pdl_step.final(x, delta, *self.final_norm)
+            return pdl_step.final(x, delta, *self.final_norm,
+                                  early=x.shape[0] <= self.dims.early_rows)
         h = x + delta
         return h, self.norm(h)
 

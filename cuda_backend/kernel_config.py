@@ -310,21 +310,30 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # (docs/runs/pdl-slices-2026-12-01f.txt), then to 0.62 (Llama's 0.86 to
 # 0.85) with the q, k, v projection cut into slices that the attention
 # kernels add (``pdl_step.project_attend``; docs/runs/qkv-slices-2026-12-01h.txt).
-MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable, int, int]]] = types.MappingProxyType({
+# Last, the buckets whose norms release the next kernel early
+# (``KernelConfig.early_norms``; at one and eight rows Llama-3.2-1B's step
+# from 0.835 to 0.794 ms and 0.921 to 0.882, Qwen2-0.5B's from 0.604 to
+# 0.591 and 0.686 to 0.655, each with the tiles that read more before their
+# wait; Phi-1.5's slower with it, 0.890 to 1.006: docs/runs/early-norms-2026-12-03.txt).
+# (pdl_rows, pdl_tiles, last_combines, o_combines, early_norms)
+PdlDefaults = tuple[int, TileTable, int, int, int]
+MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
         PHI_15: (8, TileTable({
             (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
             (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
-        }), 2, 0),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 0, 0),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         LLAMA_32_1B: (8, TileTable({
-            (2048, 3072): ((8, Tile(64, 256, 4, 4, 3)),),  # q, k, v, sums to attention
+            # q, k, v, sums to attention; 8 warps, each slice's four steps read
+            # before the wait (the norm before it releases it early)
+            (2048, 3072): ((8, Tile(64, 256, 2, 8, 3, 4)),),
             # o, sums; at one row combining the split kernel's states (o_combines)
             (2048, 2048): ((1, Tile(128, 256, 8, 4, 3)), (8, Tile(64, 256, 8, 4, 3))),
             (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
-            (8192, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # down, sums
+            (8192, 2048): ((8, Tile(64, 256, 8, 4, 3, 2)),),  # down, sums, two steps ahead
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        }), 2, 1),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 1, 8),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         QWEN2_05B: (8, TileTable({
             (896, 1152): ((8, Tile(32, 128, 4, 4, 3)),),  # q, k, v, sums to attention
             # o and down: slices of K that need not divide it (down's 38 steps of
@@ -334,9 +343,10 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, tuple[int, TileTable, int, int]]] = ty
             # step against 0.606 and 0.610 with 32, in two calls: performance.md)
             (896, 896): ((1, Tile(64, 64, 14, 4, 3)), (8, Tile(32, 128, 4, 4, 3))),
             (896, 9728): ((8, Tile(32, 128, 1, 4, 3)),),  # gate and up, silu(gate) * up
-            (4864, 896): ((1, Tile(64, 128, 8, 4, 3)), (8, Tile(32, 128, 8, 4, 3))),  # down, sums
+            # down, sums; each slice's first four steps read before the wait
+            (4864, 896): ((8, Tile(32, 128, 8, 4, 3, 4)),),
             (896, 151936): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        }), 0, 1),
+        }), 0, 1, 8),
     }),
 })
 
@@ -384,6 +394,13 @@ class KernelConfig:
     over ``last_combines``; Phi's output GEMM also reads the MLP's half,
     so Phi keeps them. 0: none.
 
+    ``early_norms``: in that step's buckets of at most this many rows, each
+    norm lets the next kernel launch before it waits for its own
+    predecessor (``pdl.release``): the GEMM after a norm (q, k, v; gate and
+    up; the head) is placed and reads its first weights while the output
+    projection before the norm still runs, instead of only while the norm
+    does. 0: none.
+
     ``sample_ahead``: decode buckets of at most this many rows sample
     greedily, unmasked, at the end of the forward's graph; a finalize whose
     rows are all greedy with no mask and no value keeps those tokens and
@@ -407,10 +424,12 @@ class KernelConfig:
     greedy_kernel: bool = True
     step_inputs: bool = True
     o_combines: int = attrs.field(default=0)
+    early_norms: int = attrs.field(default=0)
     sample_ahead: int = attrs.field(default=SAMPLE_AHEAD)
 
     @last_combines.validator
     @o_combines.validator
+    @early_norms.validator
     @sample_ahead.validator
     def _rows(self, field, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -429,10 +448,10 @@ class KernelConfig:
         (none elsewhere, so cuBLAS, until it is measured) and, for a model
         of ``config``'s shape, the dependent-launch step where it was
         measured faster on that GPU (``MEASURED_PDL``)."""
-        pdl_rows, pdl_tiles, combines, o_combines = MEASURED_PDL.get(name, {}).get(
-            model_shape(config), (0, TileTable(), 0, 0))
+        pdl_rows, pdl_tiles, combines, o_combines, early = MEASURED_PDL.get(name, {}).get(
+            model_shape(config), (0, TileTable(), 0, 0, 0))
         return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles,
-                   last_combines=combines, o_combines=o_combines)
+                   last_combines=combines, o_combines=o_combines, early_norms=early)
 
     def __str__(self) -> str:
         where = ""
@@ -449,6 +468,8 @@ class KernelConfig:
                           + ("at one row" if rows == 1 else f"up to {rows} rows"))
             if (rows := min(self.last_combines, self.pdl_rows)) > self.o_combines:
                 where += f", the split kernel's last programs combining up to {rows} rows"
+            if rows := min(self.early_norms, self.pdl_rows):
+                where += f", the norms releasing the next kernel early up to {rows} rows"
         if self.sample_ahead != SAMPLE_AHEAD:
             where += (f"; tokens sampled ahead in the forward up to {self.sample_ahead} rows"
                       if self.sample_ahead else "; no tokens sampled ahead in the forward")

@@ -10,13 +10,20 @@ parameters), then wait (``griddepcontrol.wait``) until the predecessor has
 finished and its writes are visible, and only then read its outputs or
 write anything. Right after that wait each program lets the next kernel
 launch in turn (``griddepcontrol.launch_dependents``), so at most two
-kernels of the chain are ever resident.
+kernels of the chain are ever resident. A kernel may instead let the next
+one launch before it waits itself (``release``, then ``wait``): the norms
+do where ``KernelConfig.early_norms`` says, so the GEMM after a norm is
+placed, and reads its first weights, while the kernel before the norm
+still runs (three of the chain resident). That is safe for the same
+reason the rule below is: the next kernel's wait returns only once the
+norm has ended, which it does only after its own predecessor has.
 
 The rule every kernel launched this way keeps (``enter`` is where):
 
 - before ``enter``: loads of memory no kernel of the step writes, nothing
   else (no store: the predecessor may still read what it would overwrite);
-- ``enter`` on every path of every program, before anything else.
+- ``enter`` on every path of every program, before anything else (or
+  ``release`` first and ``wait`` where ``enter`` would be).
 
 A kernel launched plainly after one launched this way waits for it to end,
 and a PDL kernel's end implies its predecessor's (it waited for it), so a
@@ -61,5 +68,18 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def release(PDL: tl.constexpr):
+        """Let the next kernel launch now, before this one waits (``wait``
+        must follow on every path). A no-op launched plainly."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def wait(PDL: tl.constexpr):
+        """``enter`` for a kernel that ran ``release`` first."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
 else:  # pragma: no cover - exercised where Triton is absent
-    enter = None
+    enter = release = wait = None

@@ -164,7 +164,8 @@ def parallel_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
     """Phi: the norm (with the previous layer's sums), the fused q, k, v and
     fc1, attention with the activation beside it, the fused dense + fc2."""
     norm_w, norm_b, w_in, b_in, w_out, b_out, qk_norm = w
-    x, h = add_norm(x, delta, norm_w, norm_b, dims.eps, rms=False, pdl=True)
+    x, h = add_norm(x, delta, norm_w, norm_b, dims.eps, rms=False, pdl=True,
+                    early=x.shape[0] <= dims.early_rows)
     q, k, v, f = gemm(h, w_in, b_in, dims).split(dims.split, dim=-1)
     if dims.act:
         row = attend(q, k, v, cos, sin, kv, ctx, qk_norm, dims, window, f)
@@ -177,23 +178,26 @@ def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
     """Llama, Qwen2: norm, q/k/v, attention, o_proj's sums into the second
     norm, gate and up as ``silu(gate) * up``, down."""
     norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
-    x, h = add_norm(x, delta, norm1, None, dims.eps, rms=True, pdl=True)
+    early = x.shape[0] <= dims.early_rows
+    x, h = add_norm(x, delta, norm1, None, dims.eps, rms=True, pdl=True, early=early)
     o_tile = states_tile(h, w_o, ctx, dims)
     a = project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window, o_tile is not None)
     if o_tile is not None:  # the projection combines the attention's states as it reads them
         sums = skinny_gemm.launch(a, w_o, b_o, o_tile, bias_in_parts=True, pdl=True, partial=True)
     else:
         sums = gemm(a, w_o, b_o, dims, partial=True)
-    x, h = add_norm(x, sums, norm2, None, dims.eps, rms=True, pdl=True)
+    x, h = add_norm(x, sums, norm2, None, dims.eps, rms=True, pdl=True, early=early)
     if dims.glu:
         return x, gemm(gemm(h, w_gu, b_gu, dims, glu=True), w_down, b_down, dims, partial=True)
     gate, up = gemm(h, w_gu, b_gu, dims).split(dims.inter, dim=-1)
     return x, gemm(act(gate) * up, w_down, b_down, dims, partial=True)
 
 
-def final(x, delta, weight, bias, eps, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last layer's output added: ``(hidden, final norm of it)``."""
-    return add_norm(x, delta, weight, bias, eps, rms, pdl=True)
+def final(x, delta, weight, bias, eps, rms: bool, *,
+          early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer's output added: ``(hidden, final norm of it)``;
+    ``early``: the head may launch before the norm waits (``add_norm``)."""
+    return add_norm(x, delta, weight, bias, eps, rms, pdl=True, early=early)
 
 
 def combine(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -61,3 +61,22 @@ def test_the_grid_wait_benchmarks_kernel_compiles_for_hopper(monotonic):
     ptx = kernel.asm["ptx"]
     assert "ld.acquire.gpu.global.b32" in ptx
     assert (ptx.count("atom.") == 1) == monotonic
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_the_norm_releases_the_next_kernel_before_it_waits_only_when_early(early):
+    """``add_norm``'s EARLY (KernelConfig.early_norms): the dependents'
+    release comes before the wait; without it, after (``pdl.enter``)."""
+    from bubblefree.cuda_backend import add_norm
+    consts = dict(RMS=True, HAS_B=False, PDL=True, BLOCK=1024, SPLITS=8, EARLY=early)
+    signature = {"x_ptr": "*bf16", "p_ptr": "*fp32", "w_ptr": "*bf16", "b_ptr": "*bf16",
+                 "xo_ptr": "*bf16", "h_ptr": "*bf16", "N": "i32", "splits": "i32",
+                 "sx_m": "i32", "sp_s": "i32", "sp_m": "i32", "so_m": "i32", "eps": "fp32",
+                 **dict.fromkeys(consts, "constexpr")}
+    source = ASTSource(fn=add_norm._add_norm_kernel, signature=signature, constexprs=consts)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=8)).asm["ptx"]
+    release = ptx.index("griddepcontrol.launch_dependents")
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.count("griddepcontrol.launch_dependents") == ptx.count("griddepcontrol.wait") == 1
+    assert (release < wait) == early

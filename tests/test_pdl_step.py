@@ -121,6 +121,11 @@ def test_pdl_rows_is_a_count_and_says_itself():
     for bad in (True, -1, 2.0, "2", None):  # a row count: not a flag, nor negative
         with pytest.raises(ValueError, match="last_combines is a row count"):
             KernelConfig(pdl_rows=8, last_combines=bad)
+        with pytest.raises(ValueError, match="early_norms is a row count"):
+            KernelConfig(pdl_rows=8, early_norms=bad)
+    assert "norms releasing the next kernel early up to 2 rows" in str(
+        KernelConfig(pdl_rows=8, early_norms=2))
+    assert "releasing" not in str(KernelConfig(early_norms=8))  # no dependent step: no effect
 
 
 def test_where_it_cannot_launch_dependent_the_step_is_the_usual_one():
@@ -147,14 +152,16 @@ def test_where_it_cannot_launch_dependent_the_step_is_the_usual_one():
 @pytest.mark.parametrize("m,n,splits,rms", [(1, 2048, 1, False), (5, 896, 19, True),
                                             (64, 2048, 8, True), (3, 100, 2, False),
                                             (2, 2048, 8, False), (1, 896, 8, True)])
-@pytest.mark.parametrize("launch_pdl", LAUNCHES)
-def test_the_add_norm_kernel_matches_torch(m, n, splits, rms, dtype, launch_pdl):
+@pytest.mark.parametrize("launch_pdl,early", [(False, False), (False, True),
+                                              pytest.param(True, False, marks=PDL),
+                                              pytest.param(True, True, marks=PDL)])
+def test_the_add_norm_kernel_matches_torch(m, n, splits, rms, dtype, launch_pdl, early):
     torch.manual_seed(m + n)
     x = torch.randn(m, n, device="cuda", dtype=dtype)
     parts = torch.randn(splits, m, n, device="cuda") / splits
     w = torch.randn(n, device="cuda", dtype=dtype)
     b = None if rms else torch.randn(n, device="cuda", dtype=dtype)
-    xo, h = add_norm(x, parts, w, b, 1e-5, rms, pdl=launch_pdl)
+    xo, h = add_norm(x, parts, w, b, 1e-5, rms, pdl=launch_pdl, early=early)
     rx, rh = torch_add_norm(x, parts, w, b, 1e-5, rms)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(xo, rx, rtol=tol, atol=tol)
@@ -168,7 +175,11 @@ def test_the_add_norm_kernel_matches_torch(m, n, splits, rms, dtype, launch_pdl)
                                         # slices of 2 and 3 steps; steps read before the wait
                                         (1, 4864, 96, "32n128k16s4w3p2a"),
                                         (8, 896, 1152, "32n128k3s4w3p2a"),
-                                        (3, 1024, 80, "16n64k4s4w3p4a")])
+                                        (3, 1024, 80, "16n64k4s4w3p4a"),
+                                        # the measured tiles that read most ahead
+                                        (1, 2048, 3072, "64n256k2s8w3p4a"),
+                                        (8, 4864, 896, "32n128k8s4w3p4a"),
+                                        (1, 8192, 2048, "64n256k8s4w3p2a")])
 @pytest.mark.parametrize("launch_pdl", LAUNCHES)
 def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, tile, dtype,
                                                                     launch_pdl):
@@ -288,22 +299,21 @@ def test_the_dependent_step_in_graphs_decodes_the_same_tokens(arch, rows):
 
 
 @PDL
-def test_the_dependent_step_in_bf16_keeps_the_phi15_shapes_tokens():
-    """moondream2's text decoder shape in bf16, with the tiles measured for
-    this GPU where there are some: the dependent step's greedy tokens equal
-    the usual compiled step's."""
-    from transformers import PhiForCausalLM
-
-    from bubblefree.cuda_backend.tiny import phi15_config
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = PhiForCausalLM(phi15_config()).to(torch.bfloat16).eval()
+@pytest.mark.parametrize("shape", ["phi", "llama1b", "qwen05b"])
+def test_the_dependent_step_in_bf16_keeps_each_measured_shapes_tokens(shape):
+    """Each shape measured for this GPU (moondream2's text decoder, Llama-3.2-1B,
+    Qwen2-0.5B) in bf16, with its measured defaults (its tiles, the norms
+    releasing early where they do): the dependent step's greedy tokens equal
+    the usual step's."""
+    from bubblefree.bench.speed_setup import build_model
+    model, _ = build_model(False, shape=shape)
     prompts = [[5, 9, 17, 33, 4], [7, 8, 1000, 2000]]
-    want = generate(_small(model, max_rows=4, compile_decode=True,
-                           kernels=KernelConfig.measured("cuda")), prompts, 16)
-    be = _small(model, max_rows=4, kernels=attrs.evolve(KernelConfig.measured("cuda", model.config),
-                                                        pdl_rows=4))
-    got = generate(be, prompts, 16)
+    measured = KernelConfig.measured("cuda", model.config)
+    assert measured.pdl_rows == 8
+    want = generate(_small(model, max_rows=4, kernels=attrs.evolve(measured, pdl_rows=0)),
+                    prompts, 16)
+    got = generate(_small(model, max_rows=4, kernels=attrs.evolve(measured, pdl_rows=4)),
+                   prompts, 16)
     # bf16 sums in another order may flip a near tie late; the first tokens agree.
     assert [g[:8] for g in got] == [w[:8] for w in want]
 
@@ -331,6 +341,10 @@ def test_the_measured_defaults_name_their_shape():
         # measured faster: Llama-3.2-1B and Qwen2-0.5B (Phi's output GEMM also
         # reads the MLP's half, so it never does).
         assert h200.o_combines == (0 if name == "phi" else 1), name
+        # The norms release the next kernel early where it was measured faster:
+        # Llama-3.2-1B and Qwen2-0.5B, not Phi-1.5 (slower there).
+        assert h200.early_norms == (0 if name == "phi" else 8), name
+        assert KernelConfig.measured("cpu", config).early_norms == 0
         assert KernelConfig.measured("cpu", config).o_combines == 0
         assert KernelConfig.measured("cpu", config).last_combines == 0
         assert KernelConfig.measured("cpu", config).pdl_rows == 0
@@ -504,6 +518,28 @@ def test_the_dependent_step_with_q_k_v_in_slices_decodes_the_same_tokens(arch):
     kernels = attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8,
                            pdl_tiles=_qkv_in_slices(model))
     assert generate(_small(model, kernels=kernels), PROMPTS, 10) == want == first
+
+
+@PDL
+@pytest.mark.parametrize("arch", ["phi", "llama", "qwen2"])
+def test_the_dependent_step_with_the_norms_releasing_early_decodes_the_same_tokens(arch):
+    """KernelConfig.early_norms: the GEMM after each norm launched before
+    the norm waits; in graphs, with the measured tiles and the split
+    kernel's states, greedy tokens equal the step's without it, and a
+    step's logits (four rows in a bucket of 8) are exactly its own."""
+    from tests.test_cuda_fused import decode_logits
+    model = tiny_model(arch, device="cuda", seed=4)
+    base = attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8, early_norms=0)
+    plain = _small(model, kernels=base)
+    be = _small(model, kernels=attrs.evolve(base, early_norms=8))
+    assert "norms releasing the next kernel early up to 8 rows" in str(be.kernels)
+    assert be._runner.decoder.dims.early_rows == 8
+    assert generate(be, PROMPTS, 10) == generate(plain, PROMPTS, 10)
+    torch.manual_seed(0)
+    plain.cache.data.normal_()
+    be.cache.data.copy_(plain.cache.data)
+    assert torch.equal(decode_logits(be, be._runner.decoder, [1, 6, 17, 9]),
+                       decode_logits(plain, plain._runner.decoder, [1, 6, 17, 9]))
 
 
 @PDL
