@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.step_ab needs CUDA")
     model, label = build_model(False, shape=args.model)
-    default = KernelConfig.measured("cuda", model.config)
+    default = KernelConfig.measured("cuda", model.config, dtype=model.dtype)
     try:
         configs = {v: variant(default, v) for v in variants}
     except ValueError as err:

@@ -108,7 +108,8 @@ class CudaBackend:
         # Off: every prefill eager, decode steps still in graphs (a baseline).
         self.prefill_graphs = use_graphs and prefill_graphs
         # Which kernels a step runs, chosen once: every graph captures this.
-        measured = KernelConfig.measured(self.device, getattr(module, "config", None))
+        measured = KernelConfig.measured(self.device, getattr(module, "config", None),
+                                         dtype=self.dtype)
         self.kernels = measured if kernels is None else kernels
         self._runner = self.runner_class(module, self.cache, self._cap, self.device,
                                          self.kernels, compile_decode=compile_decode,

@@ -287,6 +287,10 @@ def model_shape(config: Any) -> tuple | None:
             getattr(config, "num_key_value_heads", None) or heads, getattr(config, "vocab_size", None))
 
 
+# The weights' dtypes the measured tiles and steps apply to: they were timed
+# in bfloat16, and float16 moves the same bytes through the same tiles.
+MEASURED_DTYPES = (torch.bfloat16, torch.float16)
+
 PHI_15 = ("phi", 2048, 8192, 32, 32, 51200)  # Phi-1.5, moondream2's text decoder
 LLAMA_32_1B = ("llama", 2048, 8192, 32, 8, 128256)
 QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
@@ -436,18 +440,26 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.{field.name} is a row count (0: none), not {value!r}")
 
     @classmethod
-    def measured(cls, device: torch.device | str, config: Any = None) -> "KernelConfig":
+    def measured(cls, device: torch.device | str, config: Any = None, *,
+                 dtype: torch.dtype = torch.bfloat16) -> "KernelConfig":
         """The defaults measured for ``device``'s GPU (``for_gpu``), for a
-        model of transformers ``config``."""
+        model of transformers ``config`` whose weights are ``dtype``."""
         device = torch.device(device)
-        return cls.for_gpu(torch.cuda.get_device_name(device) if device.type == "cuda" else "", config)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        return cls.for_gpu(name, config, dtype=dtype)
 
     @classmethod
-    def for_gpu(cls, name: str, config: Any = None) -> "KernelConfig":
+    def for_gpu(cls, name: str, config: Any = None, *,
+                dtype: torch.dtype = torch.bfloat16) -> "KernelConfig":
         """The defaults, with the GEMM tiles measured for the GPU ``name``
         (none elsewhere, so cuBLAS, until it is measured) and, for a model
         of ``config``'s shape, the dependent-launch step where it was
-        measured faster on that GPU (``MEASURED_PDL``)."""
+        measured faster on that GPU (``MEASURED_PDL``). Both only for
+        weights of two bytes (``MEASURED_DTYPES``): the tiles were measured
+        in bfloat16, and in float32 some of them need more shared memory
+        than a multiprocessor has (tests/test_gemm_compiles.py)."""
+        if dtype not in MEASURED_DTYPES:
+            return cls()
         pdl_rows, pdl_tiles, combines, o_combines, early = MEASURED_PDL.get(name, {}).get(
             model_shape(config), (0, TileTable(), 0, 0, 0))
         return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles,

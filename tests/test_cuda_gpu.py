@@ -38,7 +38,8 @@ def default_path(model) -> str:
     (kernel_config.MEASURED_PDL)."""
     from bubblefree.cuda_backend.kernel_config import KernelConfig
     from bubblefree.cuda_backend.pdl import supported
-    rows = KernelConfig.measured("cuda", model.config).pdl_rows if supported("cuda") else 0
+    rows = (KernelConfig.measured("cuda", model.config, dtype=model.dtype).pdl_rows
+            if supported("cuda") else 0)
     return f"fused {model.config.model_type}" + (f", dependent launches up to {rows} rows" if rows else "")
 
 

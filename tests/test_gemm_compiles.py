@@ -80,3 +80,54 @@ def test_the_norm_releases_the_next_kernel_before_it_waits_only_when_early(early
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.count("griddepcontrol.launch_dependents") == ptx.count("griddepcontrol.wait") == 1
     assert (release < wait) == early
+
+
+# What a Hopper multiprocessor gives one program (227 KB): Triton refuses to
+# launch a kernel that asks more (OutOfResources).
+HOPPER_SHARED = 232448
+
+
+def _measured_launches():
+    """Every measured tile as the step launches it: (what, tile, rows, form,
+    dependent). In the dependent step a gate and up tile writes
+    silu(gate) * up, one of several slices writes sums, any other whole
+    outputs; elsewhere (``MEASURED``) sums or whole outputs."""
+    from bubblefree.bench.speed_setup import SHAPES
+    from bubblefree.cuda_backend.kernel_config import MEASURED, MEASURED_PDL, model_shape
+    out = []
+    for gpu, table in MEASURED.items():
+        for (k, n), entries in table.entries:
+            out += [(f"{gpu} {k}->{n}", t, rows, "partial" if t.split > 1 else "whole", False)
+                    for rows, t in entries if t is not None]
+    for name, spec in SHAPES.items():
+        config = spec["config"]()
+        glu = (config.hidden_size, 2 * config.intermediate_size)
+        for gpu, shapes in MEASURED_PDL.items():
+            tiles = shapes[model_shape(config)][1]
+            for (k, n), entries in tiles.entries:
+                form = "glu" if (k, n) == glu and config.model_type != "phi" else (
+                    "partial" if any(t.split > 1 for _, t in entries) else "whole")
+                out += [(f"{gpu} {name} {k}->{n}", t, rows, form, True) for rows, t in entries]
+    return out
+
+
+def test_every_measured_tile_fits_a_hopper_multiprocessor_in_bf16():
+    """The tiles measured on the H200 (bf16 weights, ``MEASURED_DTYPES``),
+    each compiled for sm_90 as the step launches it: the shared memory it
+    asks fits one multiprocessor. (In float32 some would not, Llama's q, k,
+    v tile and the 64-row one of Phi's dense and fc2 among them: why the
+    measured defaults serve 16-bit weights only.)"""
+    launches = _measured_launches()
+    assert {form for *_, form, _ in launches} == {"partial", "whole", "glu"}
+    args = {**ARGS, "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}
+    for what, t, rows, form, pdl in launches:
+        consts = dict(HAS_BIAS=True, PARTIAL=form == "partial", IEEE=False, GLU=form == "glu",
+                      PDL=pdl, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=t.block_n,
+                      BLOCK_K=t.block_k, STAGES=t.stages, AHEAD=t.ahead if pdl else 1,
+                      STATES=0, BLOCK_S=1, HD=1, DT=triton.language.bfloat16, ROWS=1)
+        signature = {**args, **dict.fromkeys(consts, "constexpr")}
+        source = ASTSource(fn=skinny_gemm._gemm_kernel, signature=signature, constexprs=consts)
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=t.warps))
+        assert kernel.metadata.shared <= HOPPER_SHARED, (what, str(t), rows, form,
+                                                         kernel.metadata.shared)

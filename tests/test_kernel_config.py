@@ -10,6 +10,7 @@ import pkgutil
 
 import attrs
 import pytest
+import torch
 
 import bubblefree.cuda_backend
 from bubblefree.cuda_backend.backend import CudaBackend
@@ -80,3 +81,19 @@ def test_two_backends_in_one_process_keep_their_own_config():
         assert be._runner.decode_inputs(1, 1)[2].dispatch == kernels.dispatch
         assert be._runner.token_prefill is None or be._runner.token_prefill.dispatch == \
             kernels.dispatch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backend_asks_for_the_defaults_measured_for_its_weights_dtype(monkeypatch, dtype):
+    """The measured tiles serve 16-bit weights only (``MEASURED_DTYPES``):
+    the backend names its weights' dtype when it asks for its defaults."""
+    asked = []
+    real = KernelConfig.measured.__func__
+
+    def measured(cls, device, config=None, **kw):
+        asked.append(kw.get("dtype"))
+        return real(cls, device, config, **kw)
+
+    monkeypatch.setattr(KernelConfig, "measured", classmethod(measured))
+    be = _backend(tiny_model("llama", seed=1).to(dtype))
+    assert asked == [dtype] and be.kernels == KernelConfig()

@@ -168,18 +168,25 @@ def test_the_add_norm_kernel_matches_torch(m, n, splits, rms, dtype, launch_pdl,
     torch.testing.assert_close(h, rh, rtol=tol, atol=tol)
 
 
+GEMMS = [(1, 2048, 96, "64n128k1s4w3p"), (5, 512, 2048, "32n128k4s4w3p"),
+         (33, 896, 100, "16n128k7s4w3p"), (64, 256, 64, "64n128k2s4w3p"),
+         # slices of 2 and 3 steps; steps read before the wait
+         (1, 4864, 96, "32n128k16s4w3p2a"), (8, 896, 1152, "32n128k3s4w3p2a"),
+         (3, 1024, 80, "16n64k4s4w3p4a"),
+         # the measured tiles that read most ahead
+         (1, 2048, 3072, "64n256k2s8w3p4a"), (8, 4864, 896, "32n128k8s4w3p4a"),
+         (1, 8192, 2048, "64n256k8s4w3p2a")]
+# 64 columns by 256 of K in float32 need more shared memory than a
+# multiprocessor has (gated, or four steps read ahead: Triton's
+# OutOfResources), which is why the measured tiles serve 16-bit weights only
+# (KernelConfig.for_gpu, test_gemm_compiles.py): those run in bfloat16 alone.
+WIDE = {"64n256k2s8w3p4a", "64n256k8s4w3p2a"}
+
+
 @CUDA
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,k,n,tile", [(1, 2048, 96, "64n128k1s4w3p"), (5, 512, 2048, "32n128k4s4w3p"),
-                                        (33, 896, 100, "16n128k7s4w3p"), (64, 256, 64, "64n128k2s4w3p"),
-                                        # slices of 2 and 3 steps; steps read before the wait
-                                        (1, 4864, 96, "32n128k16s4w3p2a"),
-                                        (8, 896, 1152, "32n128k3s4w3p2a"),
-                                        (3, 1024, 80, "16n64k4s4w3p4a"),
-                                        # the measured tiles that read most ahead
-                                        (1, 2048, 3072, "64n256k2s8w3p4a"),
-                                        (8, 4864, 896, "32n128k8s4w3p4a"),
-                                        (1, 8192, 2048, "64n256k8s4w3p2a")])
+@pytest.mark.parametrize("m,k,n,tile,dtype", [(*g, d) for g in GEMMS
+                                              for d in (torch.float32, torch.bfloat16)
+                                              if d == torch.bfloat16 or g[3] not in WIDE])
 @pytest.mark.parametrize("launch_pdl", LAUNCHES)
 def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, tile, dtype,
                                                                     launch_pdl):
@@ -318,6 +325,30 @@ def test_the_dependent_step_in_bf16_keeps_each_measured_shapes_tokens(shape):
     assert [g[:8] for g in got] == [w[:8] for w in want]
 
 
+@PDL
+def test_a_float32_model_of_a_measured_shape_runs_on_the_plain_defaults():
+    """Llama-3.2-1B's shape in float32, where its measured q, k, v tile
+    would ask more shared memory than a multiprocessor has: the backend
+    takes the plain defaults (``MEASURED_DTYPES``), builds, and decodes
+    transformers' own greedy tokens."""
+    from transformers import LlamaForCausalLM
+
+    from bubblefree.bench.speed_setup import SHAPES
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(SHAPES["llama1b"]["config"]()).eval()
+    prompts = [[5, 9, 17, 33, 4], [7, 8, 1000, 2000]]
+    want = []  # before the backend: it makes the model's attention its own
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=8,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            want.append(ids[0, len(p):].tolist())
+    be = _small(model, max_rows=4)
+    assert be.kernels == KernelConfig()
+    assert generate(be, prompts, 8) == want
+
+
 def test_the_measured_defaults_name_their_shape():
     """The dependent step is on by default only where it was measured faster
     (MEASURED_PDL: the H200; the Phi-1.5, Llama-3.2-1B and Qwen2-0.5B
@@ -349,6 +380,11 @@ def test_the_measured_defaults_name_their_shape():
         assert KernelConfig.measured("cpu", config).last_combines == 0
         assert KernelConfig.measured("cpu", config).pdl_rows == 0
         assert KernelConfig.for_gpu("NVIDIA H100 80GB HBM3", config).pdl_rows == 0
+        # Measured in bfloat16: float16 moves the same bytes and takes them;
+        # float32 weights, for which some tiles do not fit a multiprocessor's
+        # shared memory, get the plain defaults (cuBLAS, the compiled step).
+        assert KernelConfig.for_gpu("NVIDIA H200", config, dtype=torch.float16) == h200
+        assert KernelConfig.for_gpu("NVIDIA H200", config, dtype=torch.float32) == KernelConfig()
         d, inter = config.hidden_size, config.intermediate_size
         qkv = d + 2 * config.num_key_value_heads * (d // config.num_attention_heads)
         shapes = {(d, qkv), (d, d), (d, 2 * inter), (inter, d), (d, config.vocab_size)}
