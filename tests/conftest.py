@@ -8,7 +8,9 @@ profile for long runs is picked with BUBBLEFREE_PROFILE=deep.
 Every test skipped where the GPU's parts are missing (a skip whose reason
 names CUDA, a GPU, Triton or sm_90) is marked ``gpu``, so ``pytest -m gpu``
 runs all of them on a GPU machine (``bench/gpu_run.sh``) and no list of
-files goes stale.
+files goes stale. A file that cannot import an optional extra's package
+(FastAPI, the clients) is skipped with the extra's name there, and is an
+error under CI, which installs them all.
 """
 
 import os
@@ -16,8 +18,21 @@ import re
 
 import pytest
 from hypothesis import HealthCheck, settings
+from optional_extras import skip_reason
 
 GPU_REASON = re.compile(r"CUDA|GPU|Triton|sm_90")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A test file that cannot import an optional extra's package is
+    skipped, naming the extra, outside CI (``optional_extras``)."""
+    report = (yield).get_result()
+    if report.failed and isinstance(collector, pytest.Module):
+        reason = skip_reason(str(report.longrepr), bool(os.environ.get("CI")))
+        if reason:
+            report.outcome = "skipped"
+            report.longrepr = (str(collector.path), 0, f"Skipped: {reason}")
 
 
 def pytest_collection_modifyitems(config, items):
