@@ -48,10 +48,20 @@ def vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
 
 def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,
              token_salt: torch.Tensor) -> torch.Tensor:
-    """``[B, V]`` uniforms in (0, 1), a function of (seed, position, token) only."""
+    """``[B, V]`` uniforms strictly inside (0, 1), a function of (seed,
+    position, token) only (``unit`` of their hash)."""
     key = mix32(seed_lo ^ mix32(seed_hi ^ mix32(position & M32)))  # [B]
-    h = mix32(key.unsqueeze(1) ^ token_salt)  # [B, V]
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: a float32 mantissa
+    return unit(mix32(key.unsqueeze(1) ^ token_salt))  # [B, V]
+
+
+def unit(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes as float32 uniforms strictly inside (0, 1): their top 23
+    bits, a half step from either end. With 24 bits the largest, ``2**24 -
+    0.5``, is not a float32 and rounds up to ``2**24``: u = 1.0, whose
+    Gumbel noise is +inf, and a masked token's -inf + inf is NaN, which
+    argmax takes (a (row, token) in 2**24: a step in about 340 at a
+    vocabulary of 50k)."""
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Tensor,
@@ -61,7 +71,8 @@ def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Ten
     """One token per row ``[B]`` from ``logits`` ``[B, V]`` (float32). A row
     with ``temperature == 0`` takes the argmax; others draw from the top-p
     nucleus of ``softmax(logits / temperature)``; disallowed tokens never win."""
-    logits = logits.masked_fill(~table.index_select(0, mask_ids), float("-inf"))  # [B, V]
+    banned = ~table.index_select(0, mask_ids)  # [B, V]
+    logits = logits.masked_fill(banned, float("-inf"))
     greedy = logits.argmax(dim=-1)  # [B]
     if greedy_only:
         return greedy
@@ -73,7 +84,9 @@ def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Ten
     drop_sorted = (before >= p) & (p < 1.0)  # top_p == 1 keeps all (no rounding losses)
     drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocab order [B, V]
     noise = -torch.log(-torch.log(uniforms(seed_lo, seed_hi, position, token_salt)))
-    drawn = (scaled.masked_fill(drop, float("-inf")) + noise).argmax(dim=-1)  # [B]
+    # Masked and dropped tokens out after the noise is added, so no sum of
+    # infinities can bring one back.
+    drawn = (scaled + noise).masked_fill(drop | banned, float("-inf")).argmax(dim=-1)  # [B]
     return torch.where(temperature > 0, drawn, greedy)
 
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from bubblefree.core.values import SamplingParams
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.drive import generate
-from bubblefree.cuda_backend.sampling import MaskTable, mix32, sample_tokens, uniforms, vocab_hash
+from bubblefree.cuda_backend.sampling import (MaskTable, mix32, sample_tokens, uniforms, unit,
+                                               vocab_hash)
 from bubblefree.cuda_backend.tiny import tiny_model
 
 V = 64
@@ -55,6 +56,37 @@ def test_uniforms_are_uniform_and_keyed():
     other = uniforms(torch.tensor([7]), torch.tensor([0]), torch.tensor([4]),
                      vocab_hash(50_000, "cpu"))
     assert (u != other).float().mean() > 0.99  # another position, another stream
+
+
+def test_the_hashs_extremes_stay_inside_the_unit_interval_with_finite_noise():
+    u = unit(torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 512, 2**32 - 1]))
+    assert 0.0 < u.min() and u.max() < 1.0
+    noise = -torch.log(-torch.log(u))
+    assert torch.isfinite(noise).all()
+
+
+def test_a_draw_where_a_tokens_hash_is_at_its_largest_keeps_to_the_mask():
+    """Seeds where some token's hash has its top 24 bits set (where u was
+    1.0, its noise +inf and a masked token's score NaN): a row masked to
+    {0, 1, 2} draws one of them, and unmasked draws the token that holds
+    the probability."""
+    vocab, position = 49152, 10
+    salt = vocab_hash(vocab, torch.device("cpu"))
+    seeds = torch.arange(600)
+    key = mix32(seeds ^ mix32(torch.zeros_like(seeds) ^ mix32(torch.tensor(position))))
+    hits = [int(s) for s, k in zip(seeds, key) if ((mix32(k ^ salt) >> 8) == (1 << 24) - 1).any()]
+    assert hits  # the case is there to be drawn
+    table = torch.ones(2, vocab, dtype=torch.bool)
+    table[1] = False
+    table[1, :3] = True
+    logits = torch.full((len(hits), vocab), -30.0)
+    logits[:, 0] = 30.0
+    b = len(hits)
+    args = (torch.ones(b), torch.ones(b), torch.tensor(hits), torch.zeros(b, dtype=torch.long),
+            torch.full((b,), position), salt, False)
+    masked = sample_tokens(logits, table, torch.ones(b, dtype=torch.long), *args)
+    assert set(masked.tolist()) <= {0, 1, 2}
+    assert sample_tokens(logits, table, torch.zeros(b, dtype=torch.long), *args).tolist() == [0] * b
 
 
 def test_greedy_is_argmax_and_temperature_zero_rows_stay_greedy():
