@@ -114,12 +114,11 @@ class Engine(SkillCalls):
                                      f"mapping, got {call!r:.80}")
             skill, args = call
             args = dict(args)
+            for key in args:
+                if not isinstance(key, str):
+                    raise InvalidRequest(f"calls[{i}]: argument names must be strings, got {key!r:.80}")
             listener, sampling = args.pop("listener", None), args.pop("sampling", None)
-            if listener is not None and not callable(listener):
-                raise InvalidRequest(f"listener: must be callable, got {type(listener).__name__}")
-            if inspect.iscoroutinefunction(listener):
-                raise InvalidRequest("listener: must be a plain function; an async one would never run "
-                                     "(the decode thread calls it and awaits nothing)")
+            _check_listener(listener)
             items.append((self._request(skill, SamplingParams.of(sampling), args), listener))
         handles = self.loop.submit_all(items)
         for handle in handles:
@@ -127,6 +126,9 @@ class Engine(SkillCalls):
         return handles
 
     def _request(self, skill: str, sampling: SamplingParams, args: dict[str, Any]):
+        # The engine's own keywords to the skill set: a caller's would collide.
+        for field in sorted(ENGINE_SETS.intersection(args)):
+            raise InvalidRequest(f"{field}: unknown argument; the engine sets it (skill {skill!r})")
         if args.get("image") is not None:
             self.skills.tables(skill)  # an unknown or unserved skill is refused before the image is read
             args["image"] = self.images.ref(args["image"])
@@ -197,7 +199,7 @@ class Engine(SkillCalls):
         args = await self._aimage(skill, args)
         pieces = AsyncTextStream(asyncio.get_running_loop(), self.skills.tokenizer)
         handle = self.submit(skill, listener=_chained(pieces.listener, args.pop("listener", None)), **args)
-        return AsyncPieces(handle, pieces.run(handle))
+        return AsyncPieces(handle, pieces)
 
     # ------------------------------------------------------------------ misc
     @property
@@ -228,14 +230,25 @@ class Engine(SkillCalls):
         self.close()
 
 
+# What ``_request`` hands ``SkillSet.request`` itself, besides the skill's name.
+ENGINE_SETS = frozenset({"name", "max_context", "max_positions"})
+
+
+def _check_listener(listener: Any) -> None:
+    if listener is not None and not callable(listener):
+        raise InvalidRequest(f"listener: must be callable, got {type(listener).__name__}")
+    if inspect.iscoroutinefunction(listener):
+        raise InvalidRequest("listener: must be a plain function; an async one would never run "
+                             "(the decode thread calls it and awaits nothing)")
+
+
 def _chained(ours: Callable, theirs: Callable | None) -> Callable:
     """Our listener, then the caller's own (``listener=`` is accepted by the
     asyncio calls too); ours never raises, so theirs raising fails the request
     as it would anywhere else."""
+    _check_listener(theirs)
     if theirs is None:
         return ours
-    if not callable(theirs):
-        raise InvalidRequest(f"listener: must be callable, got {type(theirs).__name__}")
 
     def both(handle: Handle, token: int | None) -> None:
         ours(handle, token)

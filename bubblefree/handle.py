@@ -12,6 +12,8 @@ raises ``RuntimeError`` at once instead of deadlocking.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -28,6 +30,18 @@ class RequestFailed(RuntimeError):
     def __init__(self, result: Result):
         super().__init__(f"request {result.request_id} {result.status.value}: {result.finish_reason}")
         self.result = result
+
+
+def wait_seconds(timeout: Any) -> float | None:
+    """A wait's ``timeout`` as the locks take it: None (no limit) or seconds
+    >= 0; infinity is no limit. A clear ``ValueError`` for anything else: a
+    NaN never times out, so a wait on it would spin on the handle's lock."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+            or math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout: seconds >= 0 or None, not {timeout!r}")
+    return None if math.isinf(timeout) else float(timeout)
 
 
 class Handle:
@@ -64,10 +78,11 @@ class Handle:
     def result(self, timeout: float | None = None) -> Result:
         """Wait for the one Result (I7). ``TimeoutError`` if it is not there
         within ``timeout`` seconds (the request goes on)."""
+        seconds = wait_seconds(timeout)
         with self._ended:
             if self._result is None:
                 self._loop.refuse_wait_on_loop_thread("Handle.result()")
-                if not self._ended.wait_for(lambda: self._result is not None, timeout):
+                if not self._ended.wait_for(lambda: self._result is not None, seconds):
                     raise TimeoutError(f"request {self.request_id}: no result within {timeout} s")
             return self._result
 

@@ -28,6 +28,7 @@ from typing import Callable
 
 from bubblefree.core import Engine as CoreEngine
 from bubblefree.core import Request, Result, Status
+from bubblefree.core.values import described
 from bubblefree.handle import Handle
 
 Listener = Callable[[Handle, "int | None"], None]
@@ -143,7 +144,7 @@ class ServingLoop:
 
     def check_running(self) -> None:
         if self._error is not None:
-            raise EngineStopped(f"the engine has stopped: {type(self._error).__name__}: {self._error}")
+            raise EngineStopped(f"the engine has stopped: {described(self._error)}")
         if self._closed:
             raise EngineStopped("the engine is closed")
 
@@ -201,7 +202,7 @@ class ServingLoop:
         try:
             core_handle = self.core.submit(handle.request, request_id=handle.request_id)
         except Exception as err:  # noqa: BLE001 - validated at the door; if the core still refuses, say so
-            self._end_stragglers(f"refused: {type(err).__name__}: {err}", (handle,))
+            self._end_stragglers(f"refused: {described(err)}", (handle,))
             return
         core_handle.listeners.append(self._forward(handle))
         if listener is not None:
@@ -229,7 +230,7 @@ class ServingLoop:
             late = [*self._taking, *self._inbox]
             self._inbox.clear()
             self._arriving = 0
-        reason = f"engine error: {type(err).__name__}: {err}"
+        reason = f"engine error: {described(err)}"
         for kind, handle, made in late:
             if kind == "submit":  # accepted: it ends, failed, like every live one
                 self._live[handle.request_id] = handle

@@ -5,13 +5,15 @@ stream cancels on ``close()``, on leaving a ``with`` block, or when it is
 garbage-collected half-read (even never started); an async stream cancels
 when it is closed, when the task iterating it is cancelled, or when its
 event loop is gone. Both raise ``RequestFailed`` at the end when the
-request was cancelled by someone else or failed: a cut answer never passes
-for a whole one.
+request was cancelled or failed: a cut answer never passes for a whole
+one, also when it is read on after a close or an interrupted read (the
+rest of what was committed, then ``RequestFailed``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import weakref
 from typing import Any, AsyncIterator, Iterator
 
@@ -29,6 +31,7 @@ class TextPieces:
         self._text = TextStream(tokenizer, handle.request.stop_ids)
         self._cancel = weakref.finalize(self, handle.cancel)
         self._failed: RequestFailed | None = None  # raised again on every later read
+        self._seen = 0  # tokens read
 
     def __iter__(self) -> "TextPieces":
         return self
@@ -38,6 +41,7 @@ class TextPieces:
             raise self._failed
         try:
             for token in self._tokens:
+                self._seen += 1
                 piece = self._text.push([token])
                 if piece:
                     return piece
@@ -45,6 +49,8 @@ class TextPieces:
             self.close()
             if isinstance(err, RequestFailed):
                 self._failed = err
+            else:  # the interrupted iterator is spent: later reads go on from the handle
+                self._tokens = itertools.islice(iter(self.handle), self._seen, None)
             raise
         self._cancel.detach()  # completed: nothing to cancel
         piece = self._text.flush()  # the tail held back as an incomplete character
@@ -70,6 +76,8 @@ class AsyncTextStream:
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tokenizer = tokenizer
+        self._text: TextStream | None = None  # the pieces' decoder, from run()
+        self._seen = 0  # tokens made into pieces
 
     def listener(self, handle: Handle, token: int | None) -> None:
         """Runs on the decode thread. With the event loop closed nobody can
@@ -80,12 +88,18 @@ class AsyncTextStream:
             handle.cancel()
 
     async def run(self, handle: Handle) -> AsyncIterator[str]:
-        text = TextStream(self._tokenizer, handle.request.stop_ids)
+        self._text = text = TextStream(self._tokenizer, handle.request.stop_ids)
         try:
-            while (token := await self._queue.get()) is not None:
-                piece = text.push([token])
-                if piece:
+            while asyncio.get_running_loop() is self._loop:
+                if (token := await self._queue.get()) is None:
+                    break
+                self._seen += 1
+                if piece := text.push([token]):
                     yield piece
+            else:  # read in another loop (its own closed, say): no token reaches it
+                async for piece in self.rest(handle):
+                    yield piece
+                return
         finally:  # closed, cancelled, or raised: stop the request's work
             if not handle.done:
                 handle.cancel()
@@ -95,15 +109,31 @@ class AsyncTextStream:
         if tail := text.flush():  # held back as an incomplete character
             yield tail
 
+    async def rest(self, handle: Handle) -> AsyncIterator[str]:
+        """What ``run`` has not read yet, from the handle once the request
+        has ended (waited for off the event loop): read on after ``run`` was
+        closed or interrupted, or in another event loop than the stream's,
+        which the listener's tokens never reach."""
+        result = await asyncio.get_running_loop().run_in_executor(None, handle.result)
+        text = self._text or TextStream(self._tokenizer, handle.request.stop_ids)
+        fresh, self._seen = result.tokens[self._seen:], len(result.tokens)
+        if fresh and (piece := text.push(list(fresh))):
+            yield piece
+        if result.status is not Status.COMPLETED:
+            raise RequestFailed(result)
+        if tail := text.flush():
+            yield tail
+
 
 class AsyncPieces:
     """An async iterator of text pieces for a request already submitted (the
     asyncio calls' ``stream=True``): closing it, cancelling the task reading
     it, or dropping it unread cancels the request."""
 
-    def __init__(self, handle: Handle, pieces: AsyncIterator[str]):
+    def __init__(self, handle: Handle, stream: AsyncTextStream):
         self.handle = handle
-        self._pieces = pieces
+        self._stream = stream
+        self._pieces: AsyncIterator[str] = stream.run(handle)
         self._cancel = weakref.finalize(self, handle.cancel)
         self._failed: RequestFailed | None = None  # raised again on every later read
 
@@ -118,15 +148,18 @@ class AsyncPieces:
         except StopAsyncIteration:
             self._cancel.detach()  # completed: nothing to cancel
             raise
-        except BaseException as err:
+        except BaseException as err:  # RequestFailed, or the read was cancelled
             await self.aclose()
             if isinstance(err, RequestFailed):
                 self._failed = err
             raise
 
     async def aclose(self) -> None:
-        """Stop reading: the request is cancelled if it is still running."""
+        """Stop reading: the request is cancelled if it is still running. A
+        later read gets the rest of what was committed, then
+        ``RequestFailed`` if the request was cut."""
         try:
             await self._pieces.aclose()  # type: ignore[attr-defined]
         finally:
             self._cancel()
+            self._pieces = self._stream.rest(self.handle)

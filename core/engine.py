@@ -46,7 +46,7 @@ from bubblefree.core.pages import pages_needed
 from bubblefree.core.scheduler import Scheduler
 from bubblefree.core.sequence import Sequence
 from bubblefree.core.values import (ImageRef, InvalidRequest, Request, Result, SamplingParams, Status, StepFailed,
-                                   bad_prompt_values)
+                                   bad_prompt_values, described)
 
 @attrs.define(eq=False)
 class Engine:
@@ -344,7 +344,7 @@ class Engine:
             self._delivering = False
 
     def _listener_raised(self, handle: Handle, err: BaseException) -> None:
-        reason = f"a listener raised {type(err).__name__}: {err}"
+        reason = f"a listener raised {described(err)}"
         if handle.result is None and self.scheduler.cancel(handle.request_id, Status.FAILED, reason):
             self._log(("cancel", handle.request_id))
             self._absorb()

@@ -67,6 +67,17 @@ class Status(enum.Enum):
     FAILED = "failed"
 
 
+def described(err: BaseException) -> str:
+    """``Type: message`` for a reason a Result carries. An exception whose
+    ``str`` itself raises (a caller's, from a listener) is named by its type
+    alone: the reason is written while requests are being ended, and a
+    raise there would leave them unended."""
+    try:
+        return f"{type(err).__name__}: {err}"
+    except BaseException as inner:  # noqa: BLE001 - any str() may raise anything
+        return f"{type(err).__name__} (its message raised {type(inner).__name__})"
+
+
 class InvalidRequest(ValueError):
     """A request the engine refuses at ``submit``; the message names the field.
 

@@ -677,3 +677,175 @@ def test_switching_to_blocking_with_a_step_in_flight_keeps_masks_current(engine,
     assert result.status is Status.COMPLETED, result.finish_reason
     assert result.tokens == reference(skill, args, None, 20)
     wait_idle(engine)
+
+
+# -- 11. found by an audit of the public API ----------------------------------
+
+@pytest.mark.parametrize("bad", [float("nan"), "1", -1.0, True, [1]])
+def test_a_waits_timeout_is_seconds_or_none_named_when_it_is_not(engine, bad):
+    """``result(nan)`` never timed out and spun on the handle's lock (a
+    0.3 s request took 25 s, starving the decode thread); ``result("1")``
+    raised a bare TypeError from inside the lock."""
+    handle = engine.submit("query", question="the cat", max_tokens=3)
+    with pytest.raises(ValueError, match="timeout: seconds >= 0 or None"):
+        handle.result(bad)
+    with pytest.raises(ValueError, match="timeout"):
+        handle.output(bad)
+    assert handle.result(float("inf")).status is Status.COMPLETED  # no limit
+    wait_idle(engine)
+
+
+def test_the_asyncio_calls_refuse_an_async_listener_too(engine):
+    """``submit`` refused an ``async def`` listener, but the asyncio calls
+    wrapped it in their own first: it was accepted and its body never ran."""
+    async def listener(handle, token):
+        pass
+
+    async def main():
+        for call in (engine.aquery(question="the cat", max_tokens=3, listener=listener),
+                     engine.arun("query", question="the cat", max_tokens=3, listener=listener),
+                     engine.astream_now("query", question="the cat", max_tokens=3,
+                                        listener=listener)):
+            with pytest.raises(InvalidRequest, match="listener: must be a plain function"):
+                await call
+
+    asyncio.run(main())
+    assert_serves(engine)
+
+
+@pytest.mark.parametrize("field", ["max_context", "max_positions", "name"])
+def test_the_engines_own_keywords_are_refused_as_unknown_arguments(engine, field):
+    """``query("hi", max_context=5)`` raised a bare TypeError ("got multiple
+    values for keyword argument"), as did ``name=``."""
+    with pytest.raises(InvalidRequest, match=f"^{field}: unknown argument"):
+        engine.submit("query", question="the cat", **{field: 5})
+    with pytest.raises(InvalidRequest, match=r"calls\[0\]: argument names must be strings"):
+        engine.submit_many([("query", {1: 2})])
+    assert_serves(engine)
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+class UnprintableExit(SystemExit):
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+def test_a_listener_error_whose_message_raises_fails_only_its_request(engine):
+    """Writing the reason raised again: the engine stopped, every request
+    failing, where only the listener's request should."""
+    def listener(handle, token):
+        if token is not None:
+            raise Unprintable()
+
+    mine, other = engine.submit_many([("query", dict(question="the cat", max_tokens=5,
+                                                      listener=listener)),
+                                       ("query", dict(question="a dog", max_tokens=5))])
+    assert mine.result(WAIT).status is Status.FAILED
+    assert "Unprintable (its message raised RuntimeError)" in mine.result(0).finish_reason
+    assert other.result(WAIT).status is Status.COMPLETED
+    assert_serves(engine)
+
+
+def test_a_stop_whose_reason_cannot_be_written_still_ends_every_request():
+    """A listener's SystemExit stops the engine; with a message that raised,
+    writing the stop's reason killed the decode thread before it ended any
+    handle: every ``result()`` waited for ever."""
+    eng = make_engine()
+
+    def listener(handle, token):
+        if token is not None:
+            raise UnprintableExit()
+
+    try:
+        handles = eng.submit_many([("query", dict(question="the cat", max_tokens=5,
+                                                   listener=listener)),
+                                   ("query", dict(question="a dog", max_tokens=50))])
+        for handle in handles:
+            result = handle.result(WAIT)
+            assert result.status is Status.FAILED
+            assert "UnprintableExit (its message raised RuntimeError)" in result.finish_reason
+        with pytest.raises(EngineStopped):
+            eng.submit("query", question="the cat", max_tokens=3)
+    finally:
+        eng.close()
+
+
+def test_async_pieces_read_in_another_event_loop_end_at_once(gated, gate):
+    """Pieces made in one ``asyncio.run`` and read in the next: the request
+    was cancelled when the first loop was gone, but the read waited for ever
+    for tokens that could no longer reach it."""
+    gate.arm(at=2)
+
+    async def make():
+        pieces = (await gated.aquery(question=GATED, stream=True, max_tokens=30))["answer"]
+        await asyncio.get_running_loop().run_in_executor(None, gate.wait_reached)
+        return pieces
+
+    pieces = asyncio.run(make())
+    gate.open()  # the next token finds the stream's loop closed: the request is cancelled
+
+    async def read():
+        return [piece async for piece in pieces]
+
+    with pytest.raises(RequestFailed) as err:
+        asyncio.run(asyncio.wait_for(read(), WAIT))
+    assert err.value.result.status is Status.CANCELLED
+    wait_idle(gated)
+
+
+def test_async_pieces_read_on_after_a_timed_out_read_end_in_request_failed(gated, gate):
+    """A read cancelled by ``wait_for``'s timeout cancelled the request, and
+    reading on then ended as if complete: two pieces of thirty passed for
+    the whole answer."""
+    gate.arm(at=2)
+
+    async def main():
+        pieces = (await gated.aquery(question=GATED, stream=True, max_tokens=30))["answer"]
+        got = []
+        with pytest.raises(asyncio.TimeoutError):
+            while True:
+                got.append(await asyncio.wait_for(pieces.__anext__(), 0.2))
+        gate.open()
+        with pytest.raises(RequestFailed) as err:
+            async for piece in pieces:
+                got.append(piece)
+        return err.value.result
+
+    result = asyncio.run(main())
+    assert result.status is Status.CANCELLED and len(result.tokens) < 30
+    wait_idle(gated)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_blocking_stream_read_on_after_an_interrupted_read_ends_in_request_failed(gated, gate):
+    """A signal (Ctrl-C) while a stream waited cancelled the request, and
+    reading on then ended quietly: the cut answer passed for a whole one.
+    Here a timer's signal interrupts the wait at the gate."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    gate.arm(at=2)
+    stream = gated.stream("query", question=GATED, max_tokens=30)
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(Interrupted):
+            while True:
+                next(stream)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    gate.open()
+    with pytest.raises(RequestFailed) as err:
+        list(stream)
+    assert err.value.result.status is Status.CANCELLED and len(err.value.result.tokens) < 30
+    wait_idle(gated)
