@@ -31,9 +31,9 @@ import os
 import warnings
 
 try:
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, ImageOps
 except ImportError:  # the images extra is absent: text engines serve without it
-    Image = ImageOps = UnidentifiedImageError = None
+    Image = ImageOps = None
 
 from bubblefree.core import InvalidRequest
 
@@ -63,7 +63,9 @@ def _open_encoded(source, what: str) -> Image.Image:
             return Image.open(source)
     except Image.DecompressionBombError as ex:
         raise _refuse(f"{what} is too large to decode safely ({ex})", ex) from ex
-    except (UnidentifiedImageError, ValueError, SyntaxError) as ex:
+    except MemoryError:
+        raise
+    except Exception as ex:  # only Pillow's parsers run here: see _decode
         raise _refuse(f"{what} is not an image Pillow can read", ex) from ex
 
 
@@ -173,11 +175,23 @@ def load_image(image, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
         raise _refuse(f"zero-size image {width}x{height}")
     if width * height > max_pixels:
         raise _refuse(f"{width}x{height} is {width * height} pixels, over the limit of {max_pixels}")
+    return _to_rgb(_decode(opened))
+
+
+def _decode(opened: Image.Image) -> Image.Image:
+    """The pixels, turned upright by the EXIF orientation. Only Pillow's
+    decoders and EXIF parser run here, over the caller's bytes, and on
+    malformed input they fail with nearly any exception (OSError for a
+    truncated file, NotImplementedError for an unknown DDS format,
+    struct.error, TypeError or AttributeError for EXIF values of the wrong
+    type): each is the image's fault, refused naming it. MemoryError is the
+    server's, and passes."""
     try:
         opened.load()                       # decode now: a truncated file fails here
         # exif_transpose copies even an upright image; most have no turn to apply.
         turned = opened.getexif().get(_ORIENTATION, 1) not in (0, 1)
-        oriented = ImageOps.exif_transpose(opened) if turned else opened
-    except (OSError, SyntaxError, ValueError) as ex:
+        return ImageOps.exif_transpose(opened) if turned else opened
+    except MemoryError:
+        raise
+    except Exception as ex:
         raise _refuse(f"cannot decode the image ({ex})", ex) from ex
-    return _to_rgb(oriented)

@@ -143,11 +143,11 @@ class SkillSet:
             if prompt[:1] != (templates.bos_id,):
                 prompt = (templates.bos_id, *prompt)
         prefix = len(prompt) + (image.length if image is not None else 0)
-        room = _room(prefix, max_context, max_positions)
+        room, bound = _room(prefix, max_context, max_positions)
         image_part = f" after the image's {image.length} positions" if image is not None else ""
         if room is not None and room < 1:
-            raise invalid(name, "prompt", f"is {len(prompt)} tokens{image_part}; the model's "
-                          f"max_context is {max_context}")
+            raise invalid(name, "prompt", f"is {len(prompt)} tokens{image_part}; {_OWNERS[bound[0]]} "
+                          f"{bound[0]} is {bound[1]}")
         if max_tokens is None:
             max_tokens = skill.budget(tables, parsed)
             if room is not None and max_tokens > room:
@@ -158,7 +158,7 @@ class SkillSet:
                 max_tokens = room
         elif room is not None and max_tokens > room:
             raise invalid(name, "max_tokens", f"{max_tokens} after a {len(prompt)}-token prompt{image_part} "
-                          f"exceeds the room of {room} tokens (max_context {max_context})")
+                          f"exceeds the room of {room} tokens ({bound[0]} {bound[1]})")
         factory = functools.partial(_started, skill, tables, parsed, max_tokens)
         return Request(prompt=prompt, max_tokens=max_tokens, stop_ids=skill.stop_ids(self),
                        sampling=sampling, decode_state=factory,
@@ -178,12 +178,22 @@ def _started(skill: Skill, tables: Any, parsed: Any, max_tokens: int) -> SkillSt
     return state
 
 
-def _room(prompt_len: int, max_context: int | None, max_positions: int | None) -> int | None:
-    """Output tokens that fit after the prompt: the context, and the KV cache
-    (the last output token is never written back, hence the + 1)."""
-    bounds = [b for b in (None if max_context is None else max_context - prompt_len,
-                          None if max_positions is None else max_positions - prompt_len + 1) if b is not None]
-    return min(bounds) if bounds else None
+# Who sets each bound on a request's length, as a refusal names it.
+_OWNERS = {"max_context": "the model's", "max_positions": "the KV cache's"}
+
+
+def _room(prompt_len: int, max_context: int | None,
+          max_positions: int | None) -> tuple[int | None, tuple[str, int] | None]:
+    """Output tokens that fit after the prompt, and the bound that sets
+    them as ``(its name, its value)``, for a refusal to name the one that
+    was exceeded: the context, or the KV cache (the last output token is
+    never written back, hence the + 1). On a tie, the context."""
+    rooms = []
+    if max_context is not None:
+        rooms.append((max_context - prompt_len, ("max_context", max_context)))
+    if max_positions is not None:
+        rooms.append((max_positions - prompt_len + 1, ("max_positions", max_positions)))
+    return min(rooms, key=lambda r: r[0]) if rooms else (None, None)
 
 
 def build_request(skills: SkillSet, name: str, **kwargs: Any) -> Request:

@@ -60,9 +60,14 @@ async def _on_invalid(request: Request, err: InvalidRequest) -> ErrorJSON:
 
 
 async def _on_bug(request: Request, err: Exception) -> ErrorJSON:
-    """A bug in a route, in the one JSON shape (the traceback goes to the log)."""
+    """A bug in a route, in the one JSON shape (the traceback goes to the log).
+
+    Starlette raises the error again once this answer is sent, and uvicorn
+    then closes the connection: a client that kept it alive would send its
+    next request into a reset. ``Connection: close`` tells it to open a new one.
+    """
     return error_json(500, f"server: an internal error ({type(err).__name__}); the request did not complete",
-                      "server")
+                      "server", headers={"Connection": "close"})
 
 
 async def _on_validation(request: Request, err: RequestValidationError) -> ErrorJSON:

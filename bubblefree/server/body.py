@@ -95,7 +95,12 @@ class Fields:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.refuse(field, f"must be a number, got {_kind(value)}")
-        if not math.isfinite(value):
+        try:
+            as_float = float(value)
+        except OverflowError:  # JSON integers have no bound; a float's range ends near 1.8e308
+            raise self.refuse(field, f"must be finite, got an integer of {len(str(abs(value)))} digits, "
+                              "past a float's range") from None
+        if not math.isfinite(as_float):
             raise self.refuse(field, f"must be finite, got {value!r}")
         return value
 
@@ -119,6 +124,17 @@ class Fields:
         if self._values:
             names = ", ".join(sorted(self.name(k) for k in self._values))
             raise ApiError(422, f"{names}: unknown field(s)", self.name(sorted(self._values)[0]))
+
+
+def valid_text(text: str, name: str) -> str:
+    """``text``, refused naming ``name`` if it holds a lone surrogate: valid
+    JSON (``"\\ud800"``) that has no UTF-8 form, so no tokenizer can encode
+    it. The skills' own check (``skills.base.text_arg``) words it the same."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(422, f"{name}: is not valid text ({err.reason} at position {err.start})", name) from None
+    return text
 
 
 def each_object(items: list[Any], where: str) -> Iterator[tuple[str, Fields]]:

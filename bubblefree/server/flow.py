@@ -5,7 +5,7 @@ the end or streamed, raced against the client leaving and the deadline.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import attrs
 from starlette.requests import Request
@@ -38,12 +38,13 @@ class Text:
     stopped: bool  # a stop string ended it
 
 
-def start(served: Served, begin: Callable[[], Run], names: dict[str, str] | None = None) -> tuple[Run, Ticket]:
+async def start(served: Served, begin: Callable[[], Awaitable[Run]],
+                names: dict[str, str] | None = None) -> tuple[Run, Ticket]:
     """Admit and submit. ``names`` maps the engine's field names to the
     client's (Moondream's ``max_tokens`` sits in ``settings``)."""
     ticket = served.admission.enter()
     try:
-        return begin(), ticket
+        return await begin(), ticket
     except InvalidRequest as err:
         ticket.leave()
         message, field = str(err), field_of(str(err))
@@ -58,11 +59,11 @@ def start(served: Served, begin: Callable[[], Run], names: dict[str, str] | None
         raise
 
 
-async def complete(served: Served, request: Request, begin: Callable[[], Run],
+async def complete(served: Served, request: Request, begin: Callable[[], Awaitable[Run]],
                    stops: tuple[str, ...] = (), names: dict[str, str] | None = None) -> Text:
     """Run to the end and return the text. Raises ``ClientGone`` if the client
     left (the request is cancelled), 504 past the deadline."""
-    run, ticket = start(served, begin, names)
+    run, ticket = await start(served, begin, names)
     try:
         return await watched(request.receive, _collect(run, stops), served.settings.request_timeout_s)
     finally:

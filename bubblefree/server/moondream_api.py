@@ -90,12 +90,12 @@ async def _skill(served: Served, request: Request, body: Fields, skill: str, arg
     else:
         args["image"] = await read_image(served, image, "image_url")
 
-    def begin() -> Run:
-        return run_skill(served.engine, skill, **args)
+    async def begin() -> Run:
+        return await run_skill(served.engine, skill, **args)
 
     names = {**NAMES, "prompt": PROMPTS[skill]} if skill in PROMPTS else NAMES
     if stream:
-        run, ticket = flow.start(served, begin, names)
+        run, ticket = await flow.start(served, begin, names)
         return flow.stream(served, run, ticket, _chunks(run), lambda err: [_failure(err)])
     try:
         done = await flow.complete(served, request, begin, names=names)

@@ -10,6 +10,7 @@ end the answer where one appears, trimmed off, streamed or not.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -21,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from bubblefree.core import ImageRef
 from bubblefree.engine import RequestFailed
 from bubblefree.server import flow
-from bubblefree.server.body import Fields, each_object, read_json, sampling_params
+from bubblefree.server.body import Fields, each_object, read_json, sampling_params, valid_text
 from bubblefree.server.errors import ApiError, error_body
 from bubblefree.server.flow import ClientGone, Served
 from bubblefree.server.images import read_image
@@ -57,7 +58,10 @@ def router(served: Served) -> APIRouter:
         body = await read_json(request)
         images: list[tuple[str, Any]] = []
         messages, image_in = _messages(body, images)
-        ask = _ask(body, chat_prompt(served.engine.skills.tokenizer, messages, image_in))
+        # Off the event loop, as every tokenization here: a prompt of megabytes
+        # (or a hundred thousand messages) takes seconds, and would hold up every client.
+        prompt = await asyncio.to_thread(chat_prompt, served.engine.skills.tokenizer, messages, image_in)
+        ask = _ask(body, prompt)
         if len(images) > 1:
             where = images[1][0]
             raise ApiError(422, f"{where}: one image a request; this is the second", where)
@@ -72,7 +76,8 @@ def router(served: Served) -> APIRouter:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise body.refuse("prompt", "must be a non-empty string (one prompt a request)")
-        ask = _ask(body, served.engine.skills.tokenizer.encode(prompt))
+        valid_text(prompt, "prompt")
+        ask = _ask(body, await asyncio.to_thread(served.engine.skills.tokenizer.encode, prompt))
         return await _answer(served, request, ask, "text_completion", _text_choice)
 
     return api
@@ -102,14 +107,14 @@ def _messages(body: Fields, images: list[tuple[str, Any]]) -> tuple[list[tuple[s
 
 def _content(content: Any, where: str, images: list[tuple[str, Any]]) -> str:
     if isinstance(content, str):
-        return content
+        return valid_text(content, f"{where}.content")
     if not isinstance(content, list):
         raise ApiError(422, f"{where}.content: must be a string or an array of parts", f"{where}.content")
     texts = []
     for at, fields in each_object(content, f"{where}.content"):
         kind = fields.text("type")
         if kind == "text":
-            texts.append(fields.text("text"))
+            texts.append(valid_text(fields.text("text"), fields.name("text")))
             fields.done()
         elif kind == "image_url":
             image = fields.nested("image_url")
@@ -175,13 +180,13 @@ def _text_choice(text: str, reason: str | None, delta: bool) -> dict:
 
 
 async def _answer(served: Served, request: Request, ask: Ask, kind: str, choice: Choice) -> Response:
-    def begin() -> Run:
-        return run_prompt(served.engine, ask.prompt, ask.max_tokens, ask.sampling, image=ask.image)
+    async def begin() -> Run:
+        return await run_prompt(served.engine, ask.prompt, ask.max_tokens, ask.sampling, image=ask.image)
 
     # The engine's "prompt" is the conversation here, which the client sent as messages.
     names = {"prompt": "messages"} if kind == "chat.completion" else None
     if ask.stream:
-        run, ticket = flow.start(served, begin, names)
+        run, ticket = await flow.start(served, begin, names)
         head = _head(run, kind + (".chunk" if kind == "chat.completion" else ""), served)
         return flow.stream(served, run, ticket, _chunks(run, ask, head, choice),
                            lambda err: [error_body(err.status, err.message, err.param), "[DONE]"])

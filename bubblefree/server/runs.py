@@ -1,5 +1,6 @@
-"""Engine requests as the routes use them: submitted, read as text pieces
-on the server's event loop, cancelled when the reader stops.
+"""Engine requests as the routes use them: submitted from a worker thread
+(tokenizing is slow for a large prompt), read as text pieces on the
+server's event loop, cancelled when the reader stops.
 
 Moondream's routes call their skill through ``Engine.submit``; OpenAI's
 carry a whole prompt (a conversation, or raw text for completions) and call
@@ -9,7 +10,7 @@ the ``complete`` skill, which takes a prompt framed already.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import attrs
 
@@ -35,19 +36,38 @@ class Run:
         return sum(1 for t in self.handle.tokens if t not in stop_ids)
 
 
-def run_skill(engine: Engine, skill: str, **args: Any) -> Run:
+async def run_skill(engine: Engine, skill: str, **args: Any) -> Run:
     stream = AsyncTextStream(asyncio.get_running_loop(), engine.skills.tokenizer)
-    handle = engine.submit(skill, listener=stream.listener, **args)
+    handle = await _submitted(lambda: engine.submit(skill, listener=stream.listener, **args))
     return Run(handle, stream.run(handle))
 
 
-def run_prompt(engine: Engine, prompt: list[int], max_tokens: int | None, sampling: dict,
-               image: ImageRef | None = None) -> Run:
+async def _submitted(submit: Callable[[], Handle]) -> Handle:
+    """``submit()`` in a worker thread: it tokenizes the prompt, which for
+    one of megabytes takes seconds that would stall every other client on
+    the event loop. Cancelled while it runs (the server shutting down), the
+    caller leaves at once and the request, once in, is cancelled: nobody
+    will read it."""
+    job = asyncio.ensure_future(asyncio.to_thread(submit))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(_cancel_orphan)
+        raise
+
+
+def _cancel_orphan(job: asyncio.Future) -> None:
+    if not job.cancelled() and job.exception() is None:
+        job.result().cancel()
+
+
+async def run_prompt(engine: Engine, prompt: list[int], max_tokens: int | None, sampling: dict,
+                     image: ImageRef | None = None) -> Run:
     """A prompt framed already (a conversation, raw text), about ``image`` if
     given: the ``complete`` skill, through the same door and the same checks
     as every request."""
-    return run_skill(engine, "complete", prompt=prompt, max_tokens=max_tokens,
-                     sampling=SamplingParams.of(sampling), image=image)
+    return await run_skill(engine, "complete", prompt=prompt, max_tokens=max_tokens,
+                           sampling=SamplingParams.of(sampling), image=image)
 
 
 def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]], image_in: int | None = None) -> list[int]:
