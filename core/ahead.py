@@ -275,7 +275,9 @@ def _skill_may_end(state: Any) -> bool:
     try:
         ask: Any = getattr(state, "may_end", None)  # a property may raise too
         return True if ask is None else bool(ask())
-    except Exception:  # noqa: BLE001 - the skill's bug shows where it fails its request
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # noqa: BLE001 - the skill's bug shows where it fails its request
         return True
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
-from bubblefree.core.values import Request, ValueKind
+from bubblefree.core.values import Request, ValueKind, message
 
 
 @runtime_checkable
@@ -53,11 +53,15 @@ def who(request: Request) -> str:
 
 def guarded(request: Request, call: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
     """``(fn(*args), None)``, or ``(None, reason)`` when the skill raised; the
-    reason names the skill and keeps its own exception's type and message."""
+    reason names the skill and keeps its own exception's type and message.
+    Any exception but the two that ask the process to stop: a skill's
+    CancelledError or GeneratorExit is its bug too."""
     try:
         return fn(*args), None
-    except Exception as err:  # noqa: BLE001 - the caller fails this request only
-        return None, f"{who(request)} raised {type(err).__name__} in {call}: {err}"
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - the caller fails this request only
+        return None, f"{who(request)} raised {type(err).__name__} in {call}: {message(err)}"
 
 
 def _optional_call(state: Any, name: str) -> Any:

@@ -254,8 +254,10 @@ class Scheduler:
                 f"I9: sequence {s.seq_id} sampled {token}, not allowed by mask {mask_id}")
         s.tokens.append(token)
         self.events.append(TokenCommitted(s.seq_id, token))
+        # Looked up and judged inside: a state may lack it, or answer with
+        # what has no truth value (a numpy array).
         done, error = (False, None) if s.state is None else guarded(
-            req, "advance", lambda: s.state.advance(token, value))  # looked up inside: a state may lack it
+            req, "advance", lambda: bool(s.state.advance(token, value)))
         reason = ("stop" if token in req.stop_ids else "done" if done
                   else "length" if len(s.tokens) >= req.max_tokens else None)
         if error is not None:

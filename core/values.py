@@ -68,14 +68,18 @@ class Status(enum.Enum):
 
 
 def described(err: BaseException) -> str:
-    """``Type: message`` for a reason a Result carries. An exception whose
-    ``str`` itself raises (a caller's, from a listener) is named by its type
-    alone: the reason is written while requests are being ended, and a
-    raise there would leave them unended."""
+    """``Type: message`` for a reason a Result carries (``message``)."""
+    return f"{type(err).__name__}: {message(err)}"
+
+
+def message(err: BaseException) -> str:
+    """``str(err)``; where that itself raises (a caller's or a skill's
+    exception), what it raised. Reasons are written while requests are
+    being ended, and a raise there would leave them unended."""
     try:
-        return f"{type(err).__name__}: {err}"
+        return str(err)
     except BaseException as inner:  # noqa: BLE001 - any str() may raise anything
-        return f"{type(err).__name__} (its message raised {type(inner).__name__})"
+        return f"(its message raised {type(inner).__name__})"
 
 
 class InvalidRequest(ValueError):

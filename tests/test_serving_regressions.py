@@ -745,7 +745,7 @@ def test_a_listener_error_whose_message_raises_fails_only_its_request(engine):
                                                       listener=listener)),
                                        ("query", dict(question="a dog", max_tokens=5))])
     assert mine.result(WAIT).status is Status.FAILED
-    assert "Unprintable (its message raised RuntimeError)" in mine.result(0).finish_reason
+    assert "Unprintable: (its message raised RuntimeError)" in mine.result(0).finish_reason
     assert other.result(WAIT).status is Status.COMPLETED
     assert_serves(engine)
 
@@ -767,7 +767,7 @@ def test_a_stop_whose_reason_cannot_be_written_still_ends_every_request():
         for handle in handles:
             result = handle.result(WAIT)
             assert result.status is Status.FAILED
-            assert "UnprintableExit (its message raised RuntimeError)" in result.finish_reason
+            assert "UnprintableExit: (its message raised RuntimeError)" in result.finish_reason
         with pytest.raises(EngineStopped):
             eng.submit("query", question="the cat", max_tokens=3)
     finally:

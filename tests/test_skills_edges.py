@@ -50,6 +50,48 @@ class _RaisingValueKind(TextState):
         raise ValueError("no region head here")
 
 
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+class _RaisingMidway(TextState):
+    """``advance`` raising at the third token what ``raising`` makes."""
+    raising: type = _Unprintable
+
+    def advance(self, token, value=None):
+        if self.consumed >= 2:
+            raise self.raising()
+        return super().advance(token, value)
+
+
+class _Cancelled(_RaisingMidway):
+    """asyncio's CancelledError, a BaseException, from a skill's bug."""
+    import asyncio
+    raising = asyncio.CancelledError
+
+
+class _ArrayAnswer(TextState):
+    """``advance`` answering with what has no truth value (a numpy array)."""
+
+    def advance(self, token, value=None):
+        import numpy as np
+        return np.array([super().advance(token, value), False])
+
+
+class _MaskGeneratorExit(TextState):
+    def mask_id(self):
+        raise GeneratorExit
+
+
+def _state_skill(name: str, state: type):
+    @attrs.frozen
+    class _Skill(Query):
+        def start(self, tables, args, budget):
+            return state(tables)
+    return _Skill(name=name)
+
+
 @attrs.frozen
 class _NoMaskIdSkill(Query):
     name: str = "no_mask_id"
@@ -82,15 +124,23 @@ class _StartReturnsNone(Query):
         return None
 
 
-BROKEN = BUILTIN.with_skill(_NoMaskIdSkill(), _NoAdvanceSkill(), _RaisingValueKindSkill(), _StartReturnsNone())
+BROKEN = BUILTIN.with_skill(_NoMaskIdSkill(), _NoAdvanceSkill(), _RaisingValueKindSkill(), _StartReturnsNone(),
+                            _state_skill("unprintable", _RaisingMidway),
+                            _state_skill("cancelled", _Cancelled),
+                            _state_skill("array_answer", _ArrayAnswer),
+                            _state_skill("mask_generator_exit", _MaskGeneratorExit))
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
-@pytest.mark.parametrize("skill", ["no_mask_id", "no_advance", "raising_value_kind"])
+@pytest.mark.parametrize("skill", ["no_mask_id", "no_advance", "raising_value_kind", "unprintable",
+                                   "cancelled", "array_answer", "mask_generator_exit"])
 def test_a_custom_skill_with_a_malformed_state_fails_only_its_own_request(skill, pipelined):
     """A state without ``mask_id`` or ``advance``, or whose ``value_kind``
     property raises: the lookups happen under the guard, so the request
-    fails naming its skill and the others are served (the engine stopped)."""
+    fails naming its skill and the others are served (the engine stopped).
+    So too, and they stopped it until an audit: an exception whose message
+    raises, a BaseException that is not an Exception (CancelledError,
+    GeneratorExit), and ``advance`` answering with what has no truth value."""
     eng = make_engine(registry=BROKEN, pipelined=pipelined)
     try:
         good, bad = eng.submit_many([("query", dict(question="the cat", max_tokens=8)),
