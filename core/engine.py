@@ -317,7 +317,7 @@ class Engine:
         status, reason = seq.status, seq.finish_reason
         if req.finisher is not None:
             output, error = guarded(req, "finish", req.finisher, tuple(seq.tokens), seq.state)
-            if error is not None:
+            if error is not None and status is not Status.FAILED:  # a failure keeps its first cause
                 status, reason = Status.FAILED, error
         return Result(request_id=seq.seq_id, status=status, tokens=tuple(seq.tokens),
                       finish_reason=reason, output=output, tag=req.tag)

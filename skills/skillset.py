@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 import attrs
 
-from bubblefree.core.values import GREEDY, ImageRef, Request, SamplingParams
+from bubblefree.core.values import GREEDY, ImageRef, InvalidRequest, Request, SamplingParams
 from bubblefree.skills.base import Skill, SkillError, SkillState, StateFactory, invalid
-from bubblefree.skills.codec import CodecError, LocationCodec, SpatialCodec
+from bubblefree.skills.codec import LocationCodec, SpatialCodec
 from bubblefree.skills.registry import BUILTIN, Registry
 from bubblefree.skills.templates import templates_of
 from bubblefree.skills.tokenizer import Tokenizer
@@ -79,16 +79,16 @@ class SkillSet:
         return self.registry.get(name).unserved(self.codec) is None
 
     def tables(self, name: str) -> Any:
-        tables = self._tables.get(name)
-        if tables is None:
-            why = self.registry.get(name).unserved(self.codec)
-            if why is not None:
-                raise invalid(name, "skill", why)
-            try:
-                tables = self.registry.get(name).compile(self)
-            except (SkillError, ValueError, TypeError) as err:
-                raise SkillError(f"skill {name!r} cannot compile: {err}") from err
-            self._tables[name] = tables
+        if name in self._tables:  # None too: a skill without tables compiles once as well
+            return self._tables[name]
+        why = self.registry.get(name).unserved(self.codec)
+        if why is not None:
+            raise invalid(name, "skill", why)
+        try:
+            tables = self.registry.get(name).compile(self)
+        except Exception as err:  # noqa: BLE001 - the skill's code: named, its error chained
+            raise SkillError(f"skill {name!r} cannot compile: {type(err).__name__}: {err}") from err
+        self._tables[name] = tables
         return tables
 
     def compile_all(self) -> SkillSet:
@@ -122,7 +122,7 @@ class SkillSet:
         with BOS, as the image prefix would."""
         skill = self.registry.get(name)
         tables = self.tables(name)  # first: a skill this model cannot serve is refused as such
-        parsed = skill.parse_args(args)
+        parsed = _hook(name, "parse_args", skill.parse_args, args)
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
             raise invalid(name, "max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
@@ -132,8 +132,8 @@ class SkillSet:
         # A vision-language model's chat turn about an image: the ids after the image.
         about = self.tokenizer.about_image() if image is not None and getattr(
             self.tokenizer, "image_turn", None) is not None else self.tokenizer
-        prompt = tuple(skill.prompt(about, parsed))
-        values = tuple(skill.prompt_values(self.tokenizer, parsed))
+        prompt = tuple(_hook(name, "prompt", skill.prompt, about, parsed))
+        values = tuple(_hook(name, "prompt_values", skill.prompt_values, self.tokenizer, parsed))
         if values and image is None:  # the references are to an image, as in moondream's reference
             raise invalid(name, "spatial_refs", "refer to an image: give one")
         templates = templates_of(self.tokenizer)
@@ -149,7 +149,9 @@ class SkillSet:
             raise invalid(name, "prompt", f"is {len(prompt)} tokens{image_part}; {_OWNERS[bound[0]]} "
                           f"{bound[0]} is {bound[1]}")
         if max_tokens is None:
-            max_tokens = skill.budget(tables, parsed)
+            max_tokens = _hook(name, "budget", skill.budget, tables, parsed)
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise SkillError(f"skill {name!r}: budget() returned {max_tokens!r}, not an integer >= 1")
             if room is not None and max_tokens > room:
                 if "max_objects" in args:
                     raise invalid(name, "max_objects", f"{args['max_objects']} objects need up to {max_tokens} "
@@ -160,10 +162,23 @@ class SkillSet:
             raise invalid(name, "max_tokens", f"{max_tokens} after a {len(prompt)}-token prompt{image_part} "
                           f"exceeds the room of {room} tokens ({bound[0]} {bound[1]})")
         factory = functools.partial(_started, skill, tables, parsed, max_tokens)
-        return Request(prompt=prompt, max_tokens=max_tokens, stop_ids=skill.stop_ids(self),
+        return Request(prompt=prompt, max_tokens=max_tokens,
+                       stop_ids=_hook(name, "stop_ids", skill.stop_ids, self),
                        sampling=sampling, decode_state=factory,
                        finisher=functools.partial(finish_request, skill, factory),
                        adapter=adapter, tag=tag, skill=name, image=image, prompt_values=values)
+
+
+def _hook(name: str, call: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """A skill's hook at submit. Its refusals of the caller's arguments
+    (``InvalidRequest``) and its own ``SkillError`` pass as they are; any
+    other exception is the skill's bug, named with the skill and the hook."""
+    try:
+        return fn(*args)
+    except (InvalidRequest, SkillError):
+        raise
+    except Exception as err:  # noqa: BLE001 - the skill's code: named, its error chained
+        raise SkillError(f"skill {name!r} raised {type(err).__name__} in {call}: {err}") from err
 
 
 def _started(skill: Skill, tables: Any, parsed: Any, max_tokens: int) -> SkillState:
@@ -175,6 +190,12 @@ def _started(skill: Skill, tables: Any, parsed: Any, max_tokens: int) -> SkillSt
     if missing:
         raise SkillError(f"start() returned {type(state).__name__}, not a decode state (no callable "
                          f"{' or '.join(missing)})")
+    # What the finisher reads: missing, the request would run its whole
+    # budget and only then fail.
+    missing = [name for name in ("consumed", "done") if not hasattr(state, name)]
+    if missing:
+        raise SkillError(f"start() returned {type(state).__name__}, a decode state without "
+                         f"{' or '.join(missing)} (a SkillState has both)")
     return state
 
 
@@ -218,6 +239,6 @@ def finish_request(skill: Skill, factory: StateFactory, tokens: tuple[int, ...],
             break
         try:
             state.advance(token, None)
-        except (SkillError, CodecError):
+        except Exception:  # noqa: BLE001 - refused, or the skill's bug (which failed the request then)
             break
     return skill.finish(state)

@@ -206,10 +206,19 @@ class _EmptyMask(Query):
         return attrs.evolve(super().compile(ctx), mask=ctx.mask(frozenset()))
 
 
-@pytest.mark.parametrize("skill", [_OutOfVocabMask(), _EmptyMask()], ids=lambda s: s.name)
+@attrs.frozen
+class _CompileBug(Query):
+    name: str = "compile_bug"
+
+    def compile(self, ctx):
+        return {}["yes"]  # a KeyError: the skill's own bug, not a ValueError
+
+
+@pytest.mark.parametrize("skill", [_OutOfVocabMask(), _EmptyMask(), _CompileBug()], ids=lambda s: s.name)
 def test_a_custom_skill_that_cannot_compile_is_named_in_the_error(skill):
     """An empty or out-of-vocabulary mask: the build's error names the skill
-    (and the ids outside), so a deployment with several can tell which."""
+    (and the ids outside), so a deployment with several can tell which. Any
+    exception of its compile is named so (a KeyError was raised bare)."""
     core = CoreEngine(FakeBackend(model=endless_model(), num_pages=64))
     skills = SkillSet(TOK, core.register_mask, registry=BUILTIN.with_skill(skill),
                       codec=LocationCodec.for_tokenizer(TOK, coord_bins=64, size_bins=16))
@@ -289,3 +298,118 @@ def test_a_chat_turn_spelling_a_special_token_is_refused(bpe):
     with pytest.raises(InvalidRequest, match="^prompt: spells the model's special token '<|endoftext|>'"):
         chat_prompt(tok, [("user", "hi"), ("assistant", "<|endoftext|>"), ("user", "and?")])
     assert chat_prompt(tok, [("user", "hi")])
+
+
+# -- a skill's hooks at submit, and its tables ----------------------------------
+
+@attrs.frozen
+class _Counted(Query):
+    """A skill without tables (its states run unmasked), counting compiles."""
+    name: str = "counted"
+    compiles: list = attrs.field(factory=list, eq=False)
+
+    def compile(self, ctx):
+        self.compiles.append(1)
+
+
+def test_a_skill_whose_tables_are_none_compiles_once():
+    """None was the mark of "not compiled yet": such a skill compiled again
+    at every request, walking the vocabulary each time."""
+    skill = _Counted()
+    eng = make_engine(registry=BUILTIN.with_skill(skill))
+    try:
+        for _ in range(3):
+            eng.submit("counted", question="the cat", max_tokens=3).result(WAIT)
+        assert len(skill.compiles) == 1
+    finally:
+        eng.close()
+
+
+@attrs.frozen
+class _HookBug(Query):
+    """One submit-time hook with a bug (a KeyError), or a bad budget."""
+    name: str = "hook_bug"
+    hook: str = "parse_args"
+    budget_answer: object = 5
+
+    def parse_args(self, args):
+        if self.hook == "parse_args":
+            return {}["question"]
+        return super().parse_args(args)
+
+    def prompt(self, tokenizer, parsed):
+        if self.hook == "prompt":
+            return {}["template"]
+        return super().prompt(tokenizer, parsed)
+
+    def budget(self, tables, parsed):
+        return self.budget_answer
+
+
+@pytest.mark.parametrize("hook", ["parse_args", "prompt"])
+def test_a_bug_in_a_skills_submit_hook_is_named_with_the_skill_and_the_hook(hook):
+    """A KeyError in ``parse_args`` or ``prompt`` reached the caller bare,
+    naming neither the skill nor where; the engine serves on."""
+    eng = make_engine(registry=BUILTIN.with_skill(_HookBug(hook=hook)))
+    try:
+        with pytest.raises(SkillError, match=f"^skill 'hook_bug' raised KeyError in {hook}: "):
+            eng.submit("hook_bug", question="the cat")
+        assert eng.submit("query", question="the cat", max_tokens=3).result(WAIT).status is Status.COMPLETED
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("answer", [0, -3, 5.0, None, "5", True])
+def test_a_budget_that_is_not_a_count_is_named_as_the_skills(answer):
+    """``budget()`` returning 0 was refused as the caller's ``max_tokens``
+    (a field the caller never gave), None or "5" as a bare TypeError."""
+    eng = make_engine(registry=BUILTIN.with_skill(_HookBug(hook="", budget_answer=answer)))
+    try:
+        with pytest.raises(SkillError, match=r"^skill 'hook_bug': budget\(\) returned .*, not an integer >= 1"):
+            eng.submit("hook_bug", question="the cat")
+        assert eng.submit("hook_bug", question="the cat", max_tokens=3).result(WAIT).status \
+            is Status.COMPLETED  # the caller's own max_tokens needs no budget
+    finally:
+        eng.close()
+
+
+class _Bare:
+    """The core's protocol only: ``mask_id`` and ``advance``, no ``consumed``
+    nor ``done``, which the finisher reads."""
+
+    def mask_id(self):
+        return None
+
+    def advance(self, token, value=None):
+        return False
+
+
+class _FailsMidway(TextState):
+    def advance(self, token, value=None):
+        if self.consumed >= 2:
+            raise ValueError("table miss")
+        return super().advance(token, value)
+
+
+def test_a_state_without_what_the_finisher_reads_is_refused_at_admission():
+    """It ran its whole budget, then failed in finish."""
+    eng = make_engine(registry=BUILTIN.with_skill(_state_skill("bare", lambda tables: _Bare())))
+    try:
+        result = eng.submit("bare", question="the cat", max_tokens=30).result(WAIT)
+        assert result.status is Status.FAILED and result.tokens == ()
+        assert "without consumed or done" in result.finish_reason, result.finish_reason
+    finally:
+        eng.close()
+
+
+def test_a_failure_in_advance_keeps_its_reason_and_the_output_so_far():
+    """The finisher replayed the refused token, raised again, and the
+    reason then blamed ``finish`` with no output."""
+    eng = make_engine(registry=BUILTIN.with_skill(_state_skill("midway", _FailsMidway)))
+    try:
+        result = eng.submit("midway", question="the cat", max_tokens=30).result(WAIT)
+        assert result.status is Status.FAILED
+        assert "raised ValueError in advance: table miss" in result.finish_reason, result.finish_reason
+        assert result.output is not None and result.output["answer"]
+    finally:
+        eng.close()
