@@ -46,7 +46,7 @@ from bubblefree.core.pages import pages_needed
 from bubblefree.core.scheduler import Scheduler
 from bubblefree.core.sequence import Sequence
 from bubblefree.core.values import (ImageRef, InvalidRequest, Request, Result, SamplingParams, Status, StepFailed,
-                                   bad_prompt_values, described)
+                                   bad_prompt_values, described, integer)
 
 @attrs.define(eq=False)
 class Engine:
@@ -103,7 +103,7 @@ class Engine:
     # ------------------------------------------------------------------ public
     def register_mask(self, allowed: Iterable[int]) -> int:
         """Store an allowed-token set with the backend, off the hot path."""
-        allowed = frozenset(allowed)
+        allowed = frozenset(map(integer, allowed))  # numpy's integers are ids too
         vocab = self.backend.vocab_size
         outside = sorted((t for t in allowed if type(t) is not int or not 0 <= t < vocab), key=repr)
         if not allowed or outside:

@@ -30,7 +30,7 @@ from bubblefree.core.pages import IdPool, pages_needed
 from bubblefree.core.policy import PREFILLS, choose_step, shortfall
 from bubblefree.core.sequence import Phase, Sequence
 from bubblefree.core.slots import DecodeSlot, SlotPool, SlotState, Step
-from bubblefree.core.values import SamplePlan, Status, StepKind, StepOutput, StepPlan, StepRow
+from bubblefree.core.values import SamplePlan, Status, StepKind, StepOutput, StepPlan, StepRow, integer
 
 DECODE = StepKind.DECODE  # looked up once: an enum member's lookup is slow, and the hot paths ask each step
 
@@ -187,7 +187,7 @@ class Scheduler:
             if s.state is not None and not s.finalized:
                 # A skill's bad mask or value kind fails its own request only:
                 # ended here, it is a zombie of this step, skipped at commit.
-                mask, error = guarded(s.request, "mask_id", lambda: s.state.mask_id())
+                mask, error = guarded(s.request, "mask_id", lambda: integer(s.state.mask_id()))
                 error = error or bad_mask(s.request, mask, self.masks)
                 if error is None:
                     kind, error = ask_value(s.request, s.state, self.capacity.values)

@@ -8,6 +8,7 @@ caller cannot be edited by the engine afterwards.
 from __future__ import annotations
 
 import enum
+import numbers
 from functools import partial
 from typing import Any, Callable, Mapping
 
@@ -65,6 +66,14 @@ class Status(enum.Enum):
     COMPLETED = "completed"
     CANCELLED = "cancelled"
     FAILED = "failed"
+
+
+def integer(x: Any) -> Any:
+    """``x`` as a plain int where it is an integer of another type (numpy's,
+    say), else as it is: a bool stays a bool, refused where an id is due."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool) and type(x) is not int:
+        return int(x)
+    return x
 
 
 def described(err: BaseException) -> str:

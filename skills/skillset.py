@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import attrs
 
-from bubblefree.core.values import GREEDY, ImageRef, InvalidRequest, Request, SamplingParams
+from bubblefree.core.values import GREEDY, ImageRef, InvalidRequest, Request, SamplingParams, integer
 from bubblefree.skills.base import Skill, SkillError, SkillState, StateFactory, invalid
 from bubblefree.skills.codec import LocationCodec, SpatialCodec
 from bubblefree.skills.registry import BUILTIN, Registry
@@ -54,7 +54,7 @@ class SkillSet:
         return self.tokenizer.eos_id
 
     def mask(self, allowed: frozenset[int]) -> int:
-        allowed = frozenset(allowed)
+        allowed = frozenset(map(integer, allowed))  # numpy's integers are ids too
         if not allowed:
             # An empty mask would leave sampling nothing to pick.
             raise SkillError("a skill state allows no token at all")

@@ -413,3 +413,35 @@ def test_a_failure_in_advance_keeps_its_reason_and_the_output_so_far():
         assert result.output is not None and result.output["answer"]
     finally:
         eng.close()
+
+
+@attrs.frozen
+class _NumpyIds(Query):
+    """Token ids and mask ids as numpy integers, as a skill computing its
+    sets with numpy would hand them over."""
+    name: str = "numpy_ids"
+
+    def compile(self, ctx):
+        import numpy as np
+        return attrs.evolve(super().compile(ctx), mask=ctx.mask(set(np.arange(5, 9))))
+
+    def start(self, tables, args, budget):
+        return _NumpyMaskState(tables)
+
+
+class _NumpyMaskState(TextState):
+    def mask_id(self):
+        import numpy as np
+        return np.int64(self.tables.mask)
+
+
+def test_numpy_integers_serve_as_token_ids_and_mask_ids():
+    """Refused with messages that named the ids as outside the vocabulary,
+    and a registered mask id as not registered."""
+    eng = make_engine(registry=BUILTIN.with_skill(_NumpyIds()))
+    try:
+        result = eng.submit("numpy_ids", question="the cat", max_tokens=6).result(WAIT)
+        assert result.status is Status.COMPLETED, result.finish_reason
+        assert set(result.tokens) <= {5, 6, 7, 8}
+    finally:
+        eng.close()
