@@ -191,7 +191,7 @@ BREAKS = [
                               "progress = self._commit() or progress\nself._learn()")),),
           r"I7", modes=("choice",)),
     Break("I9", "the mask is not sent to sampling",
-          (P(Scheduler, "plan_finalize", ('mask, error = guarded(s.request, "mask_id", lambda: s.state.mask_id())',
+          (P(Scheduler, "plan_finalize", ('mask, error = guarded(s.request, "mask_id", lambda: integer(s.state.mask_id()))',
                                          "mask, error = None, None")),), r"I9"),
 ]
 
