@@ -27,6 +27,7 @@ from typing import Any
 from bubblefree.core import Engine as CoreEngine
 from bubblefree.core import InvalidRequest
 from bubblefree.cuda_backend.backend import CudaBackend
+from bubblefree.cuda_backend.errors import ModelLoadError
 from bubblefree.cuda_backend.loader import load_model
 from bubblefree.cuda_backend.options import check_backend_options, check_device, check_dtype, flag
 from bubblefree.cuda_backend.quiet import quiet_transformers
@@ -57,7 +58,10 @@ def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool
 
     loaded = load_model(source, device=device, dtype=dtype)
     if loaded.tokenizer is None:
-        raise ValueError(f"{loaded.source}: has no tokenizer; skills need one")
+        raise ModelLoadError(f"{loaded.source}: has no tokenizer; skills need one")
+    if len(loaded.tokenizer) > loaded.vocab_size:  # before tokens of ours are added
+        raise ModelLoadError(f"{loaded.source}: its tokenizer has {len(loaded.tokenizer)} tokens and its "
+                             f"model {loaded.vocab_size} embeddings: they are not one checkpoint's")
     tokenizer = HFTokenizer.wrap(loaded.tokenizer,
                                  add_tokens=location_tokens() if add_locations else ())
     if len(loaded.tokenizer) > loaded.vocab_size:

@@ -140,12 +140,7 @@ def load_dir(path: Path, *, device=None, dtype=None) -> LoadedModel:
     except Exception as ex:  # noqa: BLE001 - any failure here is a bad directory
         raise ModelLoadError(f"model directory {path}: cannot read config.json: {ex}") from ex
     check_decoder(config, str(path))
-    try:
-        with quiet_transformers():  # a progress bar per load is noise in a server's log
-            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
-                                                         local_files_only=True)
-    except Exception as ex:  # noqa: BLE001
-        raise ModelLoadError(f"model directory {path}: cannot load weights: {ex}") from ex
+    model = load_weights(AutoModelForCausalLM, path, config=config, dtype=dtype)
     model.eval().to(device)
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
@@ -156,6 +151,25 @@ def load_dir(path: Path, *, device=None, dtype=None) -> LoadedModel:
         except Exception as ex:  # noqa: BLE001
             raise ModelLoadError(f"model directory {path}: cannot load tokenizer: {ex}") from ex
     return LoadedModel(model, tokenizer, stop_ids_of(model, tokenizer), str(path))
+
+
+def load_weights(cls, path: Path, **kwargs) -> PreTrainedModel:
+    """``cls.from_pretrained(path, ...)``, refused where the checkpoint lacks
+    weights the model has: transformers fills those with random values and
+    says so only in a warning (which a server's quiet log would not show),
+    and the model would answer with them."""
+    try:
+        with quiet_transformers():  # a progress bar per load is noise in a server's log
+            model, info = cls.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                              **kwargs)
+    except Exception as ex:  # noqa: BLE001
+        raise ModelLoadError(f"model directory {path}: cannot load weights: {ex}") from ex
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelLoadError(f"model directory {path}: its weights lack {', '.join(missing[:3])}{more}; "
+                             "they would be random")
+    return model
 
 
 def stop_ids_of(model: PreTrainedModel, tokenizer) -> frozenset[int]:

@@ -67,3 +67,65 @@ def test_add_tokens_grows_the_vocabulary_before_the_backend():
     assert be.register_mask(frozenset(ids)) >= 1
     with pytest.raises(RuntimeError, match="before building the backend"):
         loaded.add_tokens(["<loc_2>"])
+
+
+def _drop_tensor(path, name: str) -> None:
+    """``path``'s safetensors without the tensor ``name``."""
+    from safetensors.torch import load_file, save_file
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    assert name in tensors, sorted(tensors)[:5]
+    del tensors[name]
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_naming_it(tmp_path):
+    """transformers filled it with random values, said so only in a warning
+    the server's quiet log hides, and the model served them."""
+    from bubblefree.cuda_backend.errors import ModelLoadError
+    from bubblefree.cuda_backend.tiny import tiny_model
+    tiny_model("llama", seed=1).save_pretrained(tmp_path)
+    load_model(tmp_path, device="cpu")  # whole: loads
+    _drop_tensor(tmp_path, "model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(ModelLoadError, match=r"its weights lack model\.layers\.1\.mlp\.down_proj\.weight; "
+                                             "they would be random"):
+        load_model(tmp_path, device="cpu")
+
+
+def test_a_vision_language_checkpoint_missing_a_weight_is_refused_naming_it(tmp_path):
+    from bubblefree.cuda_backend.errors import ModelLoadError
+    from bubblefree.cuda_backend.vlm.load import load_vision_language
+    from tests.vlm_world import checkpoint
+    checkpoint(tmp_path)
+    load_vision_language(tmp_path, device="cpu")  # whole: loads
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        name = next(k for k in f.keys() if "vision" in k and k.endswith("weight"))
+    _drop_tensor(tmp_path, name)
+    with pytest.raises(ModelLoadError, match="its weights lack .*; they would be random"):
+        load_vision_language(tmp_path, device="cpu")
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
+    """Two checkpoints' parts in one directory: the embeddings were grown
+    to the tokenizer, quietly, and the model answered with the new rows."""
+    from bubblefree import Engine
+    from bubblefree.cuda_backend.errors import ModelLoadError
+    from bubblefree.cuda_backend.tiny import tiny_model
+    from tests.small_tokenizer import small_bpe_tokenizer
+    tokenizer = small_bpe_tokenizer()
+    tiny_model("llama", vocab_size=64, eos_token_id=0).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=rf"its tokenizer has {len(tokenizer)} tokens and its model "
+                                             "64 embeddings: they are not one checkpoint's"):
+        Engine.from_pretrained(tmp_path, device="cpu")
+
+
+def test_a_model_directory_without_a_tokenizer_is_a_load_error(tmp_path):
+    """A bare ValueError, which the CLI showed as a traceback."""
+    from bubblefree import Engine
+    from bubblefree.cuda_backend.errors import ModelLoadError
+    from bubblefree.cuda_backend.tiny import tiny_model
+    tiny_model("llama", seed=1).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="has no tokenizer; skills need one"):
+        Engine.from_pretrained(tmp_path, device="cpu")

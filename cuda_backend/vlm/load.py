@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
-from bubblefree.cuda_backend.loader import default_device, default_dtype
+from bubblefree.cuda_backend.loader import default_device, default_dtype, load_weights
 from bubblefree.cuda_backend.quiet import quiet_transformers
 from bubblefree.cuda_backend.vlm.model import (MROPE, TEMPLATES, VisionLanguage, feature_count, supported,
                                                tile_features)
@@ -51,12 +51,7 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
         raise
     except Exception as ex:  # noqa: BLE001 - any failure here is a bad directory
         raise ModelLoadError(f"model directory {path}: cannot read config.json: {ex}") from ex
-    try:
-        with quiet_transformers():
-            vlm = AutoModelForImageTextToText.from_pretrained(path, config=config, dtype=dtype,
-                                                              local_files_only=True)
-    except Exception as ex:  # noqa: BLE001
-        raise ModelLoadError(f"model directory {path}: cannot load weights: {ex}") from ex
+    vlm = load_weights(AutoModelForImageTextToText, path, config=config, dtype=dtype)
     vlm.eval().to(device)
     with quiet_transformers():
         try:
