@@ -119,7 +119,7 @@ def load_model(source: str | os.PathLike | None = None, *, gguf_file: str | None
     path = Path(source) if source is not None else default_model_path()
     if gguf_file is not None:
         path = path / gguf_file
-    if path.suffix == ".gguf":
+    if path.suffix == ".gguf" and not path.is_dir():  # a directory so named is a model directory
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
         path = converted_dir(path, cache_dir)

@@ -129,3 +129,11 @@ def test_a_model_directory_without_a_tokenizer_is_a_load_error(tmp_path):
     tiny_model("llama", seed=1).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="has no tokenizer; skills need one"):
         Engine.from_pretrained(tmp_path, device="cpu")
+
+
+def test_a_model_directory_named_like_a_gguf_file_loads_as_a_directory(tmp_path):
+    """It was reported as a GGUF file that does not exist."""
+    from bubblefree.cuda_backend.tiny import tiny_model
+    path = tmp_path / "model.gguf"
+    tiny_model("llama", seed=1).save_pretrained(path)
+    assert load_model(path, device="cpu").source == str(path)
