@@ -132,7 +132,7 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     backend, info = build(source, device=device, dtype=dtype, seed=seed, **backend_options)
     raw = raw if raw is not None else info.tokenizer
     if raw is None:
-        raise ValueError(f"{source}: has no tokenizer.json; the skills need one")
+        raise ModelLoadError(f"{source}: has no tokenizer.json; the skills need one")
     skills_tokenizer = moondream_tokenizer(raw, info.config.tokenizer)
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
     skills = SkillSet(skills_tokenizer, core.register_mask,

@@ -47,12 +47,24 @@ def _config(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def _directory(source: Any) -> Path | None:
+    """``source`` as a directory path, or None. An empty path is none:
+    ``Path("")`` is the working directory, and a server started with an
+    unset variable as its model must not serve whatever checkpoint it was
+    started in (the text loader refuses the empty path)."""
+    if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
+        return None
+    path = Path(source)
+    try:
+        return path if path.is_dir() else None
+    except OSError:  # a name too long, say: the loader's to report, not a crash here
+        return None
+
+
 def is_moondream(source: Any) -> bool:
     """Whether ``source`` is a local moondream2 checkpoint directory."""
-    if not isinstance(source, (str, os.PathLike)):
-        return False
-    path = Path(source)
-    config = _config(path) if path.is_dir() else None
+    path = _directory(source)
+    config = _config(path) if path is not None else None
     if config is None:
         return False
     if str(config.get("model_type", "")).lower() in MOONDREAM_TYPES:
@@ -68,10 +80,10 @@ def is_vision_language(source: Any) -> bool:
     (a config with a ``vision_config``: LLaVA and its kin; Qwen2-VL's
     published configs keep the text settings at the top level, not in a
     ``text_config``); which of them are served is the VLM backend's to say."""
-    if not isinstance(source, (str, os.PathLike)) or is_moondream(source):
+    if is_moondream(source):
         return False
-    path = Path(source)
-    config = _config(path) if path.is_dir() else None
+    path = _directory(source)
+    config = _config(path) if path is not None else None
     return config is not None and isinstance(config.get("vision_config"), dict)
 
 
@@ -81,6 +93,8 @@ def moondream_tokenizer(raw: Any, config: Any) -> HFTokenizer:
     one of the tokenizer's."""
     from transformers import PreTrainedTokenizerFast
 
+    from bubblefree.cuda_backend.errors import ModelLoadError  # here: this module imports no torch
+
     size = raw.get_vocab_size(with_added_tokens=True)
     templates = MoondreamTemplates.from_ids(config.bos_id, config.templates, config.coord_id, config.size_id)
     placeholders = [i for i in (config.coord_id, config.size_id) if i is not None]
@@ -89,8 +103,8 @@ def moondream_tokenizer(raw: Any, config: Any) -> HFTokenizer:
             *templates.point[0], *templates.point[1], *templates.detect[0], *templates.detect[1]]
     outside = sorted({i for i in used if not 0 <= i < size})
     if outside:
-        raise ValueError(f"the config's BOS, EOS, placeholders or prompt templates use ids {outside[:5]} that "
-                         f"the tokenizer ({size} tokens) lacks")
+        raise ModelLoadError(f"config.json: the tokenizer's BOS, EOS, placeholders or templates use ids "
+                             f"{outside[:5]} that tokenizer.json ({size} tokens) lacks")
     hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=raw.id_to_token(config.eos_id),
                                  bos_token=raw.id_to_token(config.bos_id))
     return HFTokenizer.wrap(hf, templates=templates)

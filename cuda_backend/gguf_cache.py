@@ -80,10 +80,10 @@ def converted_dir(path: Path, cache_dir: str | os.PathLike | None = None) -> Pat
     """The cached safetensors directory for GGUF ``path``, converting if needed."""
     root = cache_root(cache_dir)
     entries = root / "gguf"
+    _make_dir(entries, cache_dir)
     target = entries / cache_key(path, root)
     if (target / "config.json").is_file():
         return target
-    entries.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=entries))
     try:
         _convert(path, tmp)
@@ -95,6 +95,19 @@ def converted_dir(path: Path, cache_dir: str | os.PathLike | None = None) -> Pat
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _make_dir(folder: Path, cache_dir: str | os.PathLike | None) -> None:
+    """``folder`` under the cache root, made where absent; a root that is a
+    file or cannot be written is refused naming where it came from."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        origin = "cache_dir" if cache_dir is not None else "BUBBLEFREE_CACHE"
+        if cache_dir is None and not os.environ.get("BUBBLEFREE_CACHE"):
+            origin = "the cache folder"
+        raise ModelLoadError(f"{origin} {cache_root(cache_dir)}: cannot hold the GGUF cache: "
+                             f"{err.strerror or err}") from err
 
 
 def _convert(path: Path, out: Path) -> None:

@@ -119,17 +119,27 @@ def load_model(source: str | os.PathLike | None = None, *, gguf_file: str | None
     path = Path(source) if source is not None else default_model_path()
     if gguf_file is not None:
         path = path / gguf_file
+    try:
+        directory = _model_directory(path, cache_dir)
+    except OSError as ex:  # the path itself unusable (a name too long, say)
+        raise ModelLoadError(f"model path {str(path)[:80]}: {ex.strerror or ex}") from ex
+    return load_dir(directory, device=device, dtype=dtype)
+
+
+def _model_directory(path: Path, cache_dir) -> Path:
+    """The directory to load ``path`` from: itself, or a GGUF file's
+    conversion in the cache."""
     if path.suffix == ".gguf" and not path.is_dir():  # a directory so named is a model directory
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
-        path = converted_dir(path, cache_dir)
-    elif path.is_file():
+        return converted_dir(path, cache_dir)
+    if path.is_file():
         raise ModelLoadError(f"{path} is a file, not a model directory or a .gguf file")
-    elif not path.is_dir():
+    if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
-    elif not (path / "config.json").is_file():
+    if not (path / "config.json").is_file():
         raise ModelLoadError(f"model directory {path} has no config.json")
-    return load_dir(path, device=device, dtype=dtype)
+    return path
 
 
 def load_dir(path: Path, *, device=None, dtype=None) -> LoadedModel:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from bubblefree.cuda_backend.errors import ModelLoadError
 from bubblefree.cuda_backend.kv_cache import activation_reserve, page_bytes, pages_that_fit
 
 CPU_DEFAULT_PAGES = 256
@@ -41,10 +42,21 @@ class ModelDims:
 
 def context_length(dims: ModelDims, max_context: int | None) -> int:
     """The longest sequence: the model's limit, capped by ``max_context``."""
+    _check_positions(dims.max_positions)
     limits = [x for x in (dims.max_positions, max_context) if x is not None]
     if not limits:
         raise ValueError("max_context: the model config has no max_position_embeddings; pass one")
     return min(limits)
+
+
+def _check_positions(positions) -> None:
+    """A model config's max_position_embeddings of 0 or less (or not a
+    number) would otherwise surface as a capacity error naming neither."""
+    if positions is None:
+        return
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        raise ModelLoadError(f"config.json: max_position_embeddings must be an integer >= 1, "
+                             f"got {positions!r}")
 
 
 def prefill_key_budget(max_prefill_tokens: int, max_context: int) -> int:

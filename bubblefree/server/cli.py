@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     args = top.parse_args(argv)
     if args.random and (args.model or args.location_tokens):
         top.error("--random builds its own model: give no MODEL and no --location-tokens")
+    refused = startup_refusal(args)
+    if refused is not None:  # before a model load of minutes, not after it
+        print(f"bubblefree serve: error: {refused}", file=sys.stderr)
+        return 2
     import uvicorn  # imported here: `--help` works without the server extra
 
     from bubblefree.core import InvalidRequest
@@ -88,10 +92,6 @@ def main(argv: list[str] | None = None) -> int:
                               max_live=args.max_live, request_timeout_s=args.timeout,
                               body_timeout_s=args.body_timeout,
                               model_name=RANDOM.get(args.random) or args.model or "smollm2-135m-instruct")
-    taken = address_refused(settings.host, settings.port)
-    if taken is not None:  # before a model load of minutes, not after it
-        print(f"bubblefree serve: error: {taken}", file=sys.stderr)
-        return 2
     make = engine_maker(args)
     if args.replicas > 0:
         return serve_replicas(args, settings, make)
@@ -128,13 +128,27 @@ def _terminated(*_: Any) -> None:
     raise Terminated
 
 
+def startup_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``serve`` must not start with these arguments (an empty model
+    path, an API key no client could send, an address it cannot listen
+    on), or None."""
+    from bubblefree.server.guard import api_key_refusal
+
+    if args.model == "":  # an unset variable, say; Path("") would be the working directory
+        return "model path: empty (give a model directory or .gguf file, or none for the embedded model)"
+    if args.api_key is not None:
+        refused = api_key_refusal(args.api_key)
+        if refused is not None:
+            return f"--api-key: {refused}"
+    return address_refused(args.host, args.port)
+
+
 def address_refused(host: str, port: int) -> str | None:
     """Why the server could not listen on ``host:port`` (the port taken, the
     host not an address of this machine), or None. Checked by binding a
     probe socket as uvicorn and Ray's proxy bind theirs (SO_REUSEADDR), and
-    closing it at once; port 0 (any free port) always binds."""
-    if port == 0:
-        return None
+    closing it at once; port 0 (any free port) binds wherever the host is
+    one of this machine's, so the host is checked whatever the port."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as err:

@@ -76,6 +76,20 @@ def refusal(scope: Scope, settings: ServerSettings) -> ApiError | None:
     return None
 
 
+def api_key_refusal(key: str) -> str | None:
+    """Why ``key`` cannot serve as the API key, or None. An empty key (an
+    unset variable) would leave the server open while its operator thinks
+    it closed; a client sends a header as printable ASCII with the
+    surrounding whitespace dropped, so a key with either could never match."""
+    if not key:
+        return "empty; give a key, or leave the option out for an open server"
+    if key != key.strip():
+        return "has whitespace around it, which no client's header keeps"
+    if not (key.isascii() and key.isprintable()):
+        return "must be printable ASCII (a header carries no other characters)"
+    return None
+
+
 def limited(receive: Receive, settings: ServerSettings) -> Receive:
     """``receive`` with the body's bounds: its size, and the time it may
     take to arrive, whole (a client that sends part of a body and goes

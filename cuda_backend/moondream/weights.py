@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from bubblefree.cuda_backend.errors import ModelLoadError
 from bubblefree.cuda_backend.moondream.config import (MOONDREAM2, MoondreamConfig, RegionConfig,
                                                       TextConfig, TokenizerConfig, VisionConfig)
 from bubblefree.cuda_backend.moondream.model import Moondream
@@ -69,33 +70,92 @@ _LEGACY = [(re.compile(a), b) for a, b in (
 _TRANSPOSED = ("region.coord_features", "region.size_features")  # [F, k] in the old layout
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that does not hold a moondream2 this code can run."""
+class CheckpointError(ModelLoadError):
+    """A checkpoint directory that does not hold a moondream2 this code can run
+    (a ``ModelLoadError``: the server reports it as one line, like any other)."""
+
+
+# Shape fields that may be 0; every other number of the vision, text and
+# region parts is a width, depth, count or scale, which 0 would break.
+_MAY_BE_ZERO = {"overlap_margin"}
 
 
 def config_from_json(overrides: dict) -> MoondreamConfig:
+    """A ``MoondreamConfig`` from config.json's ``"config"``; every part and
+    field checked, so a bad value is refused naming it rather than failing
+    somewhere inside the model's construction."""
+    if not isinstance(overrides, dict):
+        raise CheckpointError(f'config.json: "config" must be an object, got {overrides!r:.60}')
     parts = {}
     for part, cls in _PARTS.items():
-        fields = {f.name for f in attrs.fields(cls)}
-        given, args = overrides.get(part, {}), {}
-        for key, value in given.items():
-            name = _RENAMES[part].get(key, key)
-            if name == "n_kv_heads":
-                if value != given.get("n_heads", MOONDREAM2.text.n_heads):
-                    raise CheckpointError("grouped key/value heads (n_kv_heads) are not supported")
-                continue
-            if name in _OFF_FIELDS and name not in fields:
-                if value is not None:
-                    raise CheckpointError(f"config.json: {part}.{key}={value!r} is not supported")
-                continue
-            if name not in fields:
-                raise CheckpointError(f"config.json: unknown {part} field {key!r}")
-            if name == "templates":  # lists in JSON; tuples here (a frozen value)
-                value = {skill: None if parts is None else {k: tuple(v) for k, v in parts.items()}
-                         for skill, parts in value.items()}
-            args[name] = value
+        given = overrides.get(part, {})
+        if not isinstance(given, dict):
+            raise CheckpointError(f"config.json: {part} must be an object, got {given!r:.60}")
+        args = _part_args(part, cls, given)
         parts[part] = attrs.evolve(getattr(MOONDREAM2, part), **args)
-    return MoondreamConfig(**parts)
+    try:
+        return MoondreamConfig(**parts)
+    except ValueError as err:  # widths that do not fit together
+        raise CheckpointError(f"config.json: {err}") from err
+
+
+def _part_args(part: str, cls: type, given: dict) -> dict:
+    fields = {f.name for f in attrs.fields(cls)}
+    args = {}
+    for key, value in given.items():
+        name = _RENAMES[part].get(key, key)
+        if name == "n_kv_heads":
+            if value != given.get("n_heads", MOONDREAM2.text.n_heads):
+                raise CheckpointError("grouped key/value heads (n_kv_heads) are not supported")
+            continue
+        if name in _OFF_FIELDS and name not in fields:
+            if value is not None:
+                raise CheckpointError(f"config.json: {part}.{key}={value!r} is not supported")
+            continue
+        if name not in fields:
+            raise CheckpointError(f"config.json: unknown {part} field {key!r}")
+        if name == "templates":
+            value = _templates(value)
+        else:
+            _check_number(part, key, name, value)
+        args[name] = value
+    return args
+
+
+def _check_number(part: str, key: str, name: str, value) -> None:
+    """Every field but the templates is a number of the default's kind: a
+    string or a 0 would fail later inside the model, naming no field."""
+    default = getattr(getattr(MOONDREAM2, part), name)
+    if value is None and default is None:  # coord_id, size_id: absent
+        return
+    kinds = (int,) if isinstance(default, int) or default is None else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        what = "an integer" if kinds == (int,) else "a number"
+        raise CheckpointError(f"config.json: {part}.{key} must be {what}, got {value!r:.60}")
+    low = 0 if part == "tokenizer" or name in _MAY_BE_ZERO else None
+    if (value < low) if low is not None else not value > 0:
+        bound = ">= 0" if low is not None else "> 0"
+        raise CheckpointError(f"config.json: {part}.{key} must be {bound}, got {value!r}")
+
+
+def _templates(value) -> dict:
+    """The prompt templates: lists of ids in JSON, tuples here (a frozen value)."""
+    if not isinstance(value, dict):
+        raise CheckpointError(f"config.json: tokenizer.templates must be an object, got {value!r:.60}")
+    out = {}
+    for skill, parts in value.items():
+        if parts is not None and not isinstance(parts, dict):
+            raise CheckpointError(f"config.json: tokenizer.templates.{skill} must be an object or null, "
+                                  f"got {parts!r:.60}")
+        out[skill] = None if parts is None else {k: _ids(f"{skill}.{k}", v) for k, v in parts.items()}
+    return out
+
+
+def _ids(where: str, ids) -> tuple[int, ...]:
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"config.json: tokenizer.templates.{where} must be a list of token ids, "
+                              f"got {ids!r:.60}")
+    return tuple(ids)
 
 
 def config_to_json(config: MoondreamConfig) -> dict:
@@ -123,15 +183,37 @@ def random_model(config: MoondreamConfig, seed: int = 0, std: float = 0.2,
     return model.to(device=device, dtype=dtype).eval()
 
 
+def _read_json(file: Path) -> dict:
+    """A JSON object from ``file``; anything else is refused naming the file."""
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{file}: cannot read it as JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _tensor_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [directory / s for s in shards]
+        return _shards(index)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no .safetensors file in {directory}")
     return files
+
+
+def _shards(index: Path) -> list[Path]:
+    """The shards ``index``'s weight_map names, each of them present."""
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard files")
+    shards = [index.parent / name for name in sorted(set(weight_map.values()))]
+    absent = [s.name for s in shards if not s.is_file()]
+    if absent:
+        raise CheckpointError(f"{index}: lists shards that are not in {index.parent}: {absent[:3]}")
+    return shards
 
 
 def legacy_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -155,13 +237,22 @@ def legacy_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _read_state(files: list[Path]) -> dict[str, torch.Tensor]:
     state = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                key = name.removeprefix("model.")
-                if key in state:
-                    raise CheckpointError(f"tensor {key!r} appears twice")
-                state[key] = f.get_tensor(name)
+        for name, tensor in _read_file(file).items():
+            key = name.removeprefix("model.")
+            if key in state:
+                raise CheckpointError(f"tensor {key!r} appears twice")
+            state[key] = tensor
     return legacy_names(state)
+
+
+def _read_file(file: Path) -> dict[str, torch.Tensor]:
+    # safetensors raises its own SafetensorError (empty, truncated, bad
+    # header), which names neither the file nor a load failure.
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as err:  # noqa: BLE001 - any failure here is a bad file
+        raise CheckpointError(f"{file}: cannot read it as safetensors: {err}") from err
 
 
 def load_state(model: Moondream, state: dict[str, torch.Tensor]) -> None:
@@ -196,16 +287,39 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float16,
     config = MOONDREAM2
     config_file = directory / "config.json"
     if config_file.is_file():
-        config = config_from_json(json.loads(config_file.read_text()).get("config", {}))
-    with torch.device("meta"):
-        model = Moondream(config)
+        try:
+            config = config_from_json(_read_json(config_file).get("config", {}))
+        except CheckpointError as err:
+            raise CheckpointError(f"checkpoint {directory}: {err}") from None
+    model = _meta_model(config, config_file)
     # Allocated once, in the target dtype: a float32 copy of moondream2
     # would be 7.5 GB. The checkpoint's tensors are cast as they copy in.
     model = model.to_empty(device=device).to(dtype)
-    load_state(model, _read_state(files))
-    tokenizer = None
-    if (directory / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    state = _read_state(files)
+    try:
+        load_state(model, state)
+    except CheckpointError as err:  # which checkpoint, for a server's one-line report
+        raise CheckpointError(f"checkpoint {directory}: {err}") from None
+    tokenizer = _tokenizer(directory / "tokenizer.json")
     return LoadedMoondream(model=model.eval(), config=config,
                            tokenizer=tokenizer)
+
+
+def _meta_model(config: MoondreamConfig, config_file: Path) -> Moondream:
+    """The model's modules on the meta device; widths that every field
+    allows alone may still not fit together (heads that do not divide)."""
+    try:
+        with torch.device("meta"):
+            return Moondream(config)
+    except (ValueError, TypeError, ZeroDivisionError, RuntimeError) as err:
+        raise CheckpointError(f"{config_file}: its config does not make a model: {err}") from err
+
+
+def _tokenizer(file: Path):
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises its own kinds
+        raise CheckpointError(f"{file}: cannot read it as a tokenizer: {err}") from err
