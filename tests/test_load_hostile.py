@@ -155,3 +155,13 @@ def test_a_moondream_checkpoint_without_its_tokenizer_is_a_load_error(good, tmp_
     (folder / "tokenizer.json").unlink()
     with pytest.raises(ModelLoadError, match="has no tokenizer.json; the skills need one"):
         Engine.from_pretrained(folder, device="cpu")
+
+
+@pytest.mark.parametrize("key", ["", " secret", "clé", 5])
+def test_server_settings_refuse_an_api_key_no_client_could_send(key):
+    """The CLI's check held only there: an app built from Python with such
+    a key served open (empty) or answered 401 to every request."""
+    from bubblefree.server import ServerSettings
+    with pytest.raises(ValueError, match="^api_key: "):
+        ServerSettings(api_key=key)
+    assert ServerSettings(api_key="s3cret-Key").api_key == "s3cret-Key"

@@ -25,3 +25,8 @@ class ServerSettings:
         for name in ("request_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.api_key is not None:  # the CLI's check, for an app built from Python too
+            from bubblefree.server.guard import api_key_refusal
+            refused = api_key_refusal(self.api_key) if isinstance(self.api_key, str) else "must be a string"
+            if refused is not None:
+                raise ValueError(f"api_key: {refused}")
