@@ -140,12 +140,12 @@ def test_max_position_embeddings_below_1_is_a_load_error_naming_it(positions):
         context_length(dims, None)
 
 
-def test_a_path_name_too_long_for_the_file_system_is_a_load_error():
+def test_a_path_name_too_long_for_the_file_system_is_a_load_error(tmp_path):
     """``Path.is_file`` let ENAMETOOLONG through: a traceback from serve."""
     from bubblefree.cuda_backend.errors import ModelLoadError
     from bubblefree.cuda_backend.loader import load_model
     with pytest.raises(ModelLoadError, match="model path .*: File name too long"):
-        load_model("/tmp/" + "a" * 300, device="cpu")
+        load_model(tmp_path / ("a" * 300), device="cpu")
 
 
 def test_a_moondream_checkpoint_without_its_tokenizer_is_a_load_error(good, tmp_path):
