@@ -71,9 +71,9 @@ class Status(enum.Enum):
 def integer(x: Any) -> Any:
     """``x`` as a plain int where it is an integer of another type (numpy's,
     say), else as it is: a bool stays a bool, refused where an id is due."""
-    if isinstance(x, numbers.Integral) and not isinstance(x, bool) and type(x) is not int:
-        return int(x)
-    return x
+    if type(x) is int or x is None:  # the usual answers, per row per step: no ABC check
+        return x
+    return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else x
 
 
 def described(err: BaseException) -> str:

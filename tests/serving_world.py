@@ -35,6 +35,13 @@ GATE_WORD = TOK.words.index("sky")  # a prompt holding this word can be held at 
 WAIT = 30.0  # seconds: generous, for a loaded machine; every wait is for a condition
 
 
+class Unprintable(Exception):
+    """A caller's or a skill's exception whose message itself raises."""
+
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
 class Gate:
     """Holds the decode thread when it samples a gated request's ``at``-th
     output token, until ``open()``; at most once per ``arm()``."""

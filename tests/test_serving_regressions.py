@@ -23,8 +23,8 @@ from bubblefree.core import Engine as CoreEngine
 from bubblefree.core import Request
 from bubblefree.fake_backend import FakeBackend
 from bubblefree.skills.registry import BUILTIN
-from tests.serving_world import (ODD, WAIT, Ends, Gate, OddQuery, assert_serves, idle, make_engine,
-                                 question_of, reference, wait_idle, wait_until)
+from tests.serving_world import (ODD, WAIT, Ends, Gate, OddQuery, Unprintable, assert_serves, idle,
+                                 make_engine, question_of, reference, wait_idle, wait_until)
 
 GATED = "is the sky blue"  # holds the gate word
 
@@ -724,14 +724,8 @@ def test_the_engines_own_keywords_are_refused_as_unknown_arguments(engine, field
     assert_serves(engine)
 
 
-class Unprintable(Exception):
-    def __str__(self):
-        raise RuntimeError("no message")
-
-
 class UnprintableExit(SystemExit):
-    def __str__(self):
-        raise RuntimeError("no message")
+    __str__ = Unprintable.__str__
 
 
 def test_a_listener_error_whose_message_raises_fails_only_its_request(engine):

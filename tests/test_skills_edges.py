@@ -16,7 +16,7 @@ from bubblefree.skills.base import SkillError
 from bubblefree.skills.driver import MaskRecorder
 from bubblefree.skills.registry import BUILTIN, Registry
 from bubblefree.skills.text import Query, TextState
-from tests.serving_world import TOK, WAIT, endless_model, make_engine, reference
+from tests.serving_world import TOK, WAIT, Unprintable, endless_model, make_engine, reference
 
 
 # -- custom skills whose state is not a proper DecodeState --------------------
@@ -50,14 +50,9 @@ class _RaisingValueKind(TextState):
         raise ValueError("no region head here")
 
 
-class _Unprintable(Exception):
-    def __str__(self):
-        raise RuntimeError("no message")
-
-
 class _RaisingMidway(TextState):
     """``advance`` raising at the third token what ``raising`` makes."""
-    raising: type = _Unprintable
+    raising: type = Unprintable
 
     def advance(self, token, value=None):
         if self.consumed >= 2:
