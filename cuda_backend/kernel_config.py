@@ -24,18 +24,20 @@ import torch
 
 
 def parse_settings(cls, pattern: str, what: str, expected: str, text: str,
-                   powers_of_two: tuple[str, ...]):
+                   powers_of_two: tuple[str, ...], shown: str | None = None):
     """``cls`` from the integers ``pattern`` captures in ``text``; a clear
-    error naming ``text`` when it does not match or when a field in
-    ``powers_of_two`` is not one."""
-    m = re.fullmatch(pattern, text.strip())
+    error naming ``shown`` (what the caller wrote; ``text`` by default)
+    when it does not match or when a field in ``powers_of_two`` is not
+    one."""
+    text, shown = text.strip(), text if shown is None else shown
+    m = re.fullmatch(pattern, text)
     if m is None:
-        raise ValueError(f"{what} {text!r}: expected {expected}")
+        raise ValueError(f"{what} {shown!r}: expected {expected}")
     out = cls(*(int(g) for g in m.groups() if g is not None))  # a trailing optional: its default
     for name in powers_of_two:
         n = getattr(out, name)
         if n < 1 or n & (n - 1):
-            raise ValueError(f"{what} {text!r}: {name} must be a power of two, not {n}")
+            raise ValueError(f"{what} {shown!r}: {name} must be a power of two, not {n}")
     return out
 
 
@@ -146,27 +148,36 @@ class Tile:
     per program, K per iteration, K slices, warps, pipeline stages, and the
     steps of K read before the wait when launched dependent (``ahead``).
     Written ``64n128k4s4w3p``: 64 columns, 128 of K, 4 slices, 4 warps, 3
-    stages (one step ahead); ``64n128k4s4w3p2a``: two steps ahead."""
+    stages (one step ahead); ``64n128k4s4w3p2a``: two steps ahead. A
+    trailing ``v`` (``vector``, 1): the form without the MMA for up to
+    eight rows, each program's whole slice of K read before the wait
+    (``skinny_gemv``; stages and ahead unused)."""
     block_n: int = 64
     block_k: int = 128
     split: int = 1
     warps: int = 4
     stages: int = 3
     ahead: int = 1
+    vector: int = 0
 
     def __str__(self) -> str:
         ahead = f"{self.ahead}a" if self.ahead != 1 else ""
-        return f"{self.block_n}n{self.block_k}k{self.split}s{self.warps}w{self.stages}p{ahead}"
+        vector = "v" if self.vector else ""
+        return (f"{self.block_n}n{self.block_k}k{self.split}s{self.warps}w{self.stages}p"
+                f"{ahead}{vector}")
 
     @classmethod
     def parse(cls, text: str) -> "Tile":
+        stripped = text.strip()
+        vector = stripped.endswith("v")
         tile = parse_settings(cls, r"(\d+)n(\d+)k(\d+)s(\d+)w(\d+)p(?:(\d+)a)?", "GEMM tile",
-                              "e.g. 64n128k4s4w3p or 64n128k4s4w3p2a", text,
-                              ("block_n", "block_k", "warps", "ahead"))
+                              "e.g. 64n128k4s4w3p, 64n128k4s4w3p2a or 16n128k1s4w1pv",
+                              stripped[:-1] if vector else stripped,
+                              ("block_n", "block_k", "warps", "ahead"), shown=text)
         if tile.block_k < 16 or tile.split < 1 or tile.stages < 1:
             raise ValueError(f"GEMM tile {text!r}: needs block_k >= 16 (the MMA's K), "
                              "split >= 1 and stages >= 1")
-        return tile
+        return attrs.evolve(tile, vector=1) if vector else tile
 
     def fits(self, k: int) -> bool:
         """Whether K is whole steps of BLOCK_K (the kernel does not mask K)
@@ -319,6 +330,8 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # from 0.835 to 0.794 ms and 0.921 to 0.882, Qwen2-0.5B's from 0.604 to
 # 0.591 and 0.686 to 0.655, each with the tiles that read more before their
 # wait; Phi-1.5's slower with it, 0.890 to 1.006: docs/runs/early-norms-2026-12-03.txt).
+# Then Qwen2-0.5B's q, k, v projection in the vector form at one and two
+# rows (``skinny_gemv``; docs/runs/vector-gemm-2026-12-03.txt).
 # (pdl_rows, pdl_tiles, last_combines, o_combines, early_norms)
 PdlDefaults = tuple[int, TileTable, int, int, int]
 MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType({
@@ -339,7 +352,10 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
         }), 2, 1, 8),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         QWEN2_05B: (8, TileTable({
-            (896, 1152): ((8, Tile(32, 128, 4, 4, 3)),),  # q, k, v, sums to attention
+            # q, k, v, sums to attention; at one and two rows the vector form
+            # (0.588 -> 0.570 and 0.615 -> 0.600 ms a step; slower from four
+            # rows: docs/runs/vector-gemm-2026-12-03.txt)
+            (896, 1152): ((2, Tile(16, 128, 4, 4, 1, vector=1)), (8, Tile(32, 128, 4, 4, 3))),
             # o and down: slices of K that need not divide it (down's 38 steps of
             # 128 in 8 slices of 4 and 5), timed with the norm that adds them.
             # o, sums; at one row combining the split kernel's states (o_combines),

@@ -22,6 +22,11 @@ reduction kernel, the first weights read before the previous kernel ends,
 and at one row Llama's and Qwen2's output projection combining the split
 attention kernel's partial states as it reads them (``paged_decode.States``,
 ``KernelConfig.o_combines``).
+
+A tile written with ``v`` runs the vector form instead (``skinny_gemv``:
+no MMA, each program's whole share of the weights read before the wait),
+for up to eight rows of 16-bit weights; x given as attention's states
+always runs the MMA form.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from bubblefree.cuda_backend.kernel_config import Tile, TileTable, tile_for
 from bubblefree.cuda_backend.paged_decode import States, tl_dtype
 from bubblefree.cuda_backend.pdl import enter, launch_options, tl, triton
+from bubblefree.cuda_backend import skinny_gemv
 
 
 if triton is not None:
@@ -208,10 +214,22 @@ def launch(x: "torch.Tensor | States", w: torch.Tensor, bias: torch.Tensor | Non
     partial = tile.split > 1 if partial is None else partial or tile.split > 1
     if glu and (partial or w.shape[0] % 2):
         raise ValueError("skinny_gemm: a GLU output needs K whole and [gate; up] of equal rows")
+    vector = tile.vector and states is None
+    if vector:
+        width = skinny_gemv.slice_width(k // tile.block_k, tile.split, tile.block_k)
+        skinny_gemv.check(tile, m, x_dtype, width, glu)
     if partial:
         out = torch.empty((tile.split, m, n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((m, n), dtype=x_dtype, device=x.device)
+    if vector:
+        skinny_gemv._gemv_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
+            x, w, bias if bias is not None else w, out, n, k // tile.block_k, x.stride(0),
+            w.stride(0), out.stride(0) if partial else 0, out.stride(-2), n,
+            HAS_BIAS=bias is not None and (not partial or bias_in_parts), PARTIAL=partial,
+            GLU=glu, PDL=pdl, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SLICE=width, ROWS=m,
+            num_warps=tile.warps, **launch_options(pdl))
+        return out
     _gemm_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
         x, w, bias if bias is not None else w, out, m, n, k // tile.block_k,
         x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2), n,

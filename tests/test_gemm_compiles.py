@@ -8,6 +8,7 @@ bundled ptxas is absent (CPU-only builds of torch lack Triton)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton", reason="needs Triton (CUDA builds of torch ship it)")
 
@@ -121,6 +122,8 @@ def test_every_measured_tile_fits_a_hopper_multiprocessor_in_bf16():
     assert {form for *_, form, _ in launches} == {"partial", "whole", "glu"}
     args = {**ARGS, "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}
     for what, t, rows, form, pdl in launches:
+        if t.vector:
+            continue  # no MMA, no shared memory: test_every_measured_vector_tile_compiles
         consts = dict(HAS_BIAS=True, PARTIAL=form == "partial", IEEE=False, GLU=form == "glu",
                       PDL=pdl, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=t.block_n,
                       BLOCK_K=t.block_k, STAGES=t.stages, AHEAD=t.ahead if pdl else 1,
@@ -131,3 +134,62 @@ def test_every_measured_tile_fits_a_hopper_multiprocessor_in_bf16():
                                 options=dict(num_warps=t.warps))
         assert kernel.metadata.shared <= HOPPER_SHARED, (what, str(t), rows, form,
                                                          kernel.metadata.shared)
+
+
+GEMV_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32",
+             "N": "i32", "steps": "i32", "sx_m": "i32", "sw_n": "i32", "so_s": "i32",
+             "so_m": "i32", "up_off": "i32"}
+
+
+@pytest.mark.parametrize("form", ["partial", "whole", "glu"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_vector_form_asks_for_all_its_weights_before_the_wait(form, rows):
+    """``skinny_gemv`` (a tile's ``v``), launched dependent: every load of
+    weights and bias is issued before ``griddepcontrol.wait``, 16 bytes at
+    a time, and only x's after it; no shared memory beyond the sum's
+    scratch. The pointers and strides carry the divisibility by 16 a launch
+    gives them (Triton specializes such arguments): without it no load is
+    vectorized."""
+    from bubblefree.cuda_backend import skinny_gemv
+    consts = dict(HAS_BIAS=True, PARTIAL=form == "partial", GLU=form == "glu", PDL=True,
+                  BLOCK_N=16, BLOCK_K=128, SLICE=1024, ROWS=rows)
+    signature = {**GEMV_ARGS, **dict.fromkeys(consts, "constexpr")}
+    names = list(GEMV_ARGS)
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in GEMV_ARGS if a != "steps"}
+    source = ASTSource(fn=skinny_gemv._gemv_kernel, signature=signature, constexprs=consts,
+                       attrs=aligned)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = kernel.asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    # 16 columns by 1,024 of K in 128 threads: 128 values a thread in 16 loads of 16
+    # bytes, twice for gate and up; then the bias (and up's).
+    weights = 16 * (2 if form == "glu" else 1)
+    assert before.count("ld.global.v4.b32") >= weights
+    assert "ld.global.b16" not in ptx
+    assert after.count("ld.global") == rows  # x: a row's 8 values a thread in one load
+    assert kernel.metadata.shared <= 4096
+
+
+def test_every_measured_vector_tile_compiles_and_holds_its_share():
+    """The measured tiles of the vector form (``v``), each compiled for sm_90
+    as the step launches it at its rows, K as the shape gives it: the share
+    each thread holds passes ``skinny_gemv.check``, and the kernel needs no
+    shared memory beyond its sum's scratch."""
+    from bubblefree.cuda_backend import skinny_gemv
+    launches = [launch for launch in _measured_launches() if launch[1].vector]
+    assert launches, "the measured defaults name a tile of the vector form"
+    names = list(GEMV_ARGS)
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in GEMV_ARGS if a != "steps"}
+    for what, t, rows, form, pdl in launches:
+        k = int(what.split()[-1].split("->")[0])
+        width = skinny_gemv.slice_width(k // t.block_k, t.split, t.block_k)
+        skinny_gemv.check(t, rows, torch.bfloat16, width, form == "glu")
+        consts = dict(HAS_BIAS=True, PARTIAL=form == "partial", GLU=form == "glu", PDL=pdl,
+                      BLOCK_N=t.block_n, BLOCK_K=t.block_k, SLICE=width, ROWS=rows)
+        signature = {**GEMV_ARGS, **dict.fromkeys(consts, "constexpr")}
+        source = ASTSource(fn=skinny_gemv._gemv_kernel, signature=signature, constexprs=consts,
+                           attrs=aligned)
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=t.warps))
+        assert kernel.metadata.shared <= 4096, (what, str(t), rows, kernel.metadata.shared)

@@ -175,24 +175,30 @@ GEMMS = [(1, 2048, 96, "64n128k1s4w3p"), (5, 512, 2048, "32n128k4s4w3p"),
          (3, 1024, 80, "16n64k4s4w3p4a"),
          # the measured tiles that read most ahead
          (1, 2048, 3072, "64n256k2s8w3p4a"), (8, 4864, 896, "32n128k8s4w3p4a"),
-         (1, 8192, 2048, "64n256k8s4w3p2a")]
+         (1, 8192, 2048, "64n256k8s4w3p2a"),
+         # the vector form: K whole, slices of 19 steps, slices of 2 and 3
+         # steps (the load masked past each), columns past a block
+         (1, 896, 4864, "16n128k1s4w1pv"), (8, 4864, 896, "64n256k19s4w1pv"),
+         (5, 896, 100, "16n128k3s4w1pv"), (2, 2048, 96, "32n256k2s8w1pv")]
 # 64 columns by 256 of K in float32 need more shared memory than a
 # multiprocessor has (gated, or four steps read ahead: Triton's
 # OutOfResources), which is why the measured tiles serve 16-bit weights only
 # (KernelConfig.for_gpu, test_gemm_compiles.py): those run in bfloat16 alone.
+# The vector form ("v") takes 16-bit weights alone (``skinny_gemv.DTYPES``).
 WIDE = {"64n256k2s8w3p4a", "64n256k8s4w3p2a"}
 
 
 @CUDA
 @pytest.mark.parametrize("m,k,n,tile,dtype", [(*g, d) for g in GEMMS
                                               for d in (torch.float32, torch.bfloat16)
-                                              if d == torch.bfloat16 or g[3] not in WIDE])
+                                              if d == torch.bfloat16 or not (
+                                                  g[3] in WIDE or g[3].endswith("v"))])
 @pytest.mark.parametrize("launch_pdl", LAUNCHES)
 def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, tile, dtype,
                                                                     launch_pdl):
     """Partial sums with the bias in the first slice, whole outputs, and
     ``silu(gate) * up`` of a ``[gate; up]`` weight, each against torch."""
-    from bubblefree.cuda_backend import skinny_gemm
+    from bubblefree.cuda_backend import skinny_gemm, skinny_gemv
     torch.manual_seed(m)
     t = Tile.parse(tile)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -212,6 +218,12 @@ def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, til
     w2 = torch.cat((w, torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5))
     b2 = torch.randn(2 * n, device="cuda", dtype=dtype)
     gate, up = F.linear(x, w2, b2).chunk(2, dim=-1)
+    held = whole.block_n * skinny_gemv.slice_width(k // whole.block_k, 1, whole.block_k) * 2
+    if whole.vector and held > skinny_gemv.MAX_VALUES * 32 * whole.warps:
+        # K whole is more than the vector form holds a thread
+        with pytest.raises(ValueError, match="weights a thread"):
+            skinny_gemm.launch(x, w2, b2, whole, glu=True, pdl=launch_pdl)
+        return
     got = skinny_gemm.launch(x, w2, b2, whole, glu=True, pdl=launch_pdl)
     assert got.shape == (m, n) and got.dtype == dtype
     close(got, F.silu(gate) * up)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bubblefree.cuda_backend import skinny_gemm as sg
-from bubblefree.cuda_backend.kernel_config import MEASURED, KernelConfig, Tile, TileTable
+from bubblefree.cuda_backend.kernel_config import MEASURED, KernelConfig, Tile, TileTable, tile_for
 
 
 def test_a_tile_reads_back_as_written_and_names_bad_input():
@@ -18,7 +18,13 @@ def test_a_tile_reads_back_as_written_and_names_bad_input():
     assert Tile.parse("64n128k4s4w3p").ahead == 1  # one step read before the wait unless said
     assert Tile.parse("32n256k19s8w2p4a") == Tile(32, 256, 19, 8, 2, 4)
     assert str(Tile(32, 256, 19, 8, 2, 4)) == "32n256k19s8w2p4a"
-    for bad, says in [("64n128k4s", "expected"), ("48n128k4s4w3p", "block_n must be a power"),
+    assert Tile.parse("16n128k1s4w1pv") == Tile(16, 128, 1, 4, 1, 1, vector=1)
+    assert Tile.parse(" 64n256k19s4w1p2av ") == Tile(64, 256, 19, 4, 1, 2, vector=1)
+    assert str(Tile(16, 128, 1, 4, 1, vector=1)) == "16n128k1s4w1pv"
+    assert not Tile.parse("64n128k4s4w3p").vector
+    for bad, says in [("64n128k4s4w3pvv", "expected"), ("48n128k4s4w3pv", "block_n must be"),
+                      ("v", "expected"), ("64n128k4s4w3p3av", "ahead must be a power"),
+                      ("64n128k4s", "expected"), ("48n128k4s4w3p", "block_n must be a power"),
                       ("64n128k4s4w3pa", "expected"), ("64n128k4s4w3p3a", "ahead must be a power"),
                       ("64n8k1s4w3p", "block_k >= 16"), ("64n128k0s4w3p", "split >= 1")]:
         with pytest.raises(ValueError, match=says) as err:
@@ -35,6 +41,18 @@ def test_a_tile_fits_k_in_whole_steps_with_ahead_of_them_in_every_slice():
     assert Tile.parse("32n256k19s4w3p").fits(4864) and not Tile.parse("32n256k20s4w3p").fits(4864)
 
 
+def test_the_vector_form_refuses_more_rows_than_it_unrolls_32_bit_weights_and_big_shares():
+    from bubblefree.cuda_backend import skinny_gemv
+    x, w = torch.zeros(skinny_gemv.MAX_ROWS + 1, 128), torch.zeros(16, 128)
+    with pytest.raises(ValueError, match="16n128k1s4w1pv takes at most 8 rows, not 9"):
+        sg.launch(x, w, None, Tile.parse("16n128k1s4w1pv"))
+    with pytest.raises(ValueError, match="16n128k1s4w1pv takes 16-bit weights, not torch.float32"):
+        sg.launch(x[:1], w, None, Tile.parse("16n128k1s4w1pv"))
+    x, w2 = torch.zeros(1, 4864, dtype=torch.bfloat16), torch.zeros(2 * 896, 4864, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="would hold 8192 weights a thread .*gate and up"):
+        sg.launch(x, w2, None, Tile.parse("64n256k1s4w1pv"), glu=True)
+
+
 def test_the_table_picks_by_rows_and_falls_back_to_cublas():
     table = TileTable.read({"2048,14336": [[64, None], [1, "64n128k1s4w3p"],
                                            [32, "64n256k2s4w5p"]]})
@@ -44,11 +62,13 @@ def test_the_table_picks_by_rows_and_falls_back_to_cublas():
     assert table.tile_for(48, 2048, 14336) is None  # measured: cuBLAS won at 64 rows
     assert table.tile_for(65, 2048, 14336) is None and table.tile_for(1, 2048, 2048) is None
     # What the GEMM op is handed: rows and the tile's fields per entry, zeros for cuBLAS.
-    assert table.scalars(2048, 14336) == [1, 64, 128, 1, 4, 3, 1, 32, 64, 256, 2, 4, 5, 1,
-                                          64, 0, 0, 0, 0, 0, 0]
+    assert table.scalars(2048, 14336) == [1, 64, 128, 1, 4, 3, 1, 0, 32, 64, 256, 2, 4, 5, 1, 0,
+                                          64, 0, 0, 0, 0, 0, 0, 0]
+    vector = TileTable.read({"896,9728": [[8, "16n128k1s4w1pv"]]})
+    assert tile_for(vector.scalars(896, 9728), 4) == Tile(16, 128, 1, 4, 1, vector=1)
     ahead = TileTable.read({"896,896": [[8, "32n64k5s4w3p2a"]]})
     assert ahead.tile_for(8, 896, 896) == Tile(32, 64, 5, 4, 3, 2)
-    assert ahead.scalars(896, 896) == [8, 32, 64, 5, 4, 3, 2]
+    assert ahead.scalars(896, 896) == [8, 32, 64, 5, 4, 3, 2, 0]
     assert table.scalars(2048, 2048) == [] and table.shapes() == [(2048, 14336)]
 
 
