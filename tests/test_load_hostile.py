@@ -5,6 +5,8 @@ traceback, and ``serve`` reports it in one line with exit 2 before serving."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 import torch
@@ -122,6 +124,47 @@ def test_an_api_key_no_client_could_send_is_refused_at_startup(monkeypatch, caps
     assert cli.main(["serve", "--random", "moondream-tiny", "--api-key", key, "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bubblefree serve: error: --api-key: ") and err.count("\n") == 1, err
+
+
+def _closed_port() -> int:
+    """A port of this machine nothing listens on (bound, then closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_replicas_refuse_a_ray_address_nothing_answers_at_before_starting_ray(monkeypatch, capsys):
+    """Ray retried such an address for minutes, its log repeating, and
+    Ctrl-C then printed a traceback: now one line and exit 2, at once."""
+    monkeypatch.setattr(cli, "engine_maker", _no_load)
+    address = f"127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    started = time.monotonic()
+    assert cli.main(["serve", "--random", "moondream-tiny", "--replicas", "1", "--port", "0"]) == 2
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert err.startswith(f"bubblefree serve: error: RAY_ADDRESS {address!r}: nothing answers at "
+                          f"{address}") and err.count("\n") == 1, err
+    alone = cli.parser().parse_args(["serve", "--random", "moondream-tiny", "--port", "0"])
+    assert cli.startup_refusal(alone) is None  # without replicas Ray's address is not ours
+
+
+def test_a_ray_address_is_probed_only_where_it_names_a_host_and_port():
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}", f" 127.0.0.1:{port} "):
+            assert cli.ray_address_refused(address) is None, address
+    for address in ("", "auto", "local", "ray://", "some-head-node"):  # Ray's to resolve
+        assert cli.ray_address_refused(address) is None, address
+    closed = _closed_port()
+    for address, names in [(f"127.0.0.1:{closed}", f"127.0.0.1:{closed}"),
+                           (f"ray://127.0.0.1:{closed}", f"127.0.0.1:{closed}"),
+                           (f"[::1]:{closed}", f"::1:{closed}"),
+                           ("127.0.0.1:99999", "127.0.0.1:99999"),
+                           ("no-such-host.invalid:6379", "no-such-host.invalid:6379")]:
+        refused = cli.ray_address_refused(address, timeout_s=2.0)
+        assert refused is not None and refused.startswith(f"RAY_ADDRESS {address!r}: nothing "
+                                                          f"answers at {names} ("), refused
 
 
 def test_a_cache_variable_naming_a_file_is_a_load_error(tmp_path, monkeypatch):

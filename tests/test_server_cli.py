@@ -74,6 +74,25 @@ def test_serve_replicas_signals_interrupt_the_start_once_then_only_set_the_flag(
     assert serving.flag.is_set()
 
 
+def test_ctrl_c_while_ray_starts_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Before ``serve --replicas`` sets its own handlers, Ctrl-C is Python's
+    KeyboardInterrupt; in Ray's start (minutes, joining a cluster that does
+    not answer) it was a traceback."""
+    ray = pytest.importorskip("ray", reason="the ray extra: pip install bubblefree[ray]")
+    from bubblefree.server import cli
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    shutdowns = []
+    monkeypatch.setattr(ray, "init", interrupted)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+    args = parser().parse_args(["serve", "--random", "moondream-tiny", "--replicas", "1"])
+    assert cli.serve_replicas(args, cli.ServerSettings(), lambda: None) == 130
+    assert capsys.readouterr().err == "bubblefree serve: interrupted while starting Ray\n"
+    assert shutdowns == [1]
+
+
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
 def test_serve_stops_on_a_signal_closing_its_engine(signal_name):
     """uvicorn shuts down, then raises the signal again: SIGTERM's default

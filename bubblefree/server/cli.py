@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import socket
 import sys
@@ -140,7 +141,33 @@ def startup_refusal(args: argparse.Namespace) -> str | None:
         refused = api_key_refusal(args.api_key)
         if refused is not None:
             return f"--api-key: {refused}"
+    if args.replicas > 0:
+        refused = ray_address_refused(os.environ.get("RAY_ADDRESS", ""))
+        if refused is not None:
+            return refused
     return address_refused(args.host, args.port)
+
+
+def ray_address_refused(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why ``--replicas`` cannot join the cluster ``address`` (RAY_ADDRESS)
+    names: nothing answers on its host and port within ``timeout_s``. Ray
+    itself retries such an address for minutes, its log repeating, before
+    it gives up. None where there is nothing to probe: no address (Ray
+    starts here), ``auto`` or ``local`` (Ray's own lookups), or no port."""
+    address = address.strip()
+    target = address.removeprefix("ray://")
+    if target in ("", "auto", "local"):
+        return None
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    host = host.strip("[]")  # an IPv6 address is written [::1]:6379
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except (OSError, OverflowError) as err:  # OverflowError: a port past 65535
+        why = getattr(err, "strerror", None) or str(err) or type(err).__name__
+        return f"RAY_ADDRESS {address!r}: nothing answers at {host}:{port} ({why})"
 
 
 def address_refused(host: str, port: int) -> str | None:
@@ -184,12 +211,17 @@ def serve_replicas(args: argparse.Namespace, settings: ServerSettings, make: Cal
     from bubblefree.server.replicas import APP, application, deploy_failure
     from bubblefree.server.replicas import stop as stop_application
 
-    ray.init(include_dashboard=False)
-    gpus = ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu"
-    # Ray's proxy logs every request and disconnect at info, as uvicorn does.
-    serve.start(http_options={"host": settings.host, "port": settings.port},
-                logging_config={"log_level": args.log_level.upper(),
-                                "enable_access_log": args.log_level in ("debug", "info")})
+    try:  # before the handlers below: Ctrl-C here is Python's KeyboardInterrupt
+        ray.init(include_dashboard=False)
+        gpus = ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu"
+        # Ray's proxy logs every request and disconnect at info, as uvicorn does.
+        serve.start(http_options={"host": settings.host, "port": settings.port},
+                    logging_config={"log_level": args.log_level.upper(),
+                                    "enable_access_log": args.log_level in ("debug", "info")})
+    except KeyboardInterrupt:
+        print("bubblefree serve: interrupted while starting Ray", file=sys.stderr)
+        ray.shutdown()
+        return 130
     stop = StopSignals()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
