@@ -39,7 +39,8 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 
 
 # KernelConfig's row counts a variant may set (``o_combines=0``).
-ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms")
+ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms",
+              "early_attention")
 
 
 def variant(default: KernelConfig, text: str) -> KernelConfig:

@@ -185,6 +185,10 @@ class Dims:
     # In pdl_step's buckets of at most ``early_rows`` rows, the norms let the
     # next kernel launch before they wait (KernelConfig.early_norms).
     early_rows: int = 0
+    # In those buckets whose output projection combines the split kernel's
+    # states, the split kernel lets it launch before it waits
+    # (KernelConfig.early_attention).
+    early_attention_rows: int = 0
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -351,7 +355,8 @@ class FusedDecoder:
                          glu=not parallel and getattr(cfg, "hidden_act", None) == "silu",
                          counters=counters, combine_rows=combine_rows,
                          state_rows=0 if parallel else min(pdl_rows, kernels.o_combines),
-                         early_rows=min(pdl_rows, kernels.early_norms))
+                         early_rows=min(pdl_rows, kernels.early_norms),
+                         early_attention_rows=min(pdl_rows, kernels.early_attention))
         self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
         # What the first dependent layer adds to the embeddings: nothing,
         # from one buffer rather than a fill kernel each step.

@@ -332,15 +332,18 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # wait; Phi-1.5's slower with it, 0.890 to 1.006: docs/runs/early-norms-2026-12-03.txt).
 # Then Qwen2-0.5B's q, k, v projection in the vector form at one and two
 # rows (``skinny_gemv``; docs/runs/vector-gemm-2026-12-03.txt).
-# (pdl_rows, pdl_tiles, last_combines, o_combines, early_norms)
-PdlDefaults = tuple[int, TileTable, int, int, int]
+# Then Llama-3.2-1B's split attention kernel releasing the output
+# projection early at one row (``KernelConfig.early_attention``; 0.791 ->
+# 0.777 ms a step, Qwen2-0.5B's within 0.004: docs/runs/early-attention-2026-12-03.txt).
+# (pdl_rows, pdl_tiles, last_combines, o_combines, early_norms, early_attention)
+PdlDefaults = tuple[int, TileTable, int, int, int, int]
 MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
         PHI_15: (8, TileTable({
             (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
             (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
-        }), 2, 0, 0),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 0, 0, 0),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         LLAMA_32_1B: (8, TileTable({
             # q, k, v, sums to attention; 8 warps, each slice's four steps read
             # before the wait (the norm before it releases it early)
@@ -350,7 +353,7 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (8192, 2048): ((8, Tile(64, 256, 8, 4, 3, 2)),),  # down, sums, two steps ahead
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        }), 2, 1, 8),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 1, 8, 1),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         QWEN2_05B: (8, TileTable({
             # q, k, v, sums to attention; at one and two rows the vector form
             # (0.588 -> 0.570 and 0.615 -> 0.600 ms a step; slower from four
@@ -366,7 +369,7 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             # down, sums; each slice's first four steps read before the wait
             (4864, 896): ((8, Tile(32, 128, 8, 4, 3, 4)),),
             (896, 151936): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        }), 0, 1, 8),
+        }), 0, 1, 8, 0),
     }),
 })
 
@@ -419,7 +422,11 @@ class KernelConfig:
     predecessor (``pdl.release``): the GEMM after a norm (q, k, v; gate and
     up; the head) is placed and reads its first weights while the output
     projection before the norm still runs, instead of only while the norm
-    does. 0: none.
+    does. 0: none. ``early_attention``: the same for the split attention
+    kernel in the buckets where the output projection combines its states
+    (at most ``o_combines`` rows): the projection is placed, and reads its
+    weights, while the q, k, v projection before the attention still runs.
+    0: none.
 
     ``sample_ahead``: decode buckets of at most this many rows sample
     greedily, unmasked, at the end of the forward's graph; a finalize whose
@@ -445,11 +452,13 @@ class KernelConfig:
     step_inputs: bool = True
     o_combines: int = attrs.field(default=0)
     early_norms: int = attrs.field(default=0)
+    early_attention: int = attrs.field(default=0)
     sample_ahead: int = attrs.field(default=SAMPLE_AHEAD)
 
     @last_combines.validator
     @o_combines.validator
     @early_norms.validator
+    @early_attention.validator
     @sample_ahead.validator
     def _rows(self, field, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -476,10 +485,11 @@ class KernelConfig:
         than a multiprocessor has (tests/test_gemm_compiles.py)."""
         if dtype not in MEASURED_DTYPES:
             return cls()
-        pdl_rows, pdl_tiles, combines, o_combines, early = MEASURED_PDL.get(name, {}).get(
-            model_shape(config), (0, TileTable(), 0, 0, 0))
+        pdl_rows, pdl_tiles, combines, o_combines, early, early_attention = MEASURED_PDL.get(
+            name, {}).get(model_shape(config), (0, TileTable(), 0, 0, 0, 0))
         return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles,
-                   last_combines=combines, o_combines=o_combines, early_norms=early)
+                   last_combines=combines, o_combines=o_combines, early_norms=early,
+                   early_attention=early_attention)
 
     def __str__(self) -> str:
         where = ""
@@ -498,6 +508,9 @@ class KernelConfig:
                 where += f", the split kernel's last programs combining up to {rows} rows"
             if rows := min(self.early_norms, self.pdl_rows):
                 where += f", the norms releasing the next kernel early up to {rows} rows"
+            if rows := min(self.early_attention, self.o_combines, self.pdl_rows):
+                where += (", the split attention kernel releasing the projection early "
+                          + ("at one row" if rows == 1 else f"up to {rows} rows"))
         if self.sample_ahead != SAMPLE_AHEAD:
             where += (f"; tokens sampled ahead in the forward up to {self.sample_ahead} rows"
                       if self.sample_ahead else "; no tokens sampled ahead in the forward")

@@ -233,12 +233,14 @@ class States:
 
 def split_states(q, keys, values, page_table, positions, page_size: int, scale: float,
                  window: int, new: NewToken, pdl: bool = False, prefetch: bool = False,
-                 max_splits: int = 64) -> States:
+                 max_splits: int = 64, early: bool = False) -> States:
     """The split kernel with no combining pass (``split_kernel``'s OWN): the
     step's own key and value are written and joined to split 0's state, and
     the states are returned for the output projection to combine as it
     reads them (``skinny_gemm``'s STATES): one kernel boundary and one
-    round of arrivals fewer than ``split_attention``."""
+    round of arrivals fewer than ``split_attention``. ``early`` (with
+    ``pdl`` and ``prefetch``): the output projection may launch before the
+    kernel waits (``KernelConfig.early_attention``)."""
     b, h, d = q.shape
     chunk, splits = _split_grid(page_table.shape[1] * page_size, max_splits)
     ml = torch.empty((2, b, h, splits), dtype=torch.float32, device=q.device)
@@ -250,7 +252,8 @@ def split_states(q, keys, values, page_table, positions, page_size: int, scale: 
         out_ptr=acc, so_b=0, so_h=0, **_token_args(new, q), **_act_args(None, q, h),
         BLOCK_S=_next_power_of_2(splits), GROUP=h // keys.shape[1], PS=page_size, D=d,
         BLOCK_D=_next_power_of_2(d), BLOCK_N=32, num_warps=2, PDL=pdl,
-        PREFETCH=pdl and prefetch, LAST_COMBINES=False, OWN=True, **launch_options(pdl))
+        PREFETCH=pdl and prefetch, LAST_COMBINES=False, OWN=True,
+        EARLY=early and pdl and prefetch, **launch_options(pdl))
     return States(ml[0], ml[1], acc, out_dtype(q, new))
 
 

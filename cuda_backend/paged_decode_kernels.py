@@ -26,7 +26,7 @@ Shapes: q ``[B, H, D]``, keys/values ``[N * page_size, KVH, D]``, page table
 
 from __future__ import annotations
 
-from bubblefree.cuda_backend.pdl import enter, tl, triton
+from bubblefree.cuda_backend.pdl import enter, release, tl, triton, wait
 
 
 if triton is not None:
@@ -210,7 +210,7 @@ if triton is not None:
                       ROT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                       LAST_COMBINES: tl.constexpr, BLOCK_S: tl.constexpr, ACT: tl.constexpr,
                       BLOCK_F: tl.constexpr, SLICES: tl.constexpr, DT: tl.constexpr,
-                      OWN: tl.constexpr = False):
+                      OWN: tl.constexpr = False, EARLY: tl.constexpr = False):
         """Keys ``s * chunk ..`` of one (row, head): the partial softmax state
         (max, sum, unnormalised output) for ``combine_kernel``. With NEW, q
         arrives before its rotary embedding and the step's own key (position
@@ -232,7 +232,13 @@ if triton is not None:
         program joins the step's own key and value to its state (and the
         first query head of each KV group writes them), so the ``splits``
         states of a (row, head) are its whole attention, which the output
-        projection combines as it reads them (``skinny_gemm``'s STATES)."""
+        projection combines as it reads them (``skinny_gemm``'s STATES).
+
+        EARLY (with PREFETCH): the next kernel may launch before this one
+        waits (``pdl.release`` first, ``pdl.wait`` where ``enter`` would
+        be), as ``add_norm``'s EARLY."""
+        if EARLY:
+            release(PDL)
         if not PREFETCH:
             enter(PDL)
         b = tl.program_id(0)
@@ -272,7 +278,10 @@ if triton is not None:
                          other=0.0)
             v0 = tl.load(v_ptr + tok[:, None] * sv_t + kvh * sv_h + d[None, :], mask=kv_mask,
                          other=0.0)
-            enter(PDL)
+            if EARLY:
+                wait(PDL)
+            else:
+                enter(PDL)
             q = _query(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
                        dmask, NEW, ROT, sp_s, SLICES, DT)
             if OWN:

@@ -140,7 +140,8 @@ def _states(q, k, v, cos, sin, kv, ctx, dims, window, dtype) -> paged_decode.Sta
     return paged_decode.split_states(q, kv[0], kv[1], ctx.page_table, ctx.q_pos[:, 0],
                                      ctx.cache.page_size, float(scale), window, new, pdl=True,
                                      prefetch=ctx.dispatch.prefetch,
-                                     max_splits=ctx.dispatch.max_splits)
+                                     max_splits=ctx.dispatch.max_splits,
+                                     early=q.shape[0] <= dims.early_attention_rows)
 
 
 def project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window, states: bool = False):

@@ -151,6 +151,31 @@ def test_the_projection_over_states_is_the_projection_over_the_combined_attentio
 
 
 @PDL
+@pytest.mark.parametrize("positions,window", [([0, 37, 191], None), ([100, 5, 150], 40)])
+def test_the_split_kernel_releasing_the_projection_early_changes_nothing(positions, window):
+    """KernelConfig.early_attention: the split kernel lets the next kernel
+    launch before it waits. The same states and cache, bit for bit, with
+    a dependent kernel after it (the projection over its states)."""
+    from bubblefree.cuda_backend import skinny_gemm
+    cache, q, table, pos, new = _case(3, positions, seed=len(positions))
+    before = cache.data.clone()
+    keys, values = cache.layer_kv(0)[0], cache.layer_kv(0)[1]
+    win = window if window is not None else paged_decode.NO_WINDOW
+    w = torch.randn(96, 8 * 64, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5
+    outs = []
+    for early in (False, True, True):
+        cache.data.copy_(before)
+        states = paged_decode.split_states(q, keys, values, table, pos, 16, 0.125, win, new=new,
+                                           pdl=True, prefetch=True, early=early)
+        sums = skinny_gemm.launch(states, w, None, Tile.parse("32n128k2s4w3p2a"), partial=True,
+                                  pdl=True)
+        outs.append((states.m.clone(), states.l.clone(), states.acc.clone(), sums,
+                     cache.data.clone()))
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+
+
+@PDL
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_step_whose_projection_combines_decodes_the_same_tokens(arch, monkeypatch):
     """Captured in CUDA graphs, the dependent step with the projection

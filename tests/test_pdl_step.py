@@ -126,6 +126,15 @@ def test_pdl_rows_is_a_count_and_says_itself():
     assert "norms releasing the next kernel early up to 2 rows" in str(
         KernelConfig(pdl_rows=8, early_norms=2))
     assert "releasing" not in str(KernelConfig(early_norms=8))  # no dependent step: no effect
+    for bad in (True, -1, 2.0, "2", None):
+        with pytest.raises(ValueError, match="early_attention is a row count"):
+            KernelConfig(pdl_rows=8, early_attention=bad)
+    # Only where the projection combines the split kernel's states (o_combines).
+    assert "attention kernel releasing the projection early at one row" in str(
+        KernelConfig(pdl_rows=8, o_combines=1, early_attention=8))
+    assert "attention kernel releasing the projection early up to 2 rows" in str(
+        KernelConfig(pdl_rows=8, o_combines=2, early_attention=8))
+    assert "attention kernel releasing" not in str(KernelConfig(pdl_rows=8, early_attention=8))
 
 
 def test_where_it_cannot_launch_dependent_the_step_is_the_usual_one():
@@ -387,6 +396,10 @@ def test_the_measured_defaults_name_their_shape():
         # The norms release the next kernel early where it was measured faster:
         # Llama-3.2-1B and Qwen2-0.5B, not Phi-1.5 (slower there).
         assert h200.early_norms == (0 if name == "phi" else 8), name
+        # The split attention kernel releases the output projection early where
+        # that was measured faster: Llama-3.2-1B at one row (Qwen2-0.5B even).
+        assert h200.early_attention == (1 if name == "llama1b" else 0), name
+        assert KernelConfig.measured("cpu", config).early_attention == 0
         assert KernelConfig.measured("cpu", config).early_norms == 0
         assert KernelConfig.measured("cpu", config).o_combines == 0
         assert KernelConfig.measured("cpu", config).last_combines == 0
