@@ -45,12 +45,5 @@ F=2048,14336 O=10240,2048
 phi="${PHI:-base $E early_norms=1 $E+$F=64n128k1s4w3p2a $E+$F=64n128k1s8w3p4a $E+$F=32n128k1s8w3p4a
   $E+$O=64n256k8s8w3p4a $E+$O=64n256k8s4w3p2a $O=64n256k8s8w3p4a}"
 
-for m in ${MODELS:-qwen05b llama1b phi}; do
-  args=()
-  for v in ${!m}; do args+=(--variant "$v"); done
-  echo "== bench.step_ab --model $m" > "$out/steps-$m.txt"
-  timeout -k 10 "${STEP_SECONDS:-200}" python3 -m bubblefree.bench.step_ab --model "$m" \
-    --rows "${ROWS:-1,8}" "${args[@]}" 2>&1 | quiet >> "$out/steps-$m.txt"
-  grep -A3 "^| variant" "$out/steps-$m.txt"
-done
+step_ab_each "$out" "qwen05b llama1b phi"
 exit 0

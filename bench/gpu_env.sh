@@ -32,3 +32,21 @@ gpu_tests() {
   timeout -k 10 "$secs" python3 -m pytest -p no:cacheprovider -p no:warnings -rs --tb=short "$@" 2>&1
   echo "pytest exit status: $?"
 }
+# bench.step_ab for each shape of MODELS (else the list given), one process
+# a shape, its variants the list in the variable named after it
+# (space-separated, as --variant takes them), its output to
+# OUT_DIR/steps-M.txt and its table printed: step_ab_each OUT_DIR MODELS.
+# Knobs: STEP_SECONDS (200 a shape), ROWS (1,8), INCREMENTS (a variant of
+# the first shape whose per-kernel increments to print).
+step_ab_each() {
+  local dir="$1" models="${MODELS:-$2}" m v
+  for m in $models; do
+    local args=() inc=()
+    for v in ${!m}; do args+=(--variant "$v"); done
+    [ -n "${INCREMENTS:-}" ] && [ "$m" = "${models%% *}" ] && inc=(--increments "$INCREMENTS")
+    echo "== bench.step_ab --model $m" > "$dir/steps-$m.txt"
+    timeout -k 10 "${STEP_SECONDS:-200}" python3 -m bubblefree.bench.step_ab --model "$m" \
+      --rows "${ROWS:-1,8}" "${args[@]}" "${inc[@]}" 2>&1 | quiet >> "$dir/steps-$m.txt"
+    grep -A30 "^| variant" "$dir/steps-$m.txt"
+  done
+}

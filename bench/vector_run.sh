@@ -34,15 +34,5 @@ llama1b="${LLAMA1B:-base $G=8n256k1s8w1pv $G=16n256k1s8w1pv $G=8n256k1s4w1pv
   $D=64n256k32s4w1pv $D=32n256k32s4w1pv $D=64n256k16s8w1pv $Q=32n256k8s4w1pv $Q=16n256k8s4w1pv
   $H=32n256k1s8w1pv $G=8n256k1s8w1pv+$D=64n256k32s4w1pv}"
 
-for m in ${MODELS:-qwen05b llama1b}; do
-  args=()
-  for v in ${!m}; do args+=(--variant "$v"); done
-  inc=()
-  first="${MODELS:-qwen05b llama1b}"
-  [ -n "${INCREMENTS:-}" ] && [ "$m" = "${first%% *}" ] && inc=(--increments "$INCREMENTS")
-  echo "== bench.step_ab --model $m" > "$out/steps-$m.txt"
-  timeout -k 10 "${STEP_SECONDS:-200}" python3 -m bubblefree.bench.step_ab --model "$m" \
-    --rows "${ROWS:-1,8}" "${args[@]}" "${inc[@]}" 2>&1 | quiet >> "$out/steps-$m.txt"
-  grep -A30 "^| variant" "$out/steps-$m.txt"
-done
+step_ab_each "$out" "qwen05b llama1b"
 exit 0

@@ -127,8 +127,8 @@ class Engine(SkillCalls):
 
     def _request(self, skill: str, sampling: SamplingParams, args: dict[str, Any]):
         # The engine's own keywords to the skill set: a caller's would collide.
-        for field in sorted(ENGINE_SETS.intersection(args)):
-            raise InvalidRequest(f"{field}: unknown argument; the engine sets it (skill {skill!r})")
+        if clash := sorted(ENGINE_SETS.intersection(args)):
+            raise InvalidRequest(f"{clash[0]}: unknown argument; the engine sets it (skill {skill!r})")
         if args.get("image") is not None:
             self.skills.tables(skill)  # an unknown or unserved skill is refused before the image is read
             args["image"] = self.images.ref(args["image"])

@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 import attrs
 
-from bubblefree.core.values import GREEDY, ImageRef, InvalidRequest, Request, SamplingParams, integer
+from bubblefree.core.values import (GREEDY, ImageRef, InvalidRequest, Request, SamplingParams, described, integer,
+                                   message)
 from bubblefree.skills.base import Skill, SkillError, SkillState, StateFactory, invalid
 from bubblefree.skills.codec import LocationCodec, SpatialCodec
 from bubblefree.skills.registry import BUILTIN, Registry
@@ -87,7 +88,7 @@ class SkillSet:
         try:
             tables = self.registry.get(name).compile(self)
         except Exception as err:  # noqa: BLE001 - the skill's code: named, its error chained
-            raise SkillError(f"skill {name!r} cannot compile: {type(err).__name__}: {err}") from err
+            raise SkillError(f"skill {name!r} cannot compile: {described(err)}") from err
         self._tables[name] = tables
         return tables
 
@@ -178,7 +179,7 @@ def _hook(name: str, call: str, fn: Callable[..., Any], *args: Any) -> Any:
     except (InvalidRequest, SkillError):
         raise
     except Exception as err:  # noqa: BLE001 - the skill's code: named, its error chained
-        raise SkillError(f"skill {name!r} raised {type(err).__name__} in {call}: {err}") from err
+        raise SkillError(f"skill {name!r} raised {type(err).__name__} in {call}: {message(err)}") from err
 
 
 def _started(skill: Skill, tables: Any, parsed: Any, max_tokens: int) -> SkillState:

@@ -89,8 +89,8 @@ HOPPER_SHARED = 232448
 
 
 def _measured_launches():
-    """Every measured tile as the step launches it: (what, tile, rows, form,
-    dependent). In the dependent step a gate and up tile writes
+    """Every measured tile as the step launches it: (what, K, tile, rows,
+    form, dependent). In the dependent step a gate and up tile writes
     silu(gate) * up, one of several slices writes sums, any other whole
     outputs; elsewhere (``MEASURED``) sums or whole outputs."""
     from bubblefree.bench.speed_setup import SHAPES
@@ -98,7 +98,7 @@ def _measured_launches():
     out = []
     for gpu, table in MEASURED.items():
         for (k, n), entries in table.entries:
-            out += [(f"{gpu} {k}->{n}", t, rows, "partial" if t.split > 1 else "whole", False)
+            out += [(f"{gpu} {k}->{n}", k, t, rows, "partial" if t.split > 1 else "whole", False)
                     for rows, t in entries if t is not None]
     for name, spec in SHAPES.items():
         config = spec["config"]()
@@ -108,7 +108,7 @@ def _measured_launches():
             for (k, n), entries in tiles.entries:
                 form = "glu" if (k, n) == glu and config.model_type != "phi" else (
                     "partial" if any(t.split > 1 for _, t in entries) else "whole")
-                out += [(f"{gpu} {name} {k}->{n}", t, rows, form, True) for rows, t in entries]
+                out += [(f"{gpu} {name} {k}->{n}", k, t, rows, form, True) for rows, t in entries]
     return out
 
 
@@ -121,7 +121,7 @@ def test_every_measured_tile_fits_a_hopper_multiprocessor_in_bf16():
     launches = _measured_launches()
     assert {form for *_, form, _ in launches} == {"partial", "whole", "glu"}
     args = {**ARGS, "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}
-    for what, t, rows, form, pdl in launches:
+    for what, _, t, rows, form, pdl in launches:
         if t.vector:
             continue  # no MMA, no shared memory: test_every_measured_vector_tile_compiles
         consts = dict(HAS_BIAS=True, PARTIAL=form == "partial", IEEE=False, GLU=form == "glu",
@@ -141,24 +141,28 @@ GEMV_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*
              "so_m": "i32", "up_off": "i32"}
 
 
+def _gemv(consts: dict, warps: int):
+    """``skinny_gemv``'s kernel compiled for sm_90 with ``consts``, its
+    pointers and strides divisible by 16 as a launch specializes them
+    (without it no load is vectorized)."""
+    from bubblefree.cuda_backend import skinny_gemv
+    names = list(GEMV_ARGS)
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in GEMV_ARGS if a != "steps"}
+    signature = {**GEMV_ARGS, **dict.fromkeys(consts, "constexpr")}
+    source = ASTSource(fn=skinny_gemv._gemv_kernel, signature=signature, constexprs=consts,
+                       attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
 @pytest.mark.parametrize("form", ["partial", "whole", "glu"])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_the_vector_form_asks_for_all_its_weights_before_the_wait(form, rows):
     """``skinny_gemv`` (a tile's ``v``), launched dependent: every load of
     weights and bias is issued before ``griddepcontrol.wait``, 16 bytes at
     a time, and only x's after it; no shared memory beyond the sum's
-    scratch. The pointers and strides carry the divisibility by 16 a launch
-    gives them (Triton specializes such arguments): without it no load is
-    vectorized."""
-    from bubblefree.cuda_backend import skinny_gemv
-    consts = dict(HAS_BIAS=True, PARTIAL=form == "partial", GLU=form == "glu", PDL=True,
-                  BLOCK_N=16, BLOCK_K=128, SLICE=1024, ROWS=rows)
-    signature = {**GEMV_ARGS, **dict.fromkeys(consts, "constexpr")}
-    names = list(GEMV_ARGS)
-    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in GEMV_ARGS if a != "steps"}
-    source = ASTSource(fn=skinny_gemv._gemv_kernel, signature=signature, constexprs=consts,
-                       attrs=aligned)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    scratch."""
+    kernel = _gemv(dict(HAS_BIAS=True, PARTIAL=form == "partial", GLU=form == "glu", PDL=True,
+                        BLOCK_N=16, BLOCK_K=128, SLICE=1024, ROWS=rows), warps=4)
     ptx = kernel.asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     before, after = ptx[:wait], ptx[wait:]
@@ -177,19 +181,12 @@ def test_every_measured_vector_tile_compiles_and_holds_its_share():
     each thread holds passes ``skinny_gemv.check``, and the kernel needs no
     shared memory beyond its sum's scratch."""
     from bubblefree.cuda_backend import skinny_gemv
-    launches = [launch for launch in _measured_launches() if launch[1].vector]
+    launches = [launch for launch in _measured_launches() if launch[2].vector]
     assert launches, "the measured defaults name a tile of the vector form"
-    names = list(GEMV_ARGS)
-    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in GEMV_ARGS if a != "steps"}
-    for what, t, rows, form, pdl in launches:
-        k = int(what.split()[-1].split("->")[0])
+    for what, k, t, rows, form, pdl in launches:
         width = skinny_gemv.slice_width(k // t.block_k, t.split, t.block_k)
         skinny_gemv.check(t, rows, torch.bfloat16, width, form == "glu")
-        consts = dict(HAS_BIAS=True, PARTIAL=form == "partial", GLU=form == "glu", PDL=pdl,
-                      BLOCK_N=t.block_n, BLOCK_K=t.block_k, SLICE=width, ROWS=rows)
-        signature = {**GEMV_ARGS, **dict.fromkeys(consts, "constexpr")}
-        source = ASTSource(fn=skinny_gemv._gemv_kernel, signature=signature, constexprs=consts,
-                           attrs=aligned)
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=t.warps))
+        kernel = _gemv(dict(HAS_BIAS=True, PARTIAL=form == "partial", GLU=form == "glu", PDL=pdl,
+                            BLOCK_N=t.block_n, BLOCK_K=t.block_k, SLICE=width, ROWS=rows),
+                       warps=t.warps)
         assert kernel.metadata.shared <= 4096, (what, str(t), rows, kernel.metadata.shared)

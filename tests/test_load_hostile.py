@@ -19,6 +19,7 @@ from bubblefree.cuda_backend.moondream.weights import CheckpointError, load_chec
 from bubblefree.cuda_backend.sizing import ModelDims, context_length
 from bubblefree.server import cli
 from image_world import tiny_checkpoint
+from server_support import free_port  # bound, then closed: nothing listens there
 
 
 @pytest.fixture(scope="module")
@@ -126,18 +127,11 @@ def test_an_api_key_no_client_could_send_is_refused_at_startup(monkeypatch, caps
     assert err.startswith("bubblefree serve: error: --api-key: ") and err.count("\n") == 1, err
 
 
-def _closed_port() -> int:
-    """A port of this machine nothing listens on (bound, then closed)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_replicas_refuse_a_ray_address_nothing_answers_at_before_starting_ray(monkeypatch, capsys):
     """Ray retried such an address for minutes, its log repeating, and
     Ctrl-C then printed a traceback: now one line and exit 2, at once."""
     monkeypatch.setattr(cli, "engine_maker", _no_load)
-    address = f"127.0.0.1:{_closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
     monkeypatch.setenv("RAY_ADDRESS", address)
     started = time.monotonic()
     assert cli.main(["serve", "--random", "moondream-tiny", "--replicas", "1", "--port", "0"]) == 2
@@ -156,7 +150,7 @@ def test_a_ray_address_is_probed_only_where_it_names_a_host_and_port():
             assert cli.ray_address_refused(address) is None, address
     for address in ("", "auto", "local", "ray://", "some-head-node"):  # Ray's to resolve
         assert cli.ray_address_refused(address) is None, address
-    closed = _closed_port()
+    closed = free_port()
     for address, names in [(f"127.0.0.1:{closed}", f"127.0.0.1:{closed}"),
                            (f"ray://127.0.0.1:{closed}", f"127.0.0.1:{closed}"),
                            (f"[::1]:{closed}", f"::1:{closed}"),
