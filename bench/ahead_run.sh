@@ -14,11 +14,8 @@ set -u
 out="${OUT:-/tmp/bubblefree-ahead}"
 mkdir -p "$out"
 . bench/gpu_env.sh
-{
-  machine
-  [ "${TESTS:-1}" = 1 ] && gpu_tests "${TEST_SECONDS:-240}" tests/test_greedy_sample.py \
-    tests/test_sample_ahead.py tests/test_cuda_backend.py tests/test_backend_contract.py
-} 2>&1 | quiet | tee "$out/tests.txt"
+tests_first "$out" "${TEST_SECONDS:-240}" tests/test_greedy_sample.py tests/test_sample_ahead.py \
+  tests/test_cuda_backend.py tests/test_backend_contract.py
 {
   if [ "${INTERVALS:-1}" = 1 ]; then
     for rows in default "${AHEAD:-0}"; do

@@ -14,11 +14,8 @@ set -u
 out="${OUT:-/tmp/bubblefree-early}"
 mkdir -p "$out"
 . bench/gpu_env.sh
-{
-  machine
-  [ "${TESTS:-1}" = 1 ] && gpu_tests "${TEST_SECONDS:-90}" tests/test_gemm_compiles.py \
-    tests/test_pdl_step.py -k "early or add_norm or compiles"
-} 2>&1 | quiet | tee "$out/tests.txt"
+tests_first "$out" "${TEST_SECONDS:-90}" tests/test_gemm_compiles.py tests/test_pdl_step.py \
+  -k "early or add_norm or compiles"
 
 E=early_norms=8
 # Qwen2-0.5B: q, k, v; gate and up; down; the head.

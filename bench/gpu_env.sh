@@ -32,6 +32,14 @@ gpu_tests() {
   timeout -k 10 "$secs" python3 -m pytest -p no:cacheprovider -p no:warnings -rs --tb=short "$@" 2>&1
   echo "pytest exit status: $?"
 }
+# A one-call script's first record: the machine's lines, then (unless
+# TESTS=0) its GPU tests under SECONDS, into DIR/tests.txt, printed as they
+# run: tests_first DIR SECONDS PYTEST_ARGS...
+tests_first() {
+  local dir="$1" secs="$2"
+  shift 2
+  { machine; [ "${TESTS:-1}" = 1 ] && gpu_tests "$secs" "$@"; } 2>&1 | quiet | tee "$dir/tests.txt"
+}
 # bench.step_ab for each shape of MODELS (else the list given), one process
 # a shape, its variants the list in the variable named after it
 # (space-separated, as --variant takes them), its output to

@@ -10,7 +10,8 @@ between processes and machines; a comparison holds only within one).
 A variant is ``base`` (the defaults measured for the GPU and the shape:
 ``KernelConfig.measured``) or ``+``-joined items: row counts of the config
 (``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``, ``early_norms=8``;
-``sample_ahead=0``: the captured step without its tokens sampled ahead) and ``K,N=TILE``
+``sample_ahead=0``: the captured step without its tokens sampled ahead), counts of
+the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``) and ``K,N=TILE``
 entries that replace the dependent-launch step's tile for the GEMM of that
 weight shape (``KernelConfig.pdl_tiles``) in every bucket it runs. A q, k, v tile that
 cuts K hands its sums to the attention kernels (``pdl_step.project_attend``).
@@ -41,6 +42,8 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 # KernelConfig's row counts a variant may set (``o_combines=0``).
 ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms",
               "early_attention")
+# The attention dispatch's counts a variant may set (``split_warps=1``).
+DISPATCH_FIELDS = ("max_splits", "split_block", "split_warps")
 
 
 def variant(default: KernelConfig, text: str) -> KernelConfig:
@@ -49,13 +52,14 @@ def variant(default: KernelConfig, text: str) -> KernelConfig:
     module's doc); a clear error naming the part that is wrong."""
     if text == "base":
         return default
-    fields, entries = {}, dict(default.pdl_tiles.entries)
+    fields, dispatch, entries = {}, {}, dict(default.pdl_tiles.entries)
     for item in text.split("+"):
         shape, _, tile = item.partition("=")
-        if shape in ROW_FIELDS:
+        if shape in ROW_FIELDS or shape in DISPATCH_FIELDS:
             if not tile.isdigit():
-                raise ValueError(f"variant {text!r}: {shape} is a row count, not {tile!r}")
-            fields[shape] = int(tile)
+                what = "a row count" if shape in ROW_FIELDS else "a count"
+                raise ValueError(f"variant {text!r}: {shape} is {what}, not {tile!r}")
+            (fields if shape in ROW_FIELDS else dispatch)[shape] = int(tile)
             continue
         k, _, n = shape.partition(",")
         if not (k.strip().isdigit() and n.strip().isdigit() and tile):
@@ -72,7 +76,11 @@ def variant(default: KernelConfig, text: str) -> KernelConfig:
             raise ValueError(f"variant {text!r}: {tile} does not cut K={k} into whole steps of "
                              f"{parsed.block_k}, at least {parsed.ahead} a slice")
         entries[int(k), int(n)] = ((default.pdl_rows, parsed),)
-    return attrs.evolve(default, pdl_tiles=TileTable(entries), **fields)
+    try:
+        chosen = attrs.evolve(default.dispatch, **dispatch)
+    except ValueError as err:
+        raise ValueError(f"variant {text!r}: {err}") from None
+    return attrs.evolve(default, pdl_tiles=TileTable(entries), dispatch=chosen, **fields)
 
 
 def main(argv: list[str] | None = None) -> None:

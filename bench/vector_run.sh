@@ -15,11 +15,8 @@ set -u
 out="${OUT:-/tmp/bubblefree-vector}"
 mkdir -p "$out"
 . bench/gpu_env.sh
-{
-  machine
-  [ "${TESTS:-1}" = 1 ] && gpu_tests "${TEST_SECONDS:-120}" tests/test_pdl_step.py \
-    tests/test_cuda_gpu.py -k "${TEST_K:-gemm}"
-} 2>&1 | quiet | tee "$out/tests.txt"
+tests_first "$out" "${TEST_SECONDS:-120}" tests/test_pdl_step.py tests/test_cuda_gpu.py \
+  -k "${TEST_K:-gemm}"
 
 # Qwen2-0.5B: q, k, v (sums to attention); gate and up; down; the head.
 Q=896,1152 G=896,9728 D=4864,896 H=896,151936

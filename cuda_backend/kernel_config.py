@@ -89,18 +89,31 @@ class Dispatch:
     went from 1.03 to 0.95 ms at one row, 1.11 to 1.08 at eight
     (docs/performance.md, "Dependent launches"). ``max_splits``: the split
     kernel's programs per (row, head) at most (``split_chunk``); more keys
-    per program past that."""
+    per program past that. ``split_block``: the split kernel's keys per
+    loop iteration (its first block is the one read before the wait), at
+    most a program's chunk; ``split_warps``: its warps per program."""
     split_below: int = 512
     pipelined_below: int = 2048
     pipelined: Launch = Launch(stages=3)
     plain: Launch = Launch()
     prefetch: bool = True
     max_splits: int = attrs.field(default=64)
+    split_block: int = attrs.field(default=32)
+    split_warps: int = attrs.field(default=2)
 
     @max_splits.validator
     def _positive(self, _, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"Dispatch.max_splits must be a positive int, not {value!r}")
+
+    @split_block.validator
+    @split_warps.validator
+    def _power_of_two(self, field, value: int) -> None:
+        low, top = (16, 256) if field.name == "split_block" else (1, 8)
+        if (not isinstance(value, int) or isinstance(value, bool) or value < low
+                or value & (value - 1) or value > top):
+            raise ValueError(f"Dispatch.{field.name} must be a power of two from {low} to {top}, "
+                             f"not {value!r}")
 
     def chunk(self, length: int) -> int:
         """The split kernel's keys per program for a bucket of ``length``."""
@@ -116,14 +129,15 @@ class Dispatch:
     def scalars(self) -> list[int]:
         """The dispatch as the custom ops take it (``from_scalars``)."""
         return [self.split_below, self.pipelined_below, *attrs.astuple(self.pipelined),
-                *attrs.astuple(self.plain), int(self.prefetch), self.max_splits]
+                *attrs.astuple(self.plain), int(self.prefetch), self.max_splits,
+                self.split_block, self.split_warps]
 
     @classmethod
     def from_scalars(cls, values: list[int]) -> "Dispatch":
-        if len(values) != 12:
-            raise ValueError(f"a dispatch is 12 integers, not {len(values)}")
+        if len(values) != 14:
+            raise ValueError(f"a dispatch is 14 integers, not {len(values)}")
         return cls(values[0], values[1], Launch(*values[2:6]), Launch(*values[6:10]),
-                   bool(values[10]), values[11])
+                   bool(values[10]), *values[11:])
 
     def forced(self, split_below: int | None = None, launch: Launch | None = None) -> "Dispatch":
         """This dispatch with a split threshold and/or one launch for every
@@ -136,6 +150,9 @@ class Dispatch:
         early = "" if self.prefetch else "; under dependent launches, keys read after the wait"
         if self.max_splits != Dispatch.__attrs_attrs__.max_splits.default:
             early += f"; at most {self.max_splits} split programs per (row, head)"
+        if (self.split_block, self.split_warps) != (32, 2):
+            early += (f"; the split kernel {self.split_block} keys an iteration, "
+                      f"{self.split_warps} warp{'s' if self.split_warps > 1 else ''}")
         if self.pipelined == self.plain:
             return f"{split}one-pass {self.plain}{early}"
         return (f"{split}one-pass {self.pipelined} below {self.pipelined_below} "

@@ -171,9 +171,11 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
                     window: int, out: torch.Tensor | None = None,
                     new: NewToken | None = None, act: Activation | None = None,
                     pdl: bool = False, prefetch: bool = False,
-                    counters: torch.Tensor | None = None, max_splits: int = 64) -> torch.Tensor:
+                    counters: torch.Tensor | None = None, max_splits: int = 64,
+                    block: int = 32, warps: int = 2) -> torch.Tensor:
     """Flash-decoding: each (row, head) spread over programs of ``chunk``
-    keys (``split_chunk``: at most ``max_splits`` programs), then one
+    keys (``split_chunk``: at most ``max_splits`` programs; ``block`` keys
+    an iteration, at most the chunk, in ``warps`` warps), then one
     combining pass (why: docs/performance.md). ``new`` and
     ``act`` as in ``one_pass``: the combining pass writes and adds the
     step's own key, and applies the activation. With ``counters`` (int32,
@@ -198,8 +200,8 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
         **_cache_args(q, keys, values), spt_b=page_table.stride(0), scale=scale, window=window,
         chunk=chunk, splits=splits, heads=h, **rotary,
         cnt_ptr=counters if counters is not None else m, **combine,
-        GROUP=group, PS=page_size, D=d, BLOCK_D=_next_power_of_2(d), BLOCK_N=32, num_warps=2,
-        PDL=pdl, PREFETCH=pdl and prefetch, LAST_COMBINES=counters is not None,
+        GROUP=group, PS=page_size, D=d, BLOCK_D=_next_power_of_2(d), BLOCK_N=min(block, chunk),
+        num_warps=warps, PDL=pdl, PREFETCH=pdl and prefetch, LAST_COMBINES=counters is not None,
         **launch_options(pdl))
     if counters is None:
         kernels.combine_kernel[(b, h)](
@@ -233,14 +235,16 @@ class States:
 
 def split_states(q, keys, values, page_table, positions, page_size: int, scale: float,
                  window: int, new: NewToken, pdl: bool = False, prefetch: bool = False,
-                 max_splits: int = 64, early: bool = False) -> States:
+                 max_splits: int = 64, early: bool = False, block: int = 32,
+                 warps: int = 2) -> States:
     """The split kernel with no combining pass (``split_kernel``'s OWN): the
     step's own key and value are written and joined to split 0's state, and
     the states are returned for the output projection to combine as it
     reads them (``skinny_gemm``'s STATES): one kernel boundary and one
     round of arrivals fewer than ``split_attention``. ``early`` (with
     ``pdl`` and ``prefetch``): the output projection may launch before the
-    kernel waits (``KernelConfig.early_attention``)."""
+    kernel waits (``KernelConfig.early_attention``). ``block``, ``warps``: as
+    ``split_attention``'s."""
     b, h, d = q.shape
     chunk, splits = _split_grid(page_table.shape[1] * page_size, max_splits)
     ml = torch.empty((2, b, h, splits), dtype=torch.float32, device=q.device)
@@ -251,7 +255,7 @@ def split_states(q, keys, values, page_table, positions, page_size: int, scale: 
         chunk=chunk, splits=splits, heads=h, **_rotary_args(new, q), cnt_ptr=ml,
         out_ptr=acc, so_b=0, so_h=0, **_token_args(new, q), **_act_args(None, q, h),
         BLOCK_S=_next_power_of_2(splits), GROUP=h // keys.shape[1], PS=page_size, D=d,
-        BLOCK_D=_next_power_of_2(d), BLOCK_N=32, num_warps=2, PDL=pdl,
+        BLOCK_D=_next_power_of_2(d), BLOCK_N=min(block, chunk), num_warps=warps, PDL=pdl,
         PREFETCH=pdl and prefetch, LAST_COMBINES=False, OWN=True,
         EARLY=early and pdl and prefetch, **launch_options(pdl))
     return States(ml[0], ml[1], acc, out_dtype(q, new))
@@ -273,7 +277,8 @@ def run(q, keys, values, page_table, positions, page_size: int, scale: float, wi
     launch = dispatch.choose(b, h, length)
     if launch is None:
         split_attention(q, keys, values, page_table, positions, page_size, scale, window, out,
-                        new, act, pdl, dispatch.prefetch, counters, dispatch.max_splits)
+                        new, act, pdl, dispatch.prefetch, counters, dispatch.max_splits,
+                        dispatch.split_block, dispatch.split_warps)
     else:
         one_pass(q, keys, values, page_table, positions, page_size, scale, window, out, launch,
                  new, act, pdl)

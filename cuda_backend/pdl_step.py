@@ -141,7 +141,9 @@ def _states(q, k, v, cos, sin, kv, ctx, dims, window, dtype) -> paged_decode.Sta
                                      ctx.cache.page_size, float(scale), window, new, pdl=True,
                                      prefetch=ctx.dispatch.prefetch,
                                      max_splits=ctx.dispatch.max_splits,
-                                     early=q.shape[0] <= dims.early_attention_rows)
+                                     early=q.shape[0] <= dims.early_attention_rows,
+                                     block=ctx.dispatch.split_block,
+                                     warps=ctx.dispatch.split_warps)
 
 
 def project_attend(h, w_qkv, b_qkv, cos, sin, kv, ctx, dims, window, states: bool = False):

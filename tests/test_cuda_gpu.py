@@ -220,7 +220,11 @@ def test_engine_on_gpu_pipelined_equals_blocking_equals_generate():
         assert [list(h.result.tokens) for h in handles] == want
 
 
-@pytest.mark.parametrize("kernel", ["split", "1x32w2s1", "4x32w4s3", "8x16w2s1"])
+# The split kernel's launches: (keys an iteration, warps, programs per (row, head) at most).
+SPLIT_LAUNCHES = {"split": (32, 2, 64), "split16k1w": (16, 1, 64), "split64k4w4s": (64, 4, 4)}
+
+
+@pytest.mark.parametrize("kernel", [*SPLIT_LAUNCHES, "1x32w2s1", "4x32w4s3", "8x16w2s1"])
 @pytest.mark.parametrize("kv_heads,window,dtype,pages", [
     (4, None, torch.float32, 8), (1, None, torch.float32, 8), (2, 5, torch.float32, 8),
     (4, None, torch.bfloat16, 8), (4, None, torch.float32, 2), (2, 40, torch.float32, 160),
@@ -231,7 +235,9 @@ def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, 
     the split kernel and one-pass launches of 1, 4 and 8 heads per program
     (8 is cut to the 4 heads there are), pipelined and not. Split: 2 pages
     (32 keys) are one program's chunk, 8 pages give four programs of one
-    block, 160 (2,560 keys) forty of two blocks."""
+    block, 160 (2,560 keys) forty of two blocks; also in blocks of 16 keys
+    and one warp, and in at most four programs of 64-key blocks and four
+    warps (8 pages: two programs of one block; 160: four of ten)."""
     from bubblefree.cuda_backend import paged_decode as pd
     from bubblefree.cuda_backend.attention import _decode_attention, _gather
     from bubblefree.cuda_backend.kernel_config import Dispatch, Launch
@@ -251,9 +257,11 @@ def test_paged_decode_kernel_matches_the_portable_path(kv_heads, window, dtype, 
         mask &= key_pos > positions[:, None] - window
     k, v = _gather(keys, values, kv_index, dtype)
     want = _decode_attention(q, k, v, mask, None).float()
-    if kernel == "split":  # called directly: the dispatch never splits a one-chunk bucket
+    if kernel in SPLIT_LAUNCHES:  # called directly: the dispatch never splits a one-chunk bucket
+        block, warps, most = SPLIT_LAUNCHES[kernel]
         got = pd.split_attention(q, keys, values, table, positions, ps, dim ** -0.5,
-                                 window or pd.NO_WINDOW)
+                                 window or pd.NO_WINDOW, max_splits=most, block=block,
+                                 warps=warps)
     else:
         dispatch = Dispatch().forced(split_below=0, launch=Launch.parse(kernel))
         got = pd.paged_decode_attention(q, keys, values, table, positions, ps, None, window,

@@ -114,14 +114,19 @@ def _case(slices: int, positions: list[int], seed: int):
 @pytest.mark.parametrize("positions,window", [([0, 37, 191], None), ([100, 5, 150], 40),
                                               ([191, 191, 64], 16)])
 @pytest.mark.parametrize("launch_pdl", LAUNCHES)
+@pytest.mark.parametrize("launch", [{}, dict(block=16, warps=1), dict(block=64, warps=4),
+                                    dict(block=64, warps=1, max_splits=2)])
 def test_the_projection_over_states_is_the_projection_over_the_combined_attention(
-        slices, positions, window, launch_pdl):
+        slices, positions, window, launch_pdl, launch):
     """The split kernel without a combining pass writes the cache bit for
     bit as with one, its states combine to the combining pass's output (to
     bf16's rounding: sums in another order), and the output projection
     over them (partial sums, steps read ahead under dependent launches)
     gives the projection of that output. (In a whole step that rounding
-    reaches later layers' keys, so there the tokens are compared.)"""
+    reaches later layers' keys, so there the tokens are compared.) The
+    states' kernel in its launches: 16 keys an iteration in one warp, 64
+    in four, and 64 in one warp with at most two programs a (row, head)
+    (two iterations each)."""
     from bubblefree.cuda_backend import skinny_gemm
     cache, q, table, pos, new = _case(slices, positions, seed=slices + len(positions))
     before = cache.data.clone()
@@ -131,7 +136,8 @@ def test_the_projection_over_states_is_the_projection_over_the_combined_attentio
     want = paged_decode.split_attention(*args, new=new, pdl=launch_pdl, prefetch=launch_pdl)
     written = cache.data.clone()
     cache.data.copy_(before)
-    states = paged_decode.split_states(*args, new=new, pdl=launch_pdl, prefetch=launch_pdl)
+    states = paged_decode.split_states(*args, new=new, pdl=launch_pdl, prefetch=launch_pdl,
+                                       **launch)
     assert torch.equal(cache.data, written) and not torch.equal(written, before)
     assert states.acc.shape[:2] == (len(positions), 8) and states.acc.shape[2] > 1
     torch.testing.assert_close(states.combined(), want, rtol=1e-2, atol=1e-2)
@@ -194,6 +200,25 @@ def test_the_step_whose_projection_combines_decodes_the_same_tokens(arch, monkey
     assert be._decode_graphs.enabled and be._runner.decoder.dims.state_rows == 8
     assert generate(be, prompts, 10) == want
     assert calls
+
+
+@PDL
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_step_whose_attention_releases_the_projection_early_decodes_the_same_tokens(arch):
+    """KernelConfig.early_attention on the whole step, in graphs: greedy
+    tokens equal the step's without it (the projection combining the
+    states in both), and a step's logits (four rows in a bucket of 8, the
+    split kernel everywhere) are exactly its own."""
+    from bubblefree.cuda_backend.kernel_config import Dispatch
+    from tests.test_pdl_step import _small, assert_same_steps
+    model = tiny_model(arch, device="cuda", seed=4)
+    base = attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8, o_combines=8,
+                        early_attention=0, dispatch=Dispatch(split_below=1 << 30))
+    plain = _small(model, kernels=base)
+    be = _small(model, kernels=attrs.evolve(base, early_attention=8))
+    assert "attention kernel releasing" in str(be.kernels)
+    assert be._runner.decoder.dims.early_attention_rows == 8
+    assert_same_steps(be, plain, [[5, 9, 17, 33, 4], [7, 8], [11] * 30, [3] * 40])
 
 
 def test_the_measured_one_row_tiles_are_read_in_whole_slices_as_measured():

@@ -61,14 +61,15 @@ def test_where_the_new_token_and_the_activation_run_is_named():
 
 @pytest.mark.parametrize("dispatch", [Dispatch(), Dispatch().forced(0, Launch(4, 32, 2, 3)),
                                       Dispatch(7, 9, Launch(2, 64, 4, 1), Launch(8, 16, 1, 2)),
-                                      Dispatch(prefetch=False, max_splits=16)])
+                                      Dispatch(prefetch=False, max_splits=16),
+                                      Dispatch(split_block=64, split_warps=1)])
 def test_the_ops_read_back_the_dispatch_they_are_given(dispatch):
     """The custom ops take the dispatch as integers; every field survives."""
     scalars = dispatch.scalars()
     assert all(type(x) is int for x in scalars)
     assert Dispatch.from_scalars(scalars) == dispatch
-    with pytest.raises(ValueError, match="12 integers, not 11"):
-        Dispatch.from_scalars(scalars[:11])
+    with pytest.raises(ValueError, match="14 integers, not 13"):
+        Dispatch.from_scalars(scalars[:13])
 
 
 @pytest.mark.parametrize("cap", [64, 16, 5, 1])
@@ -84,6 +85,22 @@ def test_split_chunks_cap_the_programs_per_row_and_head(cap):
 def test_a_split_cap_other_than_the_default_says_itself():
     assert "split programs" not in str(Dispatch())
     assert str(Dispatch(max_splits=16)).endswith("; at most 16 split programs per (row, head)")
+
+
+def test_the_split_kernels_launch_says_itself_where_it_is_not_the_default():
+    assert "keys an iteration" not in str(Dispatch(split_block=32, split_warps=2))
+    assert str(Dispatch(split_block=64, split_warps=1)).endswith(
+        "; the split kernel 64 keys an iteration, 1 warp")
+
+
+@pytest.mark.parametrize("field,bad", [("split_block", 8), ("split_block", 48),
+                                       ("split_block", 512), ("split_block", 32.0),
+                                       ("split_warps", 0), ("split_warps", 3),
+                                       ("split_warps", 16), ("split_warps", True),
+                                       ("split_warps", "2"), ("split_block", None)])
+def test_the_split_kernels_launch_is_a_power_of_two_in_its_range(field, bad):
+    with pytest.raises(ValueError, match=f"Dispatch.{field} must be a power of two"):
+        Dispatch(**{field: bad})
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.0, True, "16", None])

@@ -588,14 +588,21 @@ def test_the_dependent_step_with_the_norms_releasing_early_decodes_the_same_toke
     the norm waits; in graphs, with the measured tiles and the split
     kernel's states, greedy tokens equal the step's without it, and a
     step's logits (four rows in a bucket of 8) are exactly its own."""
-    from tests.test_cuda_fused import decode_logits
     model = tiny_model(arch, device="cuda", seed=4)
     base = attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8, early_norms=0)
     plain = _small(model, kernels=base)
     be = _small(model, kernels=attrs.evolve(base, early_norms=8))
     assert "norms releasing the next kernel early up to 8 rows" in str(be.kernels)
     assert be._runner.decoder.dims.early_rows == 8
-    assert generate(be, PROMPTS, 10) == generate(plain, PROMPTS, 10)
+    assert_same_steps(be, plain, PROMPTS)
+
+
+def assert_same_steps(be, plain, prompts) -> None:
+    """Two backends of one model: greedy tokens equal in graphs, and a
+    step of four rows in a bucket of 8 over the same random cache gives
+    the same logits, bit for bit."""
+    from tests.test_cuda_fused import decode_logits
+    assert generate(be, prompts, 10) == generate(plain, prompts, 10)
     torch.manual_seed(0)
     plain.cache.data.normal_()
     be.cache.data.copy_(plain.cache.data)
@@ -610,3 +617,24 @@ def test_the_dependent_step_with_keys_read_early_decodes_the_same_tokens():
     base = KernelConfig.measured("cuda")
     kernels = attrs.evolve(base, pdl_rows=8, dispatch=attrs.evolve(base.dispatch, prefetch=True))
     assert generate(_small(model, kernels=kernels), PROMPTS, 10) == want
+
+
+@PDL
+@pytest.mark.parametrize("arch", ["phi", "llama", "qwen2"])
+@pytest.mark.parametrize("launch", [dict(split_block=16, split_warps=1),
+                                    dict(split_block=64, split_warps=4, max_splits=2)])
+def test_the_dependent_step_with_the_split_kernel_launched_otherwise_decodes_the_same_tokens(
+        arch, launch):
+    """Dispatch.split_block, split_warps and max_splits change the split
+    kernel's launch, not what it computes: in graphs, with the split kernel
+    everywhere (and the projection combining its states where the measured
+    defaults say so), greedy tokens equal the default launch's."""
+    from bubblefree.cuda_backend.kernel_config import Dispatch
+    model = tiny_model(arch, device="cuda", seed=4)
+    prompts = [*PROMPTS, [3] * 40]
+    base = attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8, o_combines=1,
+                        dispatch=Dispatch(split_below=1 << 30))
+    want = generate(_small(model, kernels=base), prompts, 10)
+    be = _small(model, kernels=attrs.evolve(base, dispatch=attrs.evolve(base.dispatch, **launch)))
+    assert "keys an iteration" in str(be.kernels)
+    assert generate(be, prompts, 10) == want

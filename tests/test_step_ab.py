@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import attrs
 import pytest
 import transformers
 
@@ -84,4 +85,17 @@ def test_a_variant_sets_a_row_count_and_nothing_else():
     assert mixed.pdl_tiles.tile_for(1, 2048, 3072) == default.pdl_tiles.tile_for(1, 2048, 3072)
     for bad in ("o_combines=x", "o_combines=-1", "o_combines="):
         with pytest.raises(ValueError, match=re.escape(f"variant {bad!r}: o_combines is a row count")):
+            variant(default, bad)
+
+
+def test_a_variant_sets_the_split_kernels_launch_and_nothing_else():
+    default = h200()
+    got = variant(default, "split_warps=1+split_block=64+max_splits=4")
+    assert (got.dispatch.split_warps, got.dispatch.split_block, got.dispatch.max_splits) == (1, 64, 4)
+    assert attrs.evolve(got, dispatch=default.dispatch) == default
+    for bad, says in [("split_warps=3", "Dispatch.split_warps must be a power of two"),
+                      ("split_block=8", "Dispatch.split_block must be a power of two"),
+                      ("max_splits=0", "Dispatch.max_splits must be a positive int"),
+                      ("split_warps=x", "split_warps is a count")]:
+        with pytest.raises(ValueError, match=re.escape(f"variant {bad!r}: {says}")):
             variant(default, bad)
