@@ -16,7 +16,7 @@ import uvicorn
 from bubblefree import Engine
 from bubblefree.core import Engine as CoreEngine
 from bubblefree.fake_backend import FakeBackend, FakeModel
-from bubblefree.server import ServerSettings, create_app
+from bubblefree.server import ServerSettings, create_app, http_protocol
 from bubblefree.skills import SkillSet, demo_tokenizer
 
 TOKENIZER = demo_tokenizer(coord_bins=64, size_bins=16)
@@ -56,11 +56,21 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(engine: Engine, **settings: object) -> Iterator[str]:
-    """Serve ``engine`` until the block ends; yields the base URL."""
+    """Serve ``engine`` until the block ends, as ``bubblefree serve`` does
+    (its HTTP protocol included); yields the base URL."""
     port = free_port()
-    app = create_app(engine, ServerSettings(port=port, **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+    chosen = ServerSettings(port=port, **settings)
+    with running(uvicorn.Config(create_app(engine, chosen), host="127.0.0.1", port=port,
+                                http=http_protocol(chosen), log_level="warning",
+                                timeout_graceful_shutdown=2)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running(config: uvicorn.Config) -> Iterator[str]:
+    """Run a uvicorn server with ``config`` in a thread until the block
+    ends; yields its base URL."""
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -69,7 +79,7 @@ def serving(engine: Engine, **settings: object) -> Iterator[str]:
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{config.host}:{config.port}"
     finally:
         server.should_exit = True
         thread.join(10)

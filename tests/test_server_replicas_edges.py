@@ -1,6 +1,6 @@
 """The Ray relay against hostile and unlucky callers, held to what one
 server answers: every bad input of test_server_bad_input.py (and a route's
-bug, a missing key, a body past the limit) gets the same status and the
+bug, a missing key, a body past the limit, headers past theirs) gets the same status and the
 same JSON error through the relay; a body that stops arriving is a 408, a
 ``Content-Length`` past the limit a 413 at once; past ``max_live`` a 429,
 with health and stats still answered; a client that leaves frees its
@@ -103,6 +103,7 @@ MORE = [
     ("a body past the limit", "POST", "/v1/query", b"x" * (SETTINGS.max_body_bytes + 1), AUTH),
     ("a body past the limit, no key", "POST", "/v1/query", b"x" * (SETTINGS.max_body_bytes + 1), {}),
     ("unknown route, no key", "GET", "/v1/nothing", None, {}),
+    ("headers past the limit", "GET", "/health", None, {"X-Pad": "a" * SETTINGS.max_header_bytes}),
 ]
 EVERY = [(c[0], c[1], c[2], c[3], AUTH) for c in CASES] + MORE
 

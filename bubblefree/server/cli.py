@@ -60,6 +60,15 @@ def parser() -> argparse.ArgumentParser:
                        help="seconds a request may run before it is cancelled (504)")
     serve.add_argument("--body-timeout", type=_bounded(float, 0, above=True), default=defaults.body_timeout_s,
                        help="seconds a request's whole body may take to arrive (408 past it)")
+    serve.add_argument("--max-header-bytes", type=_bounded(int, 1), default=defaults.max_header_bytes,
+                       help="bytes a request's line and headers may take together (431 past it, and the "
+                            f"connection closed; default {defaults.max_header_bytes})")
+    # None, not the default: --replicas refuses it given (Ray Serve's proxy has no such bound).
+    serve.add_argument("--header-timeout", type=_bounded(float, 0, above=True), default=None,
+                       help="seconds a request's line and headers may take to arrive, from the connection's "
+                            "opening or the previous answer's end, however fast its bytes come (408 past "
+                            f"it, and the connection closed; default {defaults.header_timeout_s:g}; "
+                            "not with --replicas)")
     serve.add_argument("--device", default=None,
                        help="cuda, cuda:N or cpu (default: cuda where there is one; CUDA_VISIBLE_DEVICES "
                             "chooses which GPUs cuda sees)")
@@ -87,11 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     from bubblefree.core import InvalidRequest
     from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
     from bubblefree.server.app import create_app
+    from bubblefree.server.protocol import http_protocol
 
+    header_timeout = ServerSettings().header_timeout_s if args.header_timeout is None else args.header_timeout
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                               max_body_bytes=args.max_body_bytes, max_image_pixels=args.max_image_pixels,
                               max_live=args.max_live, request_timeout_s=args.timeout,
-                              body_timeout_s=args.body_timeout,
+                              body_timeout_s=args.body_timeout, max_header_bytes=args.max_header_bytes,
+                              header_timeout_s=header_timeout,
                               model_name=RANDOM.get(args.random) or args.model or "smollm2-135m-instruct")
     make = engine_maker(args)
     if args.replicas > 0:
@@ -112,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with engine:
             uvicorn.run(create_app(engine, settings), host=settings.host, port=settings.port,
-                        log_level=args.log_level, timeout_graceful_shutdown=5)
+                        http=http_protocol(settings), log_level=args.log_level, timeout_graceful_shutdown=5)
     except (KeyboardInterrupt, Terminated):
         pass  # the server stopped on the signal; the engine closed on the way out
     finally:
@@ -131,8 +143,8 @@ def _terminated(*_: Any) -> None:
 
 def startup_refusal(args: argparse.Namespace) -> str | None:
     """Why ``serve`` must not start with these arguments (an empty model
-    path, an API key no client could send, an address it cannot listen
-    on), or None."""
+    path, an API key no client could send, an option ``--replicas``
+    cannot honour, an address it cannot listen on), or None."""
     from bubblefree.server.guard import api_key_refusal
 
     if args.model == "":  # an unset variable, say; Path("") would be the working directory
@@ -142,6 +154,9 @@ def startup_refusal(args: argparse.Namespace) -> str | None:
         if refused is not None:
             return f"--api-key: {refused}"
     if args.replicas > 0:
+        if args.header_timeout is not None:
+            return ("--header-timeout: not available with --replicas (Ray Serve's proxy reads headers "
+                    "without a time bound; put a reverse proxy that bounds it in front)")
         refused = ray_address_refused(os.environ.get("RAY_ADDRESS", ""))
         if refused is not None:
             return refused

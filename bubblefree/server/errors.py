@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "timeout_error", 413: "request_too_large",
-          422: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error"}
+          422: "invalid_request_error", 429: "rate_limit_error", 431: "request_too_large", 504: "timeout_error"}
 
 
 class ApiError(Exception):

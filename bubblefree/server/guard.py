@@ -1,5 +1,6 @@
-"""The checks every HTTP request passes before a route sees it: the API key
-and the body size; and the count of answers by route and status.
+"""The checks every HTTP request passes before a route sees it: the size of
+its head, the API key and the body size; and the count of answers by route
+and status.
 
 A pure ASGI middleware, so a body over the limit is refused from its
 ``Content-Length`` before any of it is read, and one that lies about its
@@ -60,9 +61,12 @@ class Guard:
 
 
 def refusal(scope: Scope, settings: ServerSettings) -> ApiError | None:
-    """What refuses a request from its headers alone: the API key, then a
-    ``Content-Length`` over the body limit. The Ray relay asks it too, so a
-    request gets the same answer through the relay as from one server."""
+    """What refuses a request from its headers alone: a head over its limit,
+    the API key, then a ``Content-Length`` over the body limit. The Ray
+    relay asks it too, so a request gets the same answer through the relay
+    as from one server."""
+    if head_bytes(scope) > settings.max_header_bytes:
+        return head_too_large(settings.max_header_bytes)
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
     key = settings.api_key
     if key is not None and scope["path"] not in OPEN_PATHS:
@@ -74,6 +78,24 @@ def refusal(scope: Scope, settings: ServerSettings) -> ApiError | None:
     if length.isdigit() and int(length) > settings.max_body_bytes:
         return _too_large(settings.max_body_bytes)
     return None
+
+
+def head_bytes(scope: Scope) -> int:
+    """A request's line and headers in bytes, as sent without optional
+    whitespace. Measured here once they are parsed: the HTTP protocol
+    (``protocol.py``) bounds a head still arriving, but cannot tell where
+    one ends inside a read."""
+    target = len(scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape"))
+    query = len(scope.get("query_string", b""))
+    line = len(scope["method"]) + 1 + target + (query + 1 if query else 0) + len(" HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"]) + 2
+
+
+def head_too_large(limit: int) -> ApiError:
+    # Connection: close, as when the protocol refuses a head still arriving:
+    # the same answer wherever the bound caught it.
+    return ApiError(431, f"headers: larger than this server's limit of {limit} bytes", "headers",
+                    headers={"Connection": "close"})
 
 
 def api_key_refusal(key: str) -> str | None:

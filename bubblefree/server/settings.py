@@ -15,14 +15,16 @@ class ServerSettings:
     max_live: int = 64  # requests decoding or waiting at once; more get 429
     request_timeout_s: float = 300.0  # a request still running then is cancelled (504)
     body_timeout_s: float = 30.0  # a request's whole body must arrive within this (else 408)
+    max_header_bytes: int = 64 * 1024  # a request's line and headers together (else 431)
+    header_timeout_s: float = 10.0  # they must arrive within this of the connection or last answer (else 408)
     retry_after_s: int = 1  # the Retry-After a 429 suggests
     model_name: str = "bubblefree"  # what /v1/models lists and responses name
 
     def __attrs_post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_image_pixels", "max_live", "retry_after_s"):
+        for name in ("max_body_bytes", "max_image_pixels", "max_live", "retry_after_s", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "body_timeout_s"):
+        for name in ("request_timeout_s", "body_timeout_s", "header_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None:  # the CLI's check, for an app built from Python too
