@@ -148,9 +148,11 @@ class Dispatch:
     def __str__(self) -> str:
         split = f"split below {self.split_below} programs, " if self.split_below > 0 else ""
         early = "" if self.prefetch else "; under dependent launches, keys read after the wait"
-        if self.max_splits != Dispatch.__attrs_attrs__.max_splits.default:
+        fields = Dispatch.__attrs_attrs__
+        if self.max_splits != fields.max_splits.default:
             early += f"; at most {self.max_splits} split programs per (row, head)"
-        if (self.split_block, self.split_warps) != (32, 2):
+        if (self.split_block, self.split_warps) != (fields.split_block.default,
+                                                    fields.split_warps.default):
             early += (f"; the split kernel {self.split_block} keys an iteration, "
                       f"{self.split_warps} warp{'s' if self.split_warps > 1 else ''}")
         if self.pipelined == self.plain:
