@@ -5,7 +5,7 @@
 # of whole steps with it (tiny models, and each measured shape's tokens in
 # bf16 on its defaults), then bench.speed's grid for Llama-3.2-1B
 # (grid_run.sh) and each shape's per-kernel increments at one row on its
-# defaults (bench.step_increments). Outputs under $OUT. About 480 s.
+# defaults (bench.step_increments). Outputs under $OUT. About 310 s.
 #
 # Knobs (environment): TESTS (1), TEST_SECONDS (150), GRID (llama1b; empty
 # for none), INCREMENTS (qwen05b llama1b; empty for none).

@@ -4,7 +4,7 @@
 # The GPU tests of the split kernel in those launches (against the portable
 # path, its states against the combining pass, whole steps' tokens), then
 # bench.step_ab for each shape with the variants below (one process a
-# shape), each shape's output to $OUT/steps-M.txt. About 480 s.
+# shape), each shape's output to $OUT/steps-M.txt. About 290 s.
 #
 # Knobs (environment): TESTS (1), TEST_SECONDS (120), MODELS (qwen05b
 # llama1b), STEP_SECONDS (200 a shape), ROWS (1,8), INCREMENTS (a variant
