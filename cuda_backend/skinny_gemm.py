@@ -217,7 +217,7 @@ def launch(x: "torch.Tensor | States", w: torch.Tensor, bias: torch.Tensor | Non
     vector = tile.vector and states is None
     if vector:
         width = skinny_gemv.slice_width(k // tile.block_k, tile.split, tile.block_k)
-        skinny_gemv.check(tile, m, x_dtype, width, glu)
+        skinny_gemv.check(tile, m, w.dtype, width, glu)  # the weights held in registers
     if partial:
         out = torch.empty((tile.split, m, n), dtype=torch.float32, device=x.device)
     else:
