@@ -170,7 +170,10 @@ class Tile:
     stages (one step ahead); ``64n128k4s4w3p2a``: two steps ahead. A
     trailing ``v`` (``vector``, 1): the form without the MMA for up to
     eight rows, each program's whole slice of K read before the wait
-    (``skinny_gemv``; stages and ahead unused)."""
+    (``skinny_gemv``; stages and ahead unused). A trailing ``e``
+    (``early``, 1; after the ``v`` where there is one): the GEMM lets the
+    next kernel launch before it reads its weights and waits, as the norms
+    do where ``KernelConfig.early_norms`` says."""
     block_n: int = 64
     block_k: int = 128
     split: int = 1
@@ -178,25 +181,28 @@ class Tile:
     stages: int = 3
     ahead: int = 1
     vector: int = 0
+    early: int = 0
 
     def __str__(self) -> str:
         ahead = f"{self.ahead}a" if self.ahead != 1 else ""
         vector = "v" if self.vector else ""
+        early = "e" if self.early else ""
         return (f"{self.block_n}n{self.block_k}k{self.split}s{self.warps}w{self.stages}p"
-                f"{ahead}{vector}")
+                f"{ahead}{vector}{early}")
 
     @classmethod
     def parse(cls, text: str) -> "Tile":
         stripped = text.strip()
-        vector = stripped.endswith("v")
+        early = stripped.endswith("e")
+        vector = stripped[:len(stripped) - early].endswith("v")
         tile = parse_settings(cls, r"(\d+)n(\d+)k(\d+)s(\d+)w(\d+)p(?:(\d+)a)?", "GEMM tile",
-                              "e.g. 64n128k4s4w3p, 64n128k4s4w3p2a or 16n128k1s4w1pv",
-                              stripped[:-1] if vector else stripped,
+                              "e.g. 64n128k4s4w3p, 64n128k4s4w3p2a, 16n128k1s4w1pv or "
+                              "16n128k1s4w1pve", stripped[:len(stripped) - vector - early],
                               ("block_n", "block_k", "warps", "ahead"), shown=text)
         if tile.block_k < 16 or tile.split < 1 or tile.stages < 1:
             raise ValueError(f"GEMM tile {text!r}: needs block_k >= 16 (the MMA's K), "
                              "split >= 1 and stages >= 1")
-        return attrs.evolve(tile, vector=1) if vector else tile
+        return attrs.evolve(tile, vector=int(vector), early=int(early))
 
     def fits(self, k: int) -> bool:
         """Whether K is whole steps of BLOCK_K (the kernel does not mask K)
@@ -377,16 +383,23 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             # q, k, v, sums to attention; at one and two rows the vector form
             # (0.588 -> 0.570 and 0.615 -> 0.600 ms a step; slower from four
             # rows: docs/runs/vector-gemm-2026-12-03.txt)
-            (896, 1152): ((2, Tile(16, 128, 4, 4, 1, vector=1)), (8, Tile(32, 128, 4, 4, 3))),
+            # At one row, it and gate and up and down let the next kernel launch
+            # before they load and wait (``Tile.early``; 0.571 -> 0.550 ms a
+            # step: docs/runs/held-2026-12-03.txt).
+            (896, 1152): ((1, Tile(16, 128, 4, 4, 1, vector=1, early=1)),
+                          (2, Tile(16, 128, 4, 4, 1, vector=1)), (8, Tile(32, 128, 4, 4, 3))),
             # o and down: slices of K that need not divide it (down's 38 steps of
             # 128 in 8 slices of 4 and 5), timed with the norm that adds them.
             # o, sums; at one row combining the split kernel's states (o_combines),
             # in one slice a head, 64 columns a program (0.600 and 0.604 ms a
             # step against 0.606 and 0.610 with 32, in two calls: performance.md)
             (896, 896): ((1, Tile(64, 64, 14, 4, 3)), (8, Tile(32, 128, 4, 4, 3))),
-            (896, 9728): ((8, Tile(32, 128, 1, 4, 3)),),  # gate and up, silu(gate) * up
+            # gate and up, silu(gate) * up
+            (896, 9728): ((1, Tile(8, 128, 1, 4, 1, vector=1, early=1)),
+                          (8, Tile(32, 128, 1, 4, 3))),
             # down, sums; each slice's first four steps read before the wait
-            (4864, 896): ((8, Tile(32, 128, 8, 4, 3, 4)),),
+            (4864, 896): ((1, Tile(64, 256, 19, 4, 1, vector=1, early=1)),
+                          (8, Tile(32, 128, 8, 4, 3, 4))),
             (896, 151936): ((8, Tile(64, 128, 1, 4, 3)),),  # head
         }), 0, 1, 8, 0),
     }),

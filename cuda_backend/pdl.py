@@ -13,7 +13,8 @@ launch in turn (``griddepcontrol.launch_dependents``), so at most two
 kernels of the chain are ever resident. A kernel may instead let the next
 one launch before it waits itself (``release``, then ``wait``): the norms
 do where ``KernelConfig.early_norms`` says (and the split attention kernel
-where ``KernelConfig.early_attention`` does), so the GEMM after a norm is
+where ``KernelConfig.early_attention`` does, and a GEMM whose tile is
+written with an ``e``, ``Tile.early``), so the GEMM after a norm is
 placed, and reads its first weights, while the kernel before the norm
 still runs (three of the chain resident). That is safe for the same
 reason the rule below is: the next kernel's wait returns only once the

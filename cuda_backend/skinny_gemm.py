@@ -26,7 +26,9 @@ attention kernel's partial states as it reads them (``paged_decode.States``,
 A tile written with ``v`` runs the vector form instead (``skinny_gemv``:
 no MMA, each program's whole share of the weights read before the wait),
 for up to eight rows of 16-bit weights; x given as attention's states
-always runs the MMA form.
+always runs the MMA form. A tile written with a trailing ``e`` lets the
+next kernel launch before it loads and waits (``Tile.early``), in
+either form.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 
 from bubblefree.cuda_backend.kernel_config import Tile, TileTable, tile_for
 from bubblefree.cuda_backend.paged_decode import States, tl_dtype
-from bubblefree.cuda_backend.pdl import enter, launch_options, tl, triton
+from bubblefree.cuda_backend.pdl import enter, launch_options, release, tl, triton, wait
 from bubblefree.cuda_backend import skinny_gemv
 
 
@@ -86,7 +88,8 @@ if triton is not None:
                 GLU: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                 AHEAD: tl.constexpr, STATES: tl.constexpr, BLOCK_S: tl.constexpr,
-                HD: tl.constexpr, DT: tl.constexpr, ROWS: tl.constexpr):
+                HD: tl.constexpr, DT: tl.constexpr, ROWS: tl.constexpr,
+                EARLY: tl.constexpr = False):
         """K is ``steps`` steps of BLOCK_K; slice s of the grid's takes steps
         ``s * steps // slices`` up to the next slice's first. GLU: w is
         ``[gate; up]`` (up from row ``up_off``) and the output column j is
@@ -96,7 +99,10 @@ if triton is not None:
         states, combined as they are read (``_states_block``); each slice
         is then AHEAD steps, read whole before the wait, and no loop runs
         (a pipelined loop over states would stage them all in shared
-        memory)."""
+        memory). EARLY (with PDL): the next kernel may launch before this
+        one reads and waits (``pdl.release``)."""
+        if EARLY:
+            release(PDL)
         n0 = tl.program_id(0) * BLOCK_N
         s = tl.program_id(1)
         slices = tl.num_programs(1)
@@ -119,7 +125,10 @@ if triton is not None:
             w0 = tl.load(w_rows + (k0 + ra)[None, :], mask=n_ok[:, None], other=0.0)
             if GLU:
                 wu0 = tl.load(u_rows + (k0 + ra)[None, :], mask=n_ok[:, None], other=0.0)
-            enter(PDL)
+            if EARLY:
+                wait(PDL)
+            else:
+                enter(PDL)
             if STATES > 0:
                 x0 = _states_block(x_ptr, m_ptr, l_ptr, k0, heads, ROWS, BLOCK_M,
                                    AHEAD * BLOCK_K, STATES, BLOCK_S, HD, DT)
@@ -228,7 +237,7 @@ def launch(x: "torch.Tensor | States", w: torch.Tensor, bias: torch.Tensor | Non
             w.stride(0), out.stride(0) if partial else 0, out.stride(-2), n,
             HAS_BIAS=bias is not None and (not partial or bias_in_parts), PARTIAL=partial,
             GLU=glu, PDL=pdl, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SLICE=width, ROWS=m,
-            num_warps=tile.warps, **launch_options(pdl))
+            EARLY=bool(tile.early) and pdl, num_warps=tile.warps, **launch_options(pdl))
         return out
     _gemm_kernel[(triton.cdiv(n, tile.block_n), tile.split)](
         x, w, bias if bias is not None else w, out, m, n, k // tile.block_k,
@@ -241,7 +250,7 @@ def launch(x: "torch.Tensor | States", w: torch.Tensor, bias: torch.Tensor | Non
         STATES=states.acc.shape[2] if states else 0,
         BLOCK_S=triton.next_power_of_2(states.acc.shape[2]) if states else 1,
         HD=states.acc.shape[3] if states else 1, DT=tl_dtype(x_dtype), ROWS=m if states else 1,
-        num_warps=tile.warps, **launch_options(pdl))
+        EARLY=bool(tile.early) and pdl, num_warps=tile.warps, **launch_options(pdl))
     return out
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from bubblefree.cuda_backend.pdl import enter, tl, triton
+from bubblefree.cuda_backend.pdl import enter, release, tl, triton, wait
 
 # The most rows the vector form takes: each row is another pass over the
 # registers, unrolled at compile time.
@@ -39,10 +39,13 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, steps, sx_m, sw_n, so_s, so_m, up_off,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, GLU: tl.constexpr,
                      PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SLICE: tl.constexpr, ROWS: tl.constexpr):
+                     SLICE: tl.constexpr, ROWS: tl.constexpr, EARLY: tl.constexpr = False):
         """Slice s of K is steps ``s * steps // slices`` up to the next
         slice's first, of BLOCK_K each; SLICE (a power of two) covers the
-        widest slice and the load masks the rest."""
+        widest slice and the load masks the rest. EARLY: the next kernel
+        may launch before this one loads and waits (``pdl.release``)."""
+        if EARLY:
+            release(PDL)
         n0 = tl.program_id(0) * BLOCK_N
         s = tl.program_id(1)
         slices = tl.num_programs(1)
@@ -64,7 +67,10 @@ if triton is not None:
                 bias = tl.where(s == 0, bias, 0.0)
             if GLU:
                 bias_up = tl.load(b_ptr + rn + up_off, mask=n_ok, other=0.0).to(tl.float32)
-        enter(PDL)
+        if EARLY:
+            wait(PDL)
+        else:
+            enter(PDL)
         for r in tl.static_range(ROWS):
             x = tl.load(x_ptr + r * sx_m + rk, mask=k_ok, other=0.0).to(tl.float32)  # [SLICE]
             acc = tl.sum(w.to(tl.float32) * x[None, :], 1) + bias  # [BLOCK_N]

@@ -37,15 +37,23 @@ ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32"
 
 @pytest.mark.parametrize("form", ["partial", "whole", "glu"])
 @pytest.mark.parametrize("ahead", [1, 2, 4])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_the_gemm_compiles_for_hopper(form, ahead, pdl):
+@pytest.mark.parametrize("pdl,early", [(False, False), (True, False), (True, True)])
+def test_the_gemm_compiles_for_hopper(form, ahead, pdl, early):
+    """Each form compiles; launched dependent, the first steps' weights are
+    asked for before ``griddepcontrol.wait``, and the next kernel's release
+    comes after the wait, or with a tile's ``e`` (EARLY) before any load."""
     consts = dict(HAS_BIAS=True, PARTIAL=form == "partial", IEEE=False, GLU=form == "glu",
                   PDL=pdl, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, STAGES=3, AHEAD=ahead,
-                  STATES=0, BLOCK_S=1, HD=1, DT=triton.language.bfloat16, ROWS=1)
+                  STATES=0, BLOCK_S=1, HD=1, DT=triton.language.bfloat16, ROWS=1, EARLY=early)
     signature = {**ARGS, **dict.fromkeys(consts, "constexpr")}
     source = ASTSource(fn=skinny_gemm._gemm_kernel, signature=signature, constexprs=consts)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert kernel.asm["cubin"]
+    ptx = kernel.asm["ptx"]
+    if pdl:
+        wait, release = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+        assert ptx.index("ld.global") < wait
+        assert (release < ptx.index("ld.global")) == early and (release < wait) == early
 
 
 @pytest.mark.parametrize("monotonic", [False, True])
@@ -156,15 +164,20 @@ def _gemv(consts: dict, warps: int):
 
 @pytest.mark.parametrize("form", ["partial", "whole", "glu"])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_the_vector_form_asks_for_all_its_weights_before_the_wait(form, rows):
+@pytest.mark.parametrize("early", [False, True])
+def test_the_vector_form_asks_for_all_its_weights_before_the_wait(form, rows, early):
     """``skinny_gemv`` (a tile's ``v``), launched dependent: every load of
     weights and bias is issued before ``griddepcontrol.wait``, 16 bytes at
     a time, and only x's after it; no shared memory beyond the sum's
-    scratch."""
+    scratch. The next kernel's release comes after the wait, or with
+    ``ve`` (EARLY) before the first load."""
     kernel = _gemv(dict(HAS_BIAS=True, PARTIAL=form == "partial", GLU=form == "glu", PDL=True,
-                        BLOCK_N=16, BLOCK_K=128, SLICE=1024, ROWS=rows), warps=4)
+                        BLOCK_N=16, BLOCK_K=128, SLICE=1024, ROWS=rows, EARLY=early), warps=4)
     ptx = kernel.asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
+    release = ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.count("griddepcontrol.launch_dependents") == ptx.count("griddepcontrol.wait") == 1
+    assert (release < ptx.index("ld.global")) == early and (release < wait) == early
     before, after = ptx[:wait], ptx[wait:]
     # 16 columns by 1,024 of K in 128 threads: 128 values a thread in 16 loads of 16
     # bytes, twice for gate and up; then the bias (and up's).
@@ -176,8 +189,8 @@ def test_the_vector_form_asks_for_all_its_weights_before_the_wait(form, rows):
 
 
 def test_every_measured_vector_tile_compiles_and_holds_its_share():
-    """The measured tiles of the vector form (``v``), each compiled for sm_90
-    as the step launches it at its rows, K as the shape gives it: the share
+    """The measured tiles of the vector form (``v``, ``ve``), each compiled for
+    sm_90 as the step launches it at its rows, K as the shape gives it: the share
     each thread holds passes ``skinny_gemv.check``, and the kernel needs no
     shared memory beyond its sum's scratch."""
     from bubblefree.cuda_backend import skinny_gemv
@@ -187,6 +200,6 @@ def test_every_measured_vector_tile_compiles_and_holds_its_share():
         width = skinny_gemv.slice_width(k // t.block_k, t.split, t.block_k)
         skinny_gemv.check(t, rows, torch.bfloat16, width, form == "glu")
         kernel = _gemv(dict(HAS_BIAS=True, PARTIAL=form == "partial", GLU=form == "glu", PDL=pdl,
-                            BLOCK_N=t.block_n, BLOCK_K=t.block_k, SLICE=width, ROWS=rows),
-                       warps=t.warps)
+                            BLOCK_N=t.block_n, BLOCK_K=t.block_k, SLICE=width, ROWS=rows,
+                            EARLY=bool(t.early) and pdl), warps=t.warps)
         assert kernel.metadata.shared <= 4096, (what, str(t), rows, kernel.metadata.shared)

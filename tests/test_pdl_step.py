@@ -188,20 +188,24 @@ GEMMS = [(1, 2048, 96, "64n128k1s4w3p"), (5, 512, 2048, "32n128k4s4w3p"),
          # the vector form: K whole, slices of 19 steps, slices of 2 and 3
          # steps (the load masked past each), columns past a block
          (1, 896, 4864, "16n128k1s4w1pv"), (8, 4864, 896, "64n256k19s4w1pv"),
-         (5, 896, 100, "16n128k3s4w1pv"), (2, 2048, 96, "32n256k2s8w1pv")]
+         (5, 896, 100, "16n128k3s4w1pv"), (2, 2048, 96, "32n256k2s8w1pv"),
+         # ... letting the next kernel launch before it loads and waits,
+         # in both forms
+         (1, 896, 4864, "16n128k1s4w1pve"), (8, 4864, 896, "64n256k19s4w1pve"),
+         (1, 2048, 3072, "64n256k2s8w3p4ae"), (8, 4864, 896, "32n128k8s4w3p4ae")]
 # 64 columns by 256 of K in float32 need more shared memory than a
 # multiprocessor has (gated, or four steps read ahead: Triton's
 # OutOfResources), which is why the measured tiles serve 16-bit weights only
 # (KernelConfig.for_gpu, test_gemm_compiles.py): those run in bfloat16 alone.
 # The vector form ("v") takes 16-bit weights alone (``skinny_gemv.DTYPES``).
-WIDE = {"64n256k2s8w3p4a", "64n256k8s4w3p2a"}
+WIDE = {"64n256k2s8w3p4a", "64n256k8s4w3p2a", "64n256k2s8w3p4ae"}
 
 
 @CUDA
 @pytest.mark.parametrize("m,k,n,tile,dtype", [(*g, d) for g in GEMMS
                                               for d in (torch.float32, torch.bfloat16)
                                               if d == torch.bfloat16 or not (
-                                                  g[3] in WIDE or g[3].endswith("v"))])
+                                                  g[3] in WIDE or Tile.parse(g[3]).vector)])
 @pytest.mark.parametrize("launch_pdl", LAUNCHES)
 def test_the_gemm_hands_sums_with_the_bias_and_writes_the_gated_mlp(m, k, n, tile, dtype,
                                                                     launch_pdl):
@@ -594,6 +598,42 @@ def test_the_dependent_step_with_the_norms_releasing_early_decodes_the_same_toke
     be = _small(model, kernels=attrs.evolve(base, early_norms=8))
     assert "norms releasing the next kernel early up to 8 rows" in str(be.kernels)
     assert be._runner.decoder.dims.early_rows == 8
+    assert_same_steps(be, plain, PROMPTS)
+
+
+def _early_tiles(model, early: bool, vector: bool) -> TileTable:
+    """Every GEMM of the dependent step in the vector form (``v``) or the
+    MMA form reading two steps before its wait, letting the next kernel
+    launch before it loads and waits where ``early``."""
+    cfg = model.config
+    d, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hd = getattr(cfg, "head_dim", None) or d // heads
+    qkv = (heads + 2 * kv) * hd
+    shapes = ([(d, qkv + inter), (heads * hd + inter, d)] if cfg.model_type == "phi" else
+              [(d, qkv), (heads * hd, d), (d, 2 * inter), (inter, d)])
+    tile = (Tile(16, 16, 1, 4, 1, vector=1, early=int(early)) if vector else
+            Tile(16, 16, 1, 4, 3, 2, early=int(early)))
+    return TileTable({shape: ((8, tile),) for shape in [*shapes, (d, vocab)]})
+
+
+@PDL
+@pytest.mark.parametrize("arch", ["phi", "llama", "qwen2"])
+@pytest.mark.parametrize("vector", [True, False])
+def test_the_dependent_step_whose_gemms_release_early_decodes_the_same_tokens(arch, vector):
+    """Every GEMM, in the vector form or the MMA form, letting the next
+    kernel launch before it loads its weights and waits (a tile's ``e``),
+    with the norms releasing early too, so that kernels several deep are
+    placed at once: in graphs, greedy tokens equal the same tiles' without
+    the release, and a step's logits are exactly theirs (bfloat16: the
+    vector form's weights are 16-bit)."""
+    model = tiny_model(arch, device="cuda", seed=4, dtype=torch.bfloat16)
+    base = attrs.evolve(KernelConfig.measured("cuda"), pdl_rows=8, early_norms=8)
+    plain = _small(model, kernels=attrs.evolve(base, pdl_tiles=_early_tiles(model, False, vector)))
+    be = _small(model, kernels=attrs.evolve(base, pdl_tiles=_early_tiles(model, True, vector)))
+    cfg = model.config
+    assert be.kernels.pdl_tiles.tile_for(1, cfg.hidden_size, cfg.vocab_size).early == 1
     assert_same_steps(be, plain, PROMPTS)
 
 

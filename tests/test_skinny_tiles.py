@@ -22,6 +22,15 @@ def test_a_tile_reads_back_as_written_and_names_bad_input():
     assert Tile.parse(" 64n256k19s4w1p2av ") == Tile(64, 256, 19, 4, 1, 2, vector=1)
     assert str(Tile(16, 128, 1, 4, 1, vector=1)) == "16n128k1s4w1pv"
     assert not Tile.parse("64n128k4s4w3p").vector
+    assert Tile.parse("16n128k1s4w1pve") == Tile(16, 128, 1, 4, 1, 1, vector=1, early=1)
+    assert str(Tile(16, 128, 1, 4, 1, vector=1, early=1)) == "16n128k1s4w1pve"
+    assert not Tile.parse("16n128k1s4w1pv").early
+    assert Tile.parse("64n128k4s4w3p2ae") == Tile(64, 128, 4, 4, 3, 2, early=1)
+    assert str(Tile(64, 128, 4, 4, 3, early=1)) == "64n128k4s4w3pe"
+    for bad in ("16n128k1s4w1pvee", "16n128k1s4w1pev", "e"):
+        with pytest.raises(ValueError, match="expected") as err:
+            Tile.parse(bad)
+        assert repr(bad) in str(err.value)
     for bad, says in [("64n128k4s4w3pvv", "expected"), ("48n128k4s4w3pv", "block_n must be"),
                       ("v", "expected"), ("64n128k4s4w3p3av", "ahead must be a power"),
                       ("64n128k4s", "expected"), ("48n128k4s4w3p", "block_n must be a power"),
@@ -62,13 +71,15 @@ def test_the_table_picks_by_rows_and_falls_back_to_cublas():
     assert table.tile_for(48, 2048, 14336) is None  # measured: cuBLAS won at 64 rows
     assert table.tile_for(65, 2048, 14336) is None and table.tile_for(1, 2048, 2048) is None
     # What the GEMM op is handed: rows and the tile's fields per entry, zeros for cuBLAS.
-    assert table.scalars(2048, 14336) == [1, 64, 128, 1, 4, 3, 1, 0, 32, 64, 256, 2, 4, 5, 1, 0,
-                                          64, 0, 0, 0, 0, 0, 0, 0]
+    assert table.scalars(2048, 14336) == [1, 64, 128, 1, 4, 3, 1, 0, 0, 32, 64, 256, 2, 4, 5, 1,
+                                          0, 0, 64, 0, 0, 0, 0, 0, 0, 0, 0]
     vector = TileTable.read({"896,9728": [[8, "16n128k1s4w1pv"]]})
     assert tile_for(vector.scalars(896, 9728), 4) == Tile(16, 128, 1, 4, 1, vector=1)
+    early = TileTable.read({"896,9728": [[8, "16n128k1s4w1pve"]]})
+    assert tile_for(early.scalars(896, 9728), 4) == Tile(16, 128, 1, 4, 1, vector=1, early=1)
     ahead = TileTable.read({"896,896": [[8, "32n64k5s4w3p2a"]]})
     assert ahead.tile_for(8, 896, 896) == Tile(32, 64, 5, 4, 3, 2)
-    assert ahead.scalars(896, 896) == [8, 32, 64, 5, 4, 3, 2, 0]
+    assert ahead.scalars(896, 896) == [8, 32, 64, 5, 4, 3, 2, 0, 0]
     assert table.scalars(2048, 2048) == [] and table.shapes() == [(2048, 14336)]
 
 
