@@ -79,6 +79,11 @@ class AsyncTextStream:
         self._text: TextStream | None = None  # the pieces' decoder, from run()
         self._seen = 0  # tokens made into pieces
 
+    @property
+    def seen(self) -> int:
+        """The tokens made into the pieces read so far."""
+        return self._seen
+
     def listener(self, handle: Handle, token: int | None) -> None:
         """Runs on the decode thread. With the event loop closed nobody can
         read any more: the request is cancelled rather than left running."""

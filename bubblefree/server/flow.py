@@ -77,6 +77,7 @@ async def _collect(run: Run, stops: tuple[str, ...]) -> Text:
         async for piece in run.pieces:
             parts.append(stop.push(piece))
             if stop.stopped:
+                run.stop_seen()
                 break
     except RequestFailed as err:
         raise failure(err) from None

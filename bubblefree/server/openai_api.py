@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any, AsyncIterator, Callable
 
 import attrs
@@ -19,15 +20,16 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bubblefree.core import ImageRef
+from bubblefree.core import ImageRef, InvalidRequest
 from bubblefree.engine import RequestFailed
 from bubblefree.server import flow
 from bubblefree.server.body import Fields, each_object, read_json, sampling_params, valid_text
-from bubblefree.server.errors import ApiError, error_body
+from bubblefree.server.errors import ApiError, error_body, field_of
 from bubblefree.server.flow import ClientGone, Served
 from bubblefree.server.images import read_image
 from bubblefree.server.runs import Run, chat_prompt, finish_reason, run_prompt
 from bubblefree.server.stops import MAX_STOP_CHARS, StopText
+from bubblefree.skills.tokenizer import check_user_text
 
 ROLES = ("system", "user", "assistant")
 
@@ -50,8 +52,14 @@ def router(served: Served) -> APIRouter:
 
     @api.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": served.settings.model_name, "object": "model",
-                                            "created": 0, "owned_by": "bubblefree"}]}
+        return {"object": "list", "data": [_model(served)]}
+
+    @api.get("/models/{name:path}")
+    async def model(name: str) -> dict:
+        if name != served.settings.model_name:
+            raise ApiError(404, f"model: no model {name!r}; this server serves "
+                                f"{served.settings.model_name!r}", "model")
+        return _model(served)
 
     @api.post("/chat/completions")
     async def chat(request: Request) -> Response:
@@ -60,7 +68,7 @@ def router(served: Served) -> APIRouter:
         messages, image_in = _messages(body, images)
         # Off the event loop, as every tokenization here: a prompt of megabytes
         # (or a hundred thousand messages) takes seconds, and would hold up every client.
-        prompt = await asyncio.to_thread(chat_prompt, served.engine.skills.tokenizer, messages, image_in)
+        prompt = await asyncio.to_thread(_chat_ids, served.engine.skills.tokenizer, messages, image_in)
         ask = _ask(body, prompt)
         if len(images) > 1:
             where = images[1][0]
@@ -103,6 +111,26 @@ def _messages(body: Fields, images: list[tuple[str, Any]]) -> tuple[list[tuple[s
         if image_in is None and len(images) > had:
             image_in = len(out) - 1
     return out, image_in
+
+
+def _chat_ids(tokenizer: Any, messages: list[tuple[str, str]], image_in: int | None) -> list[int]:
+    """The conversation's prompt ids. The tokenizer's refusals name its
+    ``prompt``, a field a chat client never sent: here they name the
+    message that holds the text, or the conversation as a whole."""
+    for i, (_, text) in enumerate(messages):
+        _naming(f"messages[{i}].content", check_user_text, tokenizer, text)
+    return _naming("messages", chat_prompt, tokenizer, messages, image_in)
+
+
+def _naming(field: str, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, a refusal of its ``prompt`` renamed ``field``."""
+    try:
+        return call(*args)
+    except InvalidRequest as err:
+        message = str(err)
+        if field_of(message) != "prompt":
+            raise
+        raise ApiError(422, field + message[len("prompt"):], field) from None
 
 
 def _content(content: Any, where: str, images: list[tuple[str, Any]]) -> str:
@@ -187,14 +215,14 @@ async def _answer(served: Served, request: Request, ask: Ask, kind: str, choice:
     names = {"prompt": "messages"} if kind == "chat.completion" else None
     if ask.stream:
         run, ticket = await flow.start(served, begin, names)
-        head = _head(run, kind + (".chunk" if kind == "chat.completion" else ""), served)
+        head = _head(kind + (".chunk" if kind == "chat.completion" else ""), served)
         return flow.stream(served, run, ticket, _chunks(run, ask, head, choice),
                            lambda err: [error_body(err.status, err.message, err.param), "[DONE]"])
     try:
         done = await flow.complete(served, request, begin, ask.stops, names)
     except ClientGone:
         return flow.gone()
-    return JSONResponse({**_head(done.run, kind, served),
+    return JSONResponse({**_head(kind, served),
                          "choices": [choice(done.text, finish_reason(done.run, done.stopped), False)],
                          "usage": _usage(done.run)})
 
@@ -210,6 +238,7 @@ async def _chunks(run: Run, ask: Ask, head: dict, choice: Choice) -> AsyncIterat
             if text:
                 yield {**head, "choices": [choice(text, None, True)]}
             if stop.stopped:
+                run.stop_seen()
                 break
     except RequestFailed as err:
         failed = flow.failure(err)
@@ -226,9 +255,16 @@ async def _chunks(run: Run, ask: Ask, head: dict, choice: Choice) -> AsyncIterat
     yield "[DONE]"
 
 
-def _head(run: Run, kind: str, served: Served) -> dict:
+def _model(served: Served) -> dict:
+    return {"id": served.settings.model_name, "object": "model", "created": 0, "owned_by": "bubblefree"}
+
+
+def _head(kind: str, served: Served) -> dict:
+    # Random, not the engine's request id: that restarts at 0 with every
+    # engine, so replicas behind one address (or one server restarted)
+    # handed different answers the same id.
     prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
-    return {"id": f"{prefix}-{run.handle.request_id}", "object": kind, "created": int(time.time()),
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
             "model": served.settings.model_name}
 
 

@@ -25,6 +25,8 @@ from bubblefree.streams import AsyncTextStream
 class Run:
     handle: Handle
     pieces: AsyncIterator[str]
+    stream: AsyncTextStream | None = None  # what made ``pieces``
+    read: int | None = None  # tokens read when a stop string ended the text
 
     @property
     def prompt_tokens(self) -> int:
@@ -33,13 +35,21 @@ class Run:
     @property
     def completion_tokens(self) -> int:
         stop_ids = self.handle.request.stop_ids
-        return sum(1 for t in self.handle.tokens if t not in stop_ids)
+        tokens = self.handle.tokens if self.read is None else self.handle.tokens[:self.read]
+        return sum(1 for t in tokens if t not in stop_ids)
+
+    def stop_seen(self) -> None:
+        """A stop string ended the text. The tokens sampled after it, until
+        the cancel lands (more or fewer as the decode thread runs ahead), never
+        reach the client, so they are not counted."""
+        if self.stream is not None:
+            self.read = self.stream.seen
 
 
 async def run_skill(engine: Engine, skill: str, **args: Any) -> Run:
     stream = AsyncTextStream(asyncio.get_running_loop(), engine.skills.tokenizer)
     handle = await _submitted(lambda: engine.submit(skill, listener=stream.listener, **args))
-    return Run(handle, stream.run(handle))
+    return Run(handle, stream.run(handle), stream)
 
 
 async def _submitted(submit: Callable[[], Handle]) -> Handle:

@@ -1,0 +1,190 @@
+"""OpenAI's routes against what its clients rely on: a refusal that names
+the message a chat client sent (not the engine's ``prompt``), answer ids
+that no other server or restart repeats, ``GET /v1/models/{model}``, the
+event stream's framing and its last events, and a streaming client that
+leaves mid-answer."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from server_support import fake_engine, serving
+from small_tokenizer import small_bpe_tokenizer
+
+from bubblefree import Engine
+from bubblefree.core import Engine as CoreEngine
+from bubblefree.fake_backend import FakeBackend, FakeModel
+from bubblefree.skills import HFTokenizer, SkillSet
+
+CHAT = {"messages": [{"role": "user", "content": "what"}]}
+ANSWER_TEXT = "the cat sits on the mat ."
+
+
+def serves_on(url: str) -> None:
+    reply = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=20)
+    assert reply.status_code == 200, reply.text
+
+
+def bpe_engine() -> Engine:
+    """A text engine whose tokenizer is a real one, with special tokens a
+    message may spell."""
+    tokenizer = HFTokenizer.wrap(small_bpe_tokenizer())
+    core = CoreEngine(FakeBackend(model=FakeModel(vocab_size=len(tokenizer), eos_id=tokenizer.eos_id),
+                                  num_pages=64, max_rows=4, images=False, values=False))
+    return Engine(core, SkillSet(tokenizer, core.register_mask, codec=None).compile_all())
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    engine = bpe_engine()
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("messages,field", [
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a <|endoftext|> b"}],
+     "messages[1].content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "<|endof"}, {"type": "text", "text": "text|>"}]}],
+     "messages[0].content"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_message_spelling_a_special_token_is_refused_naming_that_message(bpe, messages, field, stream):
+    """The tokenizer's refusal named ``prompt``, a field no chat client
+    sends; a too-long conversation already named ``messages``."""
+    with serving(bpe) as url:
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=20,
+                           json={"messages": messages, "max_tokens": 4, "stream": stream})
+        assert reply.status_code == 422, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == field, error
+        assert error["message"].startswith(f"{field}: spells the model's special token '<|endoftext|>'"), error
+        serves_on(url)
+
+
+def _answer_ids(url: str) -> list[str]:
+    chat = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=20).json()
+    text = httpx.post(f"{url}/v1/completions", json={"prompt": "a"}, timeout=20).json()
+    return [chat["id"], text["id"]]
+
+
+def test_answer_ids_are_not_repeated_by_another_server_or_a_restart():
+    """The engine's request ids restart at 0 with every engine: two
+    replicas behind one address (or a server restarted) gave different
+    answers the same id."""
+    seen = []
+    for _ in range(2):
+        engine = fake_engine()
+        try:
+            with serving(engine) as url:
+                seen += _answer_ids(url)
+        finally:
+            engine.close()
+    assert len(set(seen)) == len(seen), seen
+    assert all(i.startswith("chatcmpl-") for i in seen[::2]) and all(i.startswith("cmpl-") for i in seen[1::2])
+
+
+@pytest.fixture(scope="module")
+def url():
+    engine = fake_engine()
+    with serving(engine, model_name="org/model-1") as base:
+        yield base
+    engine.close()
+
+
+def test_a_model_is_retrieved_by_its_name_and_another_name_is_a_404_naming_model(url):
+    oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=20)
+    model = oa.models.retrieve("org/model-1")
+    assert (model.id, model.object, model.owned_by) == ("org/model-1", "model", "bubblefree")
+    assert httpx.get(f"{url}/v1/models/org/model-1").json() == httpx.get(f"{url}/v1/models").json()["data"][0]
+    with pytest.raises(openai.NotFoundError) as caught:
+        oa.models.retrieve("gpt-4")
+    assert caught.value.body["param"] == "model"
+    assert caught.value.body["message"] == "model: no model 'gpt-4'; this server serves 'org/model-1'"
+    serves_on(url)
+
+
+def events(reply: httpx.Response) -> list[str]:
+    """The stream's events' data, once each is checked to be one ``data:``
+    line closed by a blank line."""
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    assert reply.text.endswith("\n\n")
+    blocks = reply.text[:-2].split("\n\n")
+    assert all(b.startswith("data: ") and "\n" not in b for b in blocks), blocks
+    return [b.removeprefix("data: ") for b in blocks]
+
+
+@pytest.mark.parametrize("route,body,kind", [
+    ("/v1/chat/completions", CHAT, "chat.completion.chunk"),
+    ("/v1/completions", {"prompt": "a"}, "text_completion"),
+])
+def test_a_stream_is_framed_ends_with_usage_then_done_and_agrees_with_the_whole_answer(url, route, body, kind):
+    whole = httpx.post(url + route, json=body, timeout=20).json()
+    data = events(httpx.post(url + route, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                             timeout=20))
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]} and chunks[0]["id"] != whole["id"]
+    assert {(c["object"], c["model"]) for c in chunks} == {(kind, "org/model-1")}
+    *answer, usage = chunks
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    choices = [c["choices"][0] for c in answer]
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["stop"]
+    if kind == "chat.completion.chunk":
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["delta"]["content"] for c in choices)
+    else:
+        text = "".join(c["text"] for c in choices)
+    assert text == ANSWER_TEXT == (whole["choices"][0].get("text") or whole["choices"][0]["message"]["content"])
+
+
+def test_a_chat_stream_whose_client_leaves_is_cancelled_and_the_server_serves_on():
+    engine = fake_engine(script=("cat",), endless=True, delay_s=0.01)
+    try:
+        with serving(engine) as base:
+            def stats() -> dict:
+                return httpx.get(f"{base}/v1/stats", timeout=10).json()
+
+            with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=20,
+                              json={**CHAT, "max_tokens": 200, "stream": True}) as reply:
+                lines = reply.iter_lines()
+                assert next(lines).startswith("data: ")
+                assert stats()["live_requests"] == 1
+            deadline = time.monotonic() + 5  # far less than 200 tokens' 2 s
+            while stats()["live_requests"] or stats()["kv_pages"]["free"] != stats()["kv_pages"]["total"]:
+                assert time.monotonic() < deadline, stats()
+                time.sleep(0.02)
+            reply = httpx.post(f"{base}/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=20)
+            assert reply.json()["choices"][0]["message"]["content"] == "cat cat"
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.01])
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_after_a_stop_string_counts_the_tokens_read_up_to_it(delay_s, stream):
+    """The tokens sampled after a stop string, until its cancel lands, never
+    reach the client. Usage counted them too: 7 tokens for a text of 3, more
+    or fewer as the decode thread ran ahead of the reader."""
+    engine = fake_engine(delay_s=delay_s)
+    try:
+        with serving(engine) as base:
+            body = {"prompt": "a", "stop": "sits", "stream": stream,
+                    **({"stream_options": {"include_usage": True}} if stream else {})}
+            reply = httpx.post(f"{base}/v1/completions", json=body, timeout=20)
+            if stream:
+                chunks = [json.loads(d) for d in events(reply)[:-1]]
+                text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+                usage = chunks[-1]["usage"]
+            else:
+                text, usage = reply.json()["choices"][0]["text"], reply.json()["usage"]
+            assert text == "the cat "
+            # One token a word: "the", "cat" and "sits", whose text the stop held back.
+            assert usage["completion_tokens"] == 3, usage
+            assert usage["total_tokens"] == usage["prompt_tokens"] + 3
+            serves_on(base)
+    finally:
+        engine.close()
