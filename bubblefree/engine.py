@@ -108,7 +108,7 @@ class Engine(SkillCalls):
         first (one bad call refuses them all, naming it), then handed to the
         decode thread together, so they share their first prefill."""
         items = []
-        for i, call in enumerate(calls):
+        for i, call in enumerate(_calls(calls)):
             if not (isinstance(call, (tuple, list)) and len(call) == 2 and isinstance(call[1], Mapping)):
                 raise InvalidRequest(f"calls[{i}]: must be a (skill, arguments) pair with the arguments a "
                                      f"mapping, got {call!r:.80}")
@@ -232,6 +232,16 @@ class Engine(SkillCalls):
 
 # What ``_request`` hands ``SkillSet.request`` itself, besides the skill's name.
 ENGINE_SETS = frozenset({"name", "max_context", "max_positions"})
+
+
+def _calls(calls: Any) -> Iterable:
+    # Not iterable (None, a lone call's skill name as an int...): named as
+    # the other malformed calls are, an ``InvalidRequest``, not a bare TypeError.
+    try:
+        return iter(calls)
+    except TypeError:
+        raise InvalidRequest(f"calls: must be an iterable of (skill, arguments) pairs, got "
+                             f"{type(calls).__name__}") from None
 
 
 def _check_listener(listener: Any) -> None:

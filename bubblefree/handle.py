@@ -12,7 +12,6 @@ raises ``RuntimeError`` at once instead of deadlocking.
 
 from __future__ import annotations
 
-import math
 import numbers
 import threading
 from typing import TYPE_CHECKING, Any, Iterator
@@ -35,13 +34,19 @@ class RequestFailed(RuntimeError):
 def wait_seconds(timeout: Any) -> float | None:
     """A wait's ``timeout`` as the locks take it: None (no limit) or seconds
     >= 0; infinity is no limit. A clear ``ValueError`` for anything else: a
-    NaN never times out, so a wait on it would spin on the handle's lock."""
+    NaN never times out, so a wait on it would spin on the handle's lock.
+    Beyond what a lock can time (``threading.TIMEOUT_MAX``, some 292 years)
+    is no limit too: a lock refuses a longer wait with ``OverflowError``."""
     if timeout is None:
         return None
+    # NaN is the one number unequal to itself; math.isnan would first make an
+    # int a float, which overflows for an int past any float.
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
-            or math.isnan(timeout) or timeout < 0:
+            or timeout != timeout or timeout < 0:
         raise ValueError(f"timeout: seconds >= 0 or None, not {timeout!r}")
-    return None if math.isinf(timeout) else float(timeout)
+    # Half the lock's limit: the condition re-derives what is left from a
+    # clock, which may round a wait near the limit just past it.
+    return None if timeout > threading.TIMEOUT_MAX / 2 else float(timeout)
 
 
 class Handle:

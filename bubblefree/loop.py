@@ -242,10 +242,17 @@ class ServingLoop:
             self.core.abort(reason)
         except BaseException:  # noqa: BLE001 - the core is broken; end the handles directly
             pass
-        self._end_stragglers(reason)
+        try:
+            self._end_stragglers(reason)
+        except (KeyboardInterrupt, SystemExit):  # the engine is stopping already, its first error named
+            pass
 
     def _end_stragglers(self, reason: str, handles=None) -> None:
-        """I7 at the edge: a handle the core could not end gets its Result here."""
+        """I7 at the edge: a handle the core could not end gets its Result here.
+        A listener asking the process to stop is obeyed only once every
+        straggler has ended and been told: raised at once, it left the rest,
+        and whoever waited on them, waiting for ever."""
+        stop: BaseException | None = None
         for handle in list(self._live.values()) if handles is None else handles:
             self._live.pop(handle.request_id, None)
             listener = self._listeners.pop(handle.request_id, None)
@@ -256,7 +263,9 @@ class ServingLoop:
                 if listener is not None:  # its end, as the core would have told it
                     try:
                         listener(handle, None)
-                    except (KeyboardInterrupt, SystemExit):
-                        raise
+                    except (KeyboardInterrupt, SystemExit) as err:
+                        stop = stop or err
                     except BaseException:  # noqa: BLE001 - the request has ended; nothing more to fail
                         pass
+        if stop is not None:
+            raise stop

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 import attrs
+import pytest
 
 from bubblefree import Engine
 from bubblefree.core import Engine as CoreEngine
@@ -209,3 +210,28 @@ ODD = BUILTIN.with_skill(
     OddQuery(name="bool_mask", mask=True),
     OddQuery(name="raising_skill", odd=_divide_by_zero),
 )
+
+
+# Fixtures for the files that import them: a plain engine, and one whose
+# decode thread holds at the gate word until the test opens the gate.
+GATED = "is the sky blue"  # holds the gate word
+
+
+@pytest.fixture
+def engine():
+    eng = make_engine()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def gate():
+    return Gate()
+
+
+@pytest.fixture
+def gated(gate):
+    eng = make_engine(gate=gate)
+    yield eng
+    gate.open()
+    eng.close()

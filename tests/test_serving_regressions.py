@@ -23,30 +23,9 @@ from bubblefree.core import Engine as CoreEngine
 from bubblefree.core import Request
 from bubblefree.fake_backend import FakeBackend
 from bubblefree.skills.registry import BUILTIN
-from tests.serving_world import (ODD, WAIT, Ends, Gate, OddQuery, Unprintable, assert_serves, idle,
-                                 make_engine, question_of, reference, wait_idle, wait_until)
-
-GATED = "is the sky blue"  # holds the gate word
-
-
-@pytest.fixture
-def engine():
-    eng = make_engine()
-    yield eng
-    eng.close()
-
-
-@pytest.fixture
-def gate():
-    return Gate()
-
-
-@pytest.fixture
-def gated(gate):
-    eng = make_engine(gate=gate)
-    yield eng
-    gate.open()
-    eng.close()
+from tests.serving_world import (GATED, ODD, WAIT, Ends, Gate, OddQuery, Unprintable,  # noqa: F401
+                                 assert_serves, engine, gate, gated, idle, make_engine,  # (fixtures)
+                                 question_of, reference, wait_idle, wait_until)
 
 
 def last_end(engine: Engine) -> tuple:
