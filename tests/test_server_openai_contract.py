@@ -188,3 +188,40 @@ def test_usage_after_a_stop_string_counts_the_tokens_read_up_to_it(delay_s, stre
             serves_on(base)
     finally:
         engine.close()
+
+
+def test_a_developer_message_is_the_system_turn(url):
+    """Newer OpenAI clients send their instructions as ``developer``; it was
+    refused as an unknown role."""
+    def prompt_tokens(role: str) -> int:
+        messages = [{"role": role, "content": "answer briefly"}, *CHAT["messages"]]
+        reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages}, timeout=20)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens("developer") == prompt_tokens("system")
+
+
+@pytest.mark.parametrize("route,fields", [
+    ("/v1/chat/completions", {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False}),
+    ("/v1/chat/completions", {"presence_penalty": None, "logprobs": None}),
+    ("/v1/completions", {"frequency_penalty": 0, "logprobs": 0}),
+])
+def test_fields_clients_send_at_values_that_change_nothing_are_taken(url, route, fields):
+    body = CHAT if route == "/v1/chat/completions" else {"prompt": "a"}
+    reply = httpx.post(url + route, json={**body, **fields}, timeout=20)
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("presence_penalty", 0.5, "this server applies no penalty: only 0, got 0.5"),
+    ("frequency_penalty", "0", "this server applies no penalty: only 0, got '0'"),
+    ("presence_penalty", False, "this server applies no penalty: only 0, got False"),
+    ("logprobs", True, "this server gives no log probabilities"),
+    ("logprobs", 2, "this server gives no log probabilities"),
+])
+def test_those_fields_at_any_other_value_are_refused_naming_them(url, field, value, says):
+    reply = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, field: value}, timeout=20)
+    assert reply.status_code == 422, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}: {says}"), error
+    serves_on(url)

@@ -31,7 +31,10 @@ from bubblefree.server.runs import Run, chat_prompt, finish_reason, run_prompt
 from bubblefree.server.stops import MAX_STOP_CHARS, StopText
 from bubblefree.skills.tokenizer import check_user_text
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
+# Newer OpenAI clients send their instructions as "developer": to a chat
+# template, which knows no such role, they are the system turn.
+AS_ROLE = {"developer": "system"}
 
 
 @attrs.frozen
@@ -107,7 +110,7 @@ def _messages(body: Fields, images: list[tuple[str, Any]]) -> tuple[list[tuple[s
         fields.text("name", None)
         fields.done()
         had = len(images)
-        out.append((role, _content(content, where, images)))
+        out.append((AS_ROLE.get(role, role), _content(content, where, images)))
         if image_in is None and len(images) > had:
             image_in = len(out) - 1
     return out, image_in
@@ -171,6 +174,7 @@ def _ask(body: Fields, prompt: list[int]) -> Ask:
     if seed is not None:
         values["seed"] = seed
     stops = _stops(body)
+    _neutral(body)
     stream = body.flag("stream")
     options = body.nested("stream_options")
     include_usage = options.flag("include_usage") if options is not None else False
@@ -178,6 +182,23 @@ def _ask(body: Fields, prompt: list[int]) -> Ask:
         options.done()
     body.done()
     return Ask(prompt, max_tokens, sampling_params(values, ""), stops, stream, include_usage)
+
+
+def _neutral(body: Fields) -> None:
+    """Fields some clients send on every request at values that change
+    nothing: taken absent, null or at those values, refused naming them at
+    any other (this server applies no penalty and gives no log
+    probabilities; a completions request's ``logprobs`` is a count)."""
+    for field in ("presence_penalty", "frequency_penalty"):
+        value = body.raw(field)
+        if value is not Fields.MISSING and value is not None \
+                and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != 0):
+            raise body.refuse(field, f"this server applies no penalty: only 0, got {value!r:.40}")
+    value = body.raw("logprobs")
+    if value is not Fields.MISSING and value is not None and value is not False \
+            and not (type(value) is int and value == 0):
+        raise body.refuse("logprobs", f"this server gives no log probabilities: only false (0 on "
+                                      f"completions), got {value!r:.40}")
 
 
 def _stops(body: Fields) -> tuple[str, ...]:
