@@ -60,10 +60,11 @@ def test_attention_reads_every_key_and_value_of_the_context():
        how=st.sampled_from(rc.SUMMED + rc.HOLDING))
 def test_a_launch_covers_every_word_once_with_no_empty_program(words, how):
     programs, share = how.grid(words)
-    assert 1 <= programs <= (how.programs or programs)
-    assert share % rc.ALIGN == 0
-    if not how.programs:  # a held share is one load
-        assert share == how.block
+    assert programs >= 1 and share % rc.ALIGN == 0
+    if how.programs:  # summed: at most the launch's programs
+        assert programs <= how.programs
+    else:  # held: one load a program, as many programs as that takes
+        assert share == how.block and programs == -(-words // how.block)
     assert programs * share >= words > (programs - 1) * share
 
 

@@ -29,7 +29,6 @@ from bubblefree.server.flow import ClientGone, Served
 from bubblefree.server.images import read_image
 from bubblefree.server.runs import Run, chat_prompt, finish_reason, run_prompt
 from bubblefree.server.stops import MAX_STOP_CHARS, StopText
-from bubblefree.skills.tokenizer import check_user_text
 
 ROLES = ("system", "developer", "user", "assistant")
 # Newer OpenAI clients send their instructions as "developer": to a chat
@@ -117,23 +116,16 @@ def _messages(body: Fields, images: list[tuple[str, Any]]) -> tuple[list[tuple[s
 
 
 def _chat_ids(tokenizer: Any, messages: list[tuple[str, str]], image_in: int | None) -> list[int]:
-    """The conversation's prompt ids. The tokenizer's refusals name its
-    ``prompt``, a field a chat client never sent: here they name the
-    message that holds the text, or the conversation as a whole."""
-    for i, (_, text) in enumerate(messages):
-        _naming(f"messages[{i}].content", check_user_text, tokenizer, text)
-    return _naming("messages", chat_prompt, tokenizer, messages, image_in)
-
-
-def _naming(field: str, call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)``, a refusal of its ``prompt`` renamed ``field``."""
+    """The conversation's prompt ids (a message spelling a special token is
+    refused naming it); the template's other refusals of its ``prompt``, a
+    field a chat client never sent, name the conversation."""
     try:
-        return call(*args)
+        return chat_prompt(tokenizer, messages, image_in)
     except InvalidRequest as err:
         message = str(err)
         if field_of(message) != "prompt":
             raise
-        raise ApiError(422, field + message[len("prompt"):], field) from None
+        raise ApiError(422, "messages" + message[len("prompt"):], "messages") from None
 
 
 def _content(content: Any, where: str, images: list[tuple[str, Any]]) -> str:

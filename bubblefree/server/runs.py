@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable
 
 import attrs
 
-from bubblefree.core import ImageRef, SamplingParams
+from bubblefree.core import ImageRef, InvalidRequest, SamplingParams
 from bubblefree.engine import Engine
 from bubblefree.handle import Handle
 from bubblefree.skills.templates import templates_of
@@ -87,8 +87,8 @@ def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]], image_in: int |
     Question/Answer frame the skills use. On a vision-language model with a
     chat template (``image_turn``), message ``image_in`` holds the image
     and the ids are those after it (its prefix holds the ones before)."""
-    for _, content in messages:  # what every turn's text may not spell (HFTokenizer.check_user_text)
-        check_user_text(tokenizer, content)
+    for i, (_, content) in enumerate(messages):  # what no turn may spell (HFTokenizer.check_user_text)
+        _check_turn(tokenizer, content, f"messages[{i}].content")
     turn = getattr(tokenizer, "image_turn", None)
     if turn is not None:
         ids = tokenizer.chat([{"role": r, "content": ([{"type": "image"}] if i == image_in else [])
@@ -116,6 +116,18 @@ def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]], image_in: int |
     turns = {"system": "{}", "user": "\n\nQuestion: {}", "assistant": "\n\nAnswer: {}"}
     frame = "".join(turns[role].format(text) for role, text in messages) + "\n\nAnswer:"
     return tokenizer.encode(frame)
+
+
+def _check_turn(tokenizer: Any, text: str, field: str) -> None:
+    """The tokenizer's refusal names ``prompt``, a field no chat client
+    sends: here it names the message that holds the text."""
+    try:
+        check_user_text(tokenizer, text)
+    except InvalidRequest as err:
+        message = str(err)
+        if not message.startswith("prompt:"):
+            raise
+        raise InvalidRequest(field + message[len("prompt"):]) from None
 
 
 def finish_reason(run: Run, stopped: bool) -> str:
