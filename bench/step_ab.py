@@ -13,7 +13,9 @@ A variant is ``base`` (the defaults measured for the GPU and the shape:
 ``sample_ahead=0``: the captured step without its tokens sampled ahead), counts of
 the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``) and ``K,N=TILE``
 entries that replace the dependent-launch step's tile for the GEMM of that
-weight shape (``KernelConfig.pdl_tiles``) in every bucket it runs. A q, k, v tile that
+weight shape (``KernelConfig.pdl_tiles``) in every bucket it runs; ``K,N:R=TILE``
+only in the buckets of more than R rows, the defaults' tiles kept up to R
+(``896,1152:1=32n128k4s4w3pe``: all but the one-row bucket). A q, k, v tile that
 cuts K hands its sums to the attention kernels (``pdl_step.project_attend``).
 A variant that fails (a tile the GPU cannot launch) is reported and skipped.
 Each is timed as ``bench.profile_step`` times a captured step (GPU ms by
@@ -61,10 +63,12 @@ def variant(default: KernelConfig, text: str) -> KernelConfig:
                 raise ValueError(f"variant {text!r}: {shape} is {what}, not {tile!r}")
             (fields if shape in ROW_FIELDS else dispatch)[shape] = int(tile)
             continue
+        shape, colon, above = shape.partition(":")
         k, _, n = shape.partition(",")
-        if not (k.strip().isdigit() and n.strip().isdigit() and tile):
-            raise ValueError(f"variant {text!r}: {item!r} is not K,N=TILE (e.g. "
-                             "2048,3072=64n256k4s4w3p) nor FIELD=ROWS")
+        if not (k.strip().isdigit() and n.strip().isdigit() and tile) or (
+                colon and not above.isdigit()):
+            raise ValueError(f"variant {text!r}: {item!r} is not K,N=TILE nor K,N:ROWS=TILE "
+                             "(e.g. 2048,3072=64n256k4s4w3p) nor FIELD=ROWS")
         if not default.pdl_rows:
             raise ValueError(f"variant {text!r}: this GPU and shape run no dependent-launch "
                              "step (KernelConfig.pdl_rows is 0), so its tiles change nothing")
@@ -75,7 +79,17 @@ def variant(default: KernelConfig, text: str) -> KernelConfig:
         if not parsed.fits(int(k)):
             raise ValueError(f"variant {text!r}: {tile} does not cut K={k} into whole steps of "
                              f"{parsed.block_k}, at least {parsed.ahead} a slice")
-        entries[int(k), int(n)] = ((default.pdl_rows, parsed),)
+        kept = ()
+        if colon:
+            if int(above) >= default.pdl_rows:
+                raise ValueError(f"variant {text!r}: {item!r} sets no bucket: the dependent "
+                                 f"step runs up to {default.pdl_rows} rows")
+            now = entries.get((int(k), int(n)), ())
+            kept = tuple(e for e in now if e[0] <= int(above))
+            if not kept or kept[-1][0] < int(above):  # rows up to R keep what they ran
+                ran = TileTable({(int(k), int(n)): now}).tile_for(int(above), int(k), int(n))
+                kept += ((int(above), ran),)
+        entries[int(k), int(n)] = kept + ((default.pdl_rows, parsed),)
     try:
         chosen = attrs.evolve(default.dispatch, **dispatch)
     except ValueError as err:

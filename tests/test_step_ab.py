@@ -99,3 +99,25 @@ def test_a_variant_sets_the_split_kernels_launch_and_nothing_else():
                       ("split_warps=x", "split_warps is a count")]:
         with pytest.raises(ValueError, match=re.escape(f"variant {bad!r}: {says}")):
             variant(default, bad)
+
+
+def test_a_variant_above_some_rows_keeps_the_tiles_up_to_them():
+    default = h200()
+    got = variant(default, "2048,2048:1=64n256k8s4w3pe")
+    assert got.pdl_tiles.tile_for(1, 2048, 2048) == default.pdl_tiles.tile_for(1, 2048, 2048)
+    for rows in (2, 4, 8):
+        assert got.pdl_tiles.tile_for(rows, 2048, 2048) == Tile.parse("64n256k8s4w3pe")
+    # rows up to R that the defaults cover with a wider entry keep its tile
+    wide = variant(default, "8192,2048:4=32n256k8s4w3p")
+    for rows in (1, 2, 4):
+        assert wide.pdl_tiles.tile_for(rows, 8192, 2048) == default.pdl_tiles.tile_for(rows, 8192, 2048)
+    assert wide.pdl_tiles.tile_for(8, 8192, 2048) == Tile(32, 256, 8, 4, 3)
+    # items apply in order: every bucket first, then all but the first
+    both = variant(default, "2048,2048=128n256k8s4w3p+2048,2048:1=32n256k8s4w3p")
+    assert both.pdl_tiles.tile_for(1, 2048, 2048) == Tile(128, 256, 8, 4, 3)
+    assert both.pdl_tiles.tile_for(2, 2048, 2048) == Tile(32, 256, 8, 4, 3)
+    for bad, says in [("2048,2048:8=32n256k8s4w3p", "sets no bucket"),
+                      ("2048,2048:x=32n256k8s4w3p", "is not K,N=TILE nor K,N:ROWS=TILE"),
+                      ("2048,2048:=32n256k8s4w3p", "is not K,N=TILE nor K,N:ROWS=TILE")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            variant(default, bad)
