@@ -386,21 +386,26 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             # At one row, it and gate and up and down let the next kernel launch
             # before they load and wait (``Tile.early``; 0.571 -> 0.550 ms a
             # step: docs/runs/held-2026-12-03.txt).
-            (896, 1152): ((1, Tile(16, 128, 4, 4, 1, vector=1, early=1)),
-                          (2, Tile(16, 128, 4, 4, 1, vector=1)), (8, Tile(32, 128, 4, 4, 3))),
+            # From two rows every GEMM, the head included, in the MMA form lets
+            # the next kernel launch before it loads and waits (0.598, 0.631,
+            # 0.656 -> 0.588, 0.608, 0.626 ms a step at 2, 4, 8 rows), and
+            # q, k, v at two rows in the vector form too (0.586 -> 0.578):
+            # docs/runs/held-2026-12-03b.txt.
+            (896, 1152): ((2, Tile(16, 128, 4, 4, 1, vector=1, early=1)),
+                          (8, Tile(32, 128, 4, 4, 3, early=1))),
             # o and down: slices of K that need not divide it (down's 38 steps of
             # 128 in 8 slices of 4 and 5), timed with the norm that adds them.
             # o, sums; at one row combining the split kernel's states (o_combines),
             # in one slice a head, 64 columns a program (0.600 and 0.604 ms a
             # step against 0.606 and 0.610 with 32, in two calls: performance.md)
-            (896, 896): ((1, Tile(64, 64, 14, 4, 3)), (8, Tile(32, 128, 4, 4, 3))),
+            (896, 896): ((1, Tile(64, 64, 14, 4, 3)), (8, Tile(32, 128, 4, 4, 3, early=1))),
             # gate and up, silu(gate) * up
             (896, 9728): ((1, Tile(8, 128, 1, 4, 1, vector=1, early=1)),
-                          (8, Tile(32, 128, 1, 4, 3))),
+                          (8, Tile(32, 128, 1, 4, 3, early=1))),
             # down, sums; each slice's first four steps read before the wait
             (4864, 896): ((1, Tile(64, 256, 19, 4, 1, vector=1, early=1)),
-                          (8, Tile(32, 128, 8, 4, 3, 4))),
-            (896, 151936): ((8, Tile(64, 128, 1, 4, 3)),),  # head
+                          (8, Tile(32, 128, 8, 4, 3, 4, early=1))),
+            (896, 151936): ((1, Tile(64, 128, 1, 4, 3)), (8, Tile(64, 128, 1, 4, 3, early=1))),  # head
         }), 0, 1, 8, 0),
     }),
 })
