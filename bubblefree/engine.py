@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
+from bubblefree.call_checks import check_listener, each_call, lone, named
 from bubblefree.calls import SkillCalls
 from bubblefree.core import Engine as CoreEngine
-from bubblefree.core import InvalidRequest, SamplingParams
+from bubblefree.core import InvalidRequest, Request, SamplingParams
 from bubblefree.encoded import EncodedImage, ImageIntake
 from bubblefree.handle import Handle, RequestFailed
 from bubblefree.images import DEFAULT_MAX_PIXELS
-from bubblefree.loop import EngineStopped, ServingLoop
+from bubblefree.loop import EngineStopped, Listener, ServingLoop
 from bubblefree.skills import SkillSet
 from bubblefree.streams import AsyncPieces, AsyncTextStream, TextPieces
 
@@ -100,30 +100,47 @@ class Engine(SkillCalls):
         (but ``KeyboardInterrupt`` and ``SystemExit``, which stop the engine,
         every request failing with it named). A live Handle keeps its engine
         serving until the request ends, however the engine is referenced."""
-        return self.submit_many([(skill, dict(args, sampling=sampling, max_tokens=max_tokens,
-                                              listener=listener))])[0]
+        args = dict(args, sampling=sampling, max_tokens=max_tokens, listener=listener)
+        try:
+            return self.submit_many([(skill, args)])[0]  # the one door every request goes through
+        except InvalidRequest as err:
+            raise lone(err) from None
 
     def submit_many(self, calls: Iterable[tuple[str, dict[str, Any]]]) -> list[Handle]:
         """``submit`` for several ``(skill, arguments)`` at once: all are checked
-        first (one bad call refuses them all, naming it), then handed to the
-        decode thread together, so they share their first prefill."""
-        items = []
-        for i, call in enumerate(_calls(calls)):
-            if not (isinstance(call, (tuple, list)) and len(call) == 2 and isinstance(call[1], Mapping)):
-                raise InvalidRequest(f"calls[{i}]: must be a (skill, arguments) pair with the arguments a "
-                                     f"mapping, got {call!r:.80}")
-            skill, args = call
-            args = dict(args)
-            for key in args:
-                if not isinstance(key, str):
-                    raise InvalidRequest(f"calls[{i}]: argument names must be strings, got {key!r:.80}")
-            listener, sampling = args.pop("listener", None), args.pop("sampling", None)
-            _check_listener(listener)
-            items.append((self._request(skill, SamplingParams.of(sampling), args), listener))
-        handles = self.loop.submit_all(items)
+        first (one bad call refuses them all, naming it, ``calls[2].question:
+        ...``; none of them is submitted), then handed to the decode thread
+        together, so they share their first prefill."""
+        items = [self._call_item(i, call) for i, call in enumerate(each_call(calls))]
+        handles = self.loop.submit_all(items)  # validates all before accepting any
         for handle in handles:
             handle._keep_until_done(self)  # the engine closes when collected; not under a live request
         return handles
+
+    def _call_item(self, i: int, call: Any) -> tuple[Request, Listener | None]:
+        """``submit_many``'s call ``i`` checked whole, every refusal named
+        ``calls[i]``: in a batch a bare ``question: ...`` names no call."""
+        if not (isinstance(call, (tuple, list)) and len(call) == 2 and isinstance(call[1], Mapping)):
+            raise InvalidRequest(f"calls[{i}]: must be a (skill, arguments) pair with the arguments a "
+                                 f"mapping, got {call!r:.80}")
+        skill, args = call
+        for key in args:
+            if not isinstance(key, str):
+                raise InvalidRequest(f"calls[{i}]: argument names must be strings, got {key!r:.80}")
+        try:
+            item = self._item(skill, dict(args))
+            # The core's checks, here to be named; ``submit_all`` repeats
+            # them (pure and cheap), unnamed, for its own callers.
+            self.core.validate(item[0])
+        except InvalidRequest as err:  # its cause: what ``submit`` raises for a lone call
+            raise InvalidRequest(named(i, err)) from err
+        return item
+
+    def _item(self, skill: str, args: dict[str, Any]) -> tuple[Request, Listener | None]:
+        """One call's ``(request, listener)``, its arguments checked; ``args`` is consumed."""
+        listener, sampling = args.pop("listener", None), args.pop("sampling", None)
+        check_listener(listener)
+        return self._request(skill, SamplingParams.of(sampling), args), listener
 
     def _request(self, skill: str, sampling: SamplingParams, args: dict[str, Any]):
         # The engine's own keywords to the skill set: a caller's would collide.
@@ -234,29 +251,11 @@ class Engine(SkillCalls):
 ENGINE_SETS = frozenset({"name", "max_context", "max_positions"})
 
 
-def _calls(calls: Any) -> Iterable:
-    # Not iterable (None, a lone call's skill name as an int...): named as
-    # the other malformed calls are, an ``InvalidRequest``, not a bare TypeError.
-    try:
-        return iter(calls)
-    except TypeError:
-        raise InvalidRequest(f"calls: must be an iterable of (skill, arguments) pairs, got "
-                             f"{type(calls).__name__}") from None
-
-
-def _check_listener(listener: Any) -> None:
-    if listener is not None and not callable(listener):
-        raise InvalidRequest(f"listener: must be callable, got {type(listener).__name__}")
-    if inspect.iscoroutinefunction(listener):
-        raise InvalidRequest("listener: must be a plain function; an async one would never run "
-                             "(the decode thread calls it and awaits nothing)")
-
-
 def _chained(ours: Callable, theirs: Callable | None) -> Callable:
     """Our listener, then the caller's own (``listener=`` is accepted by the
     asyncio calls too); ours never raises, so theirs raising fails the request
     as it would anywhere else."""
-    _check_listener(theirs)
+    check_listener(theirs)
     if theirs is None:
         return ours
 

@@ -8,18 +8,42 @@ event loop is gone. Both raise ``RequestFailed`` at the end when the
 request was cancelled or failed: a cut answer never passes for a whole
 one, also when it is read on after a close or an interrupted read (the
 rest of what was committed, then ``RequestFailed``).
+
+One reader at a time: a read begun while another thread (task) is inside
+one raises ``RuntimeError`` at once and touches nothing, so the misuse
+neither cancels the first reader's request nor takes its pieces.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import weakref
 from typing import Any, AsyncIterator, Iterator
 
 from bubblefree.core import Status
 from bubblefree.handle import Handle, RequestFailed
 from bubblefree.skills import TextStream
+
+
+class OneReader:
+    """Held for the length of one read (a ``with`` block). The reads that
+    would collide are refused here, before the stream's own error handling
+    sees them: that handling takes any error for its reader's own, and cancels
+    the request, which would cut the answer of the reader already inside."""
+
+    def __init__(self, reader: str):
+        self._lock = threading.Lock()  # threads and event loops alike
+        self._reader = reader  # "thread" or "task", for the message
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"stream: already being read by another {self._reader}; read a stream "
+                               f"from one {self._reader} at a time (this read took nothing)")
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
 
 
 class TextPieces:
@@ -32,11 +56,16 @@ class TextPieces:
         self._cancel = weakref.finalize(self, handle.cancel)
         self._failed: RequestFailed | None = None  # raised again on every later read
         self._seen = 0  # tokens read
+        self._reading = OneReader("thread")
 
     def __iter__(self) -> "TextPieces":
         return self
 
     def __next__(self) -> str:
+        with self._reading:
+            return self._next()
+
+    def _next(self) -> str:
         if self._failed is not None:
             raise self._failed
         try:
@@ -141,11 +170,16 @@ class AsyncPieces:
         self._pieces: AsyncIterator[str] = stream.run(handle)
         self._cancel = weakref.finalize(self, handle.cancel)
         self._failed: RequestFailed | None = None  # raised again on every later read
+        self._reading = OneReader("task")
 
     def __aiter__(self) -> "AsyncPieces":
         return self
 
     async def __anext__(self) -> str:
+        with self._reading:
+            return await self._next()
+
+    async def _next(self) -> str:
         if self._failed is not None:
             raise self._failed
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 
 import numpy as np
 import pytest
@@ -196,6 +197,44 @@ def test_submit_many_refuses_a_malformed_call_naming_it(engine, calls):
     with pytest.raises(InvalidRequest, match=r"^calls\[\d\]: must be a \(skill, arguments\) pair"):
         engine.submit_many(calls)
     assert_serves(engine)
+
+
+@pytest.mark.parametrize("bad,field", [
+    (dict(question=""), "question"),  # the skill's own check
+    (dict(question="a dog", colour="red"), "colour"),
+    (dict(question="a dog", max_tokens=10**6), "max_tokens"),
+    (dict(question="a dog", sampling={"temperature": -1}), "sampling.temperature"),
+    (dict(question="a dog", listener=3), "listener"),
+], ids=["empty-question", "unknown-argument", "max-tokens", "sampling", "listener"])
+def test_submit_many_names_the_refused_call_and_submits_none(engine, bad, field):
+    """A call's own refusal said ``question: must not be empty``: in a batch
+    that names no call. It names ``calls[i]`` now, and the batch stays all
+    or nothing: the good calls before it were not submitted either."""
+    heard = []
+    good = dict(question="the cat", max_tokens=4, listener=lambda handle, token: heard.append(handle))
+    before = engine.submit("query", question="a dog", max_tokens=2)
+    with pytest.raises(InvalidRequest, match=rf"^calls\[2\]\.{re.escape(field)}: "):
+        engine.submit_many([("query", good), ("query", good), ("query", bad)])
+    after = engine.submit("query", question="a dog", max_tokens=2)
+    assert after.request_id == before.request_id + 1, "a refused batch took request ids: it was submitted"
+    assert after.result(WAIT).status is Status.COMPLETED
+    wait_idle(engine)
+    assert heard == []
+    assert_serves(engine)
+
+
+def test_submit_many_names_the_call_the_core_refuses():
+    """The core's own checks (a token id past the vocabulary) are named too."""
+    eng = make_engine()
+    try:
+        with pytest.raises(InvalidRequest, match=r"^calls\[1\]\.prompt: token ids must be ints"):
+            eng.submit_many([("complete", dict(prompt=[3, 4], max_tokens=2)),
+                             ("complete", dict(prompt=[10**6], max_tokens=2))])
+        with pytest.raises(InvalidRequest, match=r"^prompt: token ids must be ints"):
+            eng.submit("complete", prompt=[10**6], max_tokens=2)  # a lone call has no position to name
+        assert_serves(eng)
+    finally:
+        eng.close()
 
 
 def test_encode_image_after_close_raises_engine_stopped():
