@@ -196,9 +196,13 @@ class AsyncPieces:
     async def aclose(self) -> None:
         """Stop reading: the request is cancelled if it is still running. A
         later read gets the rest of what was committed, then
-        ``RequestFailed`` if the request was cut."""
+        ``RequestFailed`` if the request was cut. From another task while
+        one reads: that read ends with the rest and ``RequestFailed``."""
         try:
-            await self._pieces.aclose()  # type: ignore[attr-defined]
+            # A generator another task is inside cannot be closed from here
+            # ("already running"); the cancel below ends that read instead.
+            if not getattr(self._pieces, "ag_running", False):
+                await self._pieces.aclose()  # type: ignore[attr-defined]
         finally:
             self._cancel()
             self._pieces = self._stream.rest(self.handle)

@@ -17,6 +17,7 @@ import threading
 import pytest
 
 from bubblefree.core import Status
+from bubblefree.handle import RequestFailed
 from tests.serving_world import WAIT, assert_serves, gate, gated, wait_until  # noqa: F401 (fixtures)
 
 QUESTION = "why is the sky blue"  # "sky": the gate holds this request
@@ -118,4 +119,35 @@ def test_a_second_thread_reading_a_stream_is_refused_and_the_first_gets_its_whol
     assert got == [sole]
     assert pieces.handle.result(0).status is Status.COMPLETED
     refused(second, "thread")
+    assert_serves(gated)
+
+
+@pytest.mark.parametrize("opened", [astream_now, aquery_stream])
+def test_another_task_closing_a_stream_being_read_cancels_it_and_raises_nothing(gated, gate, opened):
+    """A watchdog closing the stream a task is reading: the close itself
+    got the generator's "already running" error. Now it cancels the
+    request, the reader's read ends with ``RequestFailed``, and the engine
+    serves on."""
+    async def main():
+        gate.arm()
+        pieces = await opened(gated)
+        first = asyncio.create_task(read_all(pieces))
+        await asyncio.to_thread(gate.wait_reached)
+        closed = None
+        try:
+            await pieces.aclose()
+        except Exception as err:
+            closed = err
+        gate.open()
+        try:
+            await first
+            read = None
+        except Exception as err:
+            read = err
+        return pieces, closed, read
+
+    pieces, closed, read = asyncio.run(main())
+    assert closed is None, repr(closed)
+    assert isinstance(read, RequestFailed), repr(read)
+    assert pieces.handle.result(WAIT).status is Status.CANCELLED
     assert_serves(gated)
