@@ -140,8 +140,19 @@ class Skill(abc.ABC):
 
 # -- argument validation: every error names its field ------------------------
 
+# The most of a refusal's field and problem kept: they quote what the
+# caller sent, and a megabyte of it (a 300,000-number box, an argument name
+# as long) is no clearer than its start.
+FIELD_CHARS, PROBLEM_CHARS = 100, 300
+
+
 def invalid(skill: str, field: str, problem: str) -> InvalidRequest:
-    return InvalidRequest(f"{field}: {problem} (skill {skill!r})")
+    return InvalidRequest(f"{_cut(field, FIELD_CHARS)}: {_cut(problem, PROBLEM_CHARS)} "
+                          f"(skill {skill!r})")
+
+
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else text[:most] + "..."
 
 
 def check_fields(skill: str, args: Mapping[str, Any], known: tuple[str, ...]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import pytest
 from PIL import Image
 
 from bubblefree import Engine
@@ -77,6 +78,22 @@ def loc_engine(*, gate: Gate | None = None, pipelined: bool = True, eos_every: i
     codec = LocationCodec.for_tokenizer(WORDS, coord_bins=64, size_bins=16)
     return _engine(WORDS, codec, gate=gate, pipelined=pipelined, eos_every=eos_every,
                    max_image_pixels=max_image_pixels, **backend)
+
+
+@pytest.fixture(scope="module")
+def moon():
+    """A moondream-shaped engine (region head) for a test module."""
+    engine = moon_engine()
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def loc():
+    """An engine whose coordinates are location tokens, for a test module."""
+    engine = loc_engine()
+    yield engine
+    engine.close()
 
 
 def picture(seed: int, width: int = 48, height: int = 32) -> Image.Image:

@@ -14,26 +14,13 @@ from hypothesis import given, settings, strategies as st
 
 from bubblefree import EncodedImage, InvalidRequest, RequestFailed, SamplingParams, Status
 from bubblefree.core import ImageRef
-from tests.image_world import KINDS, MOON_TOK, as_kind, expected, loc_engine, moon_engine, picture
+from tests.image_world import (  # noqa: F401 (loc, moon: fixtures)
+    KINDS, MOON_TOK, as_kind, expected, loc, loc_engine, moon, moon_engine, picture)
 from tests.serving_world import WAIT, Gate, wait_idle, wait_until
 from tests.test_images import BAD
 
 PICTURES = [picture(seed, 40 + 8 * seed, 30 + 4 * seed) for seed in range(3)]
 SAMPLINGS = [None, {"temperature": 0.8, "seed": 7}]
-
-
-@pytest.fixture(scope="module")
-def moon():
-    engine = moon_engine()
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def loc():
-    engine = loc_engine()
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,18 @@ from server_support import fake_engine, serving
 
 def png(width: int, height: int, pixels: bool = True) -> str:
     """A base64 PNG of ``width`` x ``height``: a real one, or (``pixels=False``)
-    only its header, which is all a pixel limit needs to read."""
+    its header and a first row's worth of data, which is all a pixel limit
+    needs to read (Pillow 13 no longer opens a header alone)."""
     if pixels:
         out = io.BytesIO()
         Image.new("RGB", (width, height), (200, 30, 30)).save(out, format="PNG")
         return base64.b64encode(out.getvalue()).decode()
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunk = struct.pack(">I", len(ihdr)) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
-    return base64.b64encode(b"\x89PNG\r\n\x1a\n" + chunk).decode()
+    data = chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(1 + 3 * width))) + chunk(b"IEND", b"")
+    return base64.b64encode(b"\x89PNG\r\n\x1a\n" + data).decode()
 
 
 PNG = png(4, 3)
@@ -115,6 +119,15 @@ def test_bad_input_is_refused_naming_the_field(client, case, method, route, body
         assert error["message"].startswith(f"{field}: ") or error["message"].startswith(f"{field}, ")
     # and the server keeps serving
     assert client.post("/v1/query", json={"question": "what"}).json()["answer"] == "the cat sits on the mat ."
+
+
+def test_an_image_over_the_pixel_limit_is_refused_from_its_header(client):
+    """The pixel limit reads the header: the image's pixels are never
+    decoded (its data here is one row of a 10,000-row image)."""
+    reply = client.post("/v1/query", json={
+        "question": "a", "image_url": "data:image/png;base64," + png(10_000, 10_000, pixels=False)})
+    assert reply.status_code == 422, reply.text
+    assert "10000x10000 is 100000000 pixels, over the limit of 50000000" in reply.json()["error"]["message"]
 
 
 def test_the_documented_table_is_the_tested_one():

@@ -15,6 +15,7 @@ from bubblefree.skills import LocationCodec, RegionHeadCodec, SkillSet
 from bubblefree.skills.base import SkillError
 from bubblefree.skills.driver import MaskRecorder
 from bubblefree.skills.registry import BUILTIN, Registry
+from bubblefree.skills.spatial_refs import spatial_refs_arg
 from bubblefree.skills.text import Query, TextState
 from tests.serving_world import TOK, WAIT, Unprintable, endless_model, make_engine, reference
 
@@ -440,3 +441,20 @@ def test_numpy_integers_serve_as_token_ids_and_mask_ids():
         assert set(result.tokens) <= {5, 6, 7, 8}
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("skill,refuse,field", [
+    ("caption", lambda: BUILTIN.get("caption").parse_args({"length": "x" * 1_000_000}), "length"),
+    ("query", lambda: spatial_refs_arg("query", {"spatial_refs": [[0.5] * 300_000]}), "spatial_refs[0]"),
+    ("query", lambda: BUILTIN.get("query").parse_args({"question": "why", "colour" * 200_000: 1}),
+     "colour" * 16),
+], ids=["caption-length", "spatial-refs", "unknown-argument"])
+def test_a_refusal_of_a_huge_value_quotes_only_its_start(skill, refuse, field):
+    """A refusal quoted the whole bad value: a 1 MB ``length`` came back as a
+    1 MB error, a 300,000-number box as 1.5 MB, to every client that sent
+    one. The field is still named first and the skill last."""
+    with pytest.raises(InvalidRequest) as err:
+        refuse()
+    message = str(err.value)
+    assert message.startswith(field) and message.endswith(f"(skill {skill!r})"), message[:200]
+    assert len(message) < 500, len(message)

@@ -42,6 +42,9 @@ def check_image(url: object, field: str, takes_images: bool, max_pixels: int) ->
     if not isinstance(url, str):
         raise ApiError(422, f"{field}: must be a data URI string, got {type(url).__name__}", field)
     head, comma, data = url.partition(",")
+    # Any case: a URI's scheme (RFC 3986) and the ";base64" token (RFC 2397's
+    # grammar, whose literals ABNF matches without case) spell the same URI.
+    head = head.lower()
     if not (head.startswith("data:") and head.endswith(";base64") and comma):
         raise ApiError(422, f"{field}: must be a data URI (data:image/...;base64,...); "
                        "this server fetches no URLs", field)

@@ -20,6 +20,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from bubblefree.core import ImageRef
 from bubblefree.engine import RequestFailed
 from bubblefree.server import flow
 from bubblefree.server.body import Fields, read_json, sampling_params
@@ -32,6 +33,7 @@ from bubblefree.server.runs import Run, run_skill
 NAMES = {"max_tokens": "settings.max_tokens", "max_objects": "settings.max_objects", "image": "image_url"}
 # The client's field the engine's "prompt" was made from, by skill.
 PROMPTS = {"query": "question", "point": "object", "detect": "object", "segment": "object"}
+TEXT_SKILLS = ("query", "caption")  # what a model answers without an image
 RESULT = {"query": ("answer",), "caption": ("caption",), "point": ("points",), "detect": ("objects",),
           "segment": ("path", "bbox")}
 
@@ -81,19 +83,14 @@ async def _skill(served: Served, request: Request, body: Fields, skill: str, arg
     body.done()
     if served.takes_images:  # a skill the model does not serve is named as such, not as a missing image
         served.engine.skills.tables(skill)
-    if image is Fields.MISSING or image is None:
-        if skill not in ("query", "caption"):
-            if not served.takes_images:
-                raise ApiError(422, f"image_url: {skill} needs an image, and this model takes no "
-                               "images; it answers query and caption as text", "image_url")
-            raise ApiError(422, "image_url: is required", "image_url")
-    else:
-        args["image"] = await read_image(served, image, "image_url")
+    ref = await _image(served, skill, image)
+    if ref is not None:
+        args["image"] = ref
 
     async def begin() -> Run:
         return await run_skill(served.engine, skill, **args)
 
-    names = {**NAMES, "prompt": PROMPTS[skill]} if skill in PROMPTS else NAMES
+    names = _names(served, skill, ref)
     if stream:
         run, ticket = await flow.start(served, begin, names)
         return flow.stream(served, run, ticket, _chunks(run), lambda err: [_failure(err)])
@@ -104,6 +101,42 @@ async def _skill(served: Served, request: Request, body: Fields, skill: str, arg
     output = done.run.handle.output(0)
     return JSONResponse({**{key: output[key] for key in RESULT[skill]},
                          "request_id": str(done.run.handle.request_id)})
+
+
+async def _image(served: Served, skill: str, image: Any) -> ImageRef | None:
+    """The request's image as the engine's ``ImageRef``, or None. A skill
+    that needs one is refused on a text model before the image is read:
+    the answer is the same whatever the image, and "ask without one" sent
+    the caller on to a second refusal."""
+    if skill not in TEXT_SKILLS and not served.takes_images:
+        raise ApiError(422, f"image_url: {skill} needs an image, and this model takes no images; "
+                       "it answers query and caption as text", "image_url")
+    if image is Fields.MISSING or image is None:
+        if skill not in TEXT_SKILLS:
+            raise ApiError(422, "image_url: is required", "image_url")
+        return None
+    return await read_image(served, image, "image_url")
+
+
+def _names(served: Served, skill: str, image: ImageRef | None) -> dict[str, str]:
+    """The engine's field names as the client's. A prompt too long for the
+    context is the client's text (``question``, ``object``), unless the
+    image leaves no room for even one token of prompt: a vision-language
+    model's image grows with its size (Qwen2-VL's), and then no text is short
+    enough. A caption's prompt is the model's own words: its image is what
+    is too long."""
+    text = PROMPTS.get(skill)
+    if image is not None and (text is None or image.length + 1 >= _prompt_bound(served)):
+        text = "image_url"
+    return {**NAMES, "prompt": text} if text else NAMES
+
+
+def _prompt_bound(served: Served) -> int:
+    """The shortest prompt the engine refuses as too long: one that leaves
+    no output token below the context or within the KV cache (whose last
+    output token is never written back), as ``SkillSet.request`` counts."""
+    cap = served.engine.core.backend.capacity
+    return min(cap.max_context, cap.num_pages * cap.page_size + 1)
 
 
 async def _chunks(run: Run) -> AsyncIterator[dict]:
