@@ -39,6 +39,15 @@ from bubblefree.core import InvalidRequest
 
 DEFAULT_MAX_PIXELS = 50_000_000
 
+
+def pillow_max_pixels() -> int | None:
+    """The most pixels Pillow decodes at all (twice its warning threshold;
+    None where Pillow is absent or its check is off): a ``max_pixels`` past
+    it would never be honoured, Pillow refusing first in its own words."""
+    if Image is None or Image.MAX_IMAGE_PIXELS is None:
+        return None
+    return 2 * int(Image.MAX_IMAGE_PIXELS)
+
 _WHITE = (255, 255, 255)
 # Modes Pillow converts to RGB with their ordinary meaning.
 _DIRECT = {"RGB", "L", "1", "P", "CMYK", "YCbCr", "RGBX"}

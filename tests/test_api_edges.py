@@ -16,6 +16,7 @@ from PIL import Image
 
 from bubblefree import Engine, EngineStopped, InvalidRequest
 from bubblefree.core import Status
+from bubblefree.images import pillow_max_pixels
 from bubblefree.skills import RegionHeadCodec
 from tests.image_world import MOON_TOK, _engine, moon_engine, picture
 from tests.serving_world import WAIT, Ends, Gate, assert_serves, make_engine, wait_idle
@@ -189,6 +190,18 @@ def test_a_bad_max_image_pixels_is_refused_naming_it(bad):
                 eos_every=6, max_image_pixels=bad)
     with pytest.raises(InvalidRequest, match="^max_image_pixels: must be an int >= 1"):
         Engine.moondream_random("tiny", device="cpu", max_image_pixels=bad)
+
+
+def test_a_max_image_pixels_past_what_pillow_decodes_is_refused_naming_it():
+    """Set past Pillow's own limit, max_image_pixels was never honoured:
+    an image between the two was refused in Pillow's words, as a bomb."""
+    most = pillow_max_pixels()
+    assert most is not None  # the images extra is installed for these tests
+    with pytest.raises(InvalidRequest, match=f"^max_image_pixels: at most {most}, "):
+        Engine.moondream_random("tiny", device="cpu", max_image_pixels=most + 1)
+    eng = Engine.moondream_random("tiny", device="cpu", max_image_pixels=most, page_size=16,
+                                  num_pages=64)
+    eng.close()
 
 
 @pytest.mark.parametrize("calls", [[("query", None)], ["query"], [("query",)], [("query", "question")],

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from bubblefree.images import pillow_max_pixels
 from bubblefree.server import cli
 
 
 @pytest.mark.parametrize("flag,value,why", [
     ("--max-live", "0", "must be >= 1, got 0"), ("--max-live", "-3", "must be >= 1"),
-    ("--max-body-bytes", "0", "must be >= 1"), ("--max-image-pixels", "-1", "must be >= 1"),
+    ("--max-body-bytes", "0", "must be >= 1"), ("--max-image-pixels", "-1", f"must be in [1, {pillow_max_pixels()}], got -1"),
     ("--timeout", "0", "must be > 0"), ("--timeout", "nan", "must be > 0"), ("--timeout", "-5", "must be > 0"),
     ("--port", "70000", "must be in [0, 65535]"), ("--port", "-1", "must be in [0, 65535]"),
     ("--replicas", "-1", "must be >= 0"), ("--max-live", "x", "must be an integer, got 'x'"),

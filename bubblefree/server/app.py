@@ -11,17 +11,19 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from bubblefree.core import InvalidRequest
-from bubblefree.engine import Engine
+from bubblefree.engine import Engine, EngineStopped
 from bubblefree.server import moondream_api, openai_api
 from bubblefree.server.admission import Admission
-from bubblefree.server.errors import ApiError, ErrorJSON, error_json, field_of, on_api_error, on_http_error
+from bubblefree.server.errors import (ApiError, ErrorJSON, error_json, error_response, field_of, on_api_error,
+                                     on_http_error)
 from bubblefree.server.flow import Served
 from bubblefree.server.guard import Guard
 from bubblefree.server.observe import Observer
 from bubblefree.server.settings import ServerSettings
+from bubblefree.server.watch import internal_error
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -41,8 +43,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     app.include_router(openai_api.router(served))
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": settings.model_name}
+    async def health() -> Response:
+        return _health(engine, settings)
 
     @app.get("/v1/stats")
     async def stats() -> dict:
@@ -53,6 +55,17 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         return Response(observer.prometheus(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _health(engine: Engine, settings: ServerSettings) -> Response:
+    """Ok while the engine runs; once it has stopped (closed, or on an error
+    it names) every request would get a 503 naming it, and so does the
+    probe, or a load balancer would go on sending it traffic."""
+    try:
+        engine.loop.check_running()
+    except EngineStopped as err:
+        return error_json(503, f"engine: {err}", "engine")
+    return JSONResponse({"status": "ok", "model": settings.model_name})
 
 
 async def _on_invalid(request: Request, err: InvalidRequest) -> ErrorJSON:
@@ -66,8 +79,7 @@ async def _on_bug(request: Request, err: Exception) -> ErrorJSON:
     then closes the connection: a client that kept it alive would send its
     next request into a reset. ``Connection: close`` tells it to open a new one.
     """
-    return error_json(500, f"server: an internal error ({type(err).__name__}); the request did not complete",
-                      "server", headers={"Connection": "close"})
+    return error_response(internal_error(err))
 
 
 async def _on_validation(request: Request, err: RequestValidationError) -> ErrorJSON:

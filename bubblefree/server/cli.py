@@ -11,6 +11,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from bubblefree.images import pillow_max_pixels
 from bubblefree.server.settings import ServerSettings
 
 # --random: the shapes Engine.moondream_random builds, and the name the server gives each.
@@ -28,11 +29,17 @@ def _bounded(kind: type, low: float, high: float | None = None, above: bool = Fa
                                              f"got {text!r}") from None
         ok = (value > low if above else value >= low) and (high is None or value <= high)
         if not ok:  # NaN fails every comparison
-            bound = f"> {low:g}" if above else f">= {low:g}"
-            span = bound if high is None else f"in [{low:g}, {high:g}]"
+            bound = f"> {_num(low)}" if above else f">= {_num(low)}"
+            span = bound if high is None else f"in [{_num(low)}, {_num(high)}]"
             raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
         return value
     return parse
+
+
+def _num(bound: float) -> str:
+    """A bound as a flag's error shows it: an integer whole (178956970,
+    not 1.78957e+08), another number short."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
                        help="0: any free port")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     serve.add_argument("--max-body-bytes", type=_bounded(int, 1), default=defaults.max_body_bytes)
-    serve.add_argument("--max-image-pixels", type=_bounded(int, 1), default=defaults.max_image_pixels,
+    serve.add_argument("--max-image-pixels", type=_bounded(int, 1, pillow_max_pixels()),
+                       default=defaults.max_image_pixels,
                        help="larger images are refused (422) before they are decoded")
     serve.add_argument("--max-live", type=_bounded(int, 1), default=defaults.max_live,
                        help="requests live at once; more are answered 429")
@@ -174,13 +182,15 @@ def ray_address_refused(address: str, timeout_s: float = 5.0) -> str | None:
     if target in ("", "auto", "local"):
         return None
     host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not (port.isascii() and port.isdigit()):  # "\u00b2".isdigit(), but int() refuses it
         return None
     host = host.strip("[]")  # an IPv6 address is written [::1]:6379
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             return None
-    except (OSError, OverflowError) as err:  # OverflowError: a port past 65535
+    # OverflowError: a port past 65535; UnicodeError: a name the IDNA codec
+    # refuses (a label empty or over 63 characters), before any lookup.
+    except (OSError, OverflowError, UnicodeError) as err:
         why = getattr(err, "strerror", None) or str(err) or type(err).__name__
         return f"RAY_ADDRESS {address!r}: nothing answers at {host}:{port} ({why})"
 
@@ -193,8 +203,8 @@ def address_refused(host: str, port: int) -> str | None:
     one of this machine's, so the host is checked whatever the port."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as err:
-        return f"--host {host!r}: {err.strerror or err}"
+    except (OSError, UnicodeError) as err:  # UnicodeError: a name the IDNA codec refuses
+        return f"--host {host!r}: {getattr(err, 'strerror', None) or err}"
     family, _, _, _, address = infos[0]
     try:
         with socket.create_server(address, family=family):

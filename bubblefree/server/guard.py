@@ -1,6 +1,7 @@
 """The checks every HTTP request passes before a route sees it: the size of
-its head, the API key and the body size; and the count of answers by route
-and status.
+its head, the API key and the body size; the count of answers by route
+and status; and the 503 for a request the server's shutdown cut before
+its answer began.
 
 A pure ASGI middleware, so a body over the limit is refused from its
 ``Content-Length`` before any of it is read, and one that lies about its
@@ -13,12 +14,14 @@ import asyncio
 import hmac
 import json
 
+import attrs
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bubblefree.server.errors import ApiError, error_body
 from bubblefree.server.observe import Observer
 from bubblefree.server.settings import ServerSettings
+from bubblefree.server.watch import stopping
 
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe carries no key
 CLIENT_GONE = 499  # recorded for a request whose client left before its answer
@@ -33,31 +36,70 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path, answered = scope["path"], []
-
-        async def counted_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and not answered:
-                answered.append(message["status"])
-                self.observer.answered(path, message["status"])
-            await send(message)
-
+        count = _Count(self.observer, scope["path"])
+        send = count.sending(send)
         refused = refusal(scope, self.settings)
         if refused is not None:
-            await _respond(refused, counted_send)
+            await _respond(refused, send)
             return
         try:
-            await self.app(scope, limited(receive, self.settings), counted_send)
+            await self.app(scope, count.hearing(limited(receive, self.settings)), send)
+        except asyncio.CancelledError:
+            if count.status is not None:
+                raise  # mid-answer: nothing to say; uvicorn closes the connection
+            # The server cut the request before its answer began (uvicorn
+            # cancels what still runs once its shutdown grace ends): while it
+            # read its body, decoded its image, tokenized. ``watched``
+            # answers those waiting on the engine; this, all the others.
+            # Unanswered, uvicorn sent a plain-text 500 and this counted 499.
+            _uncancel()
+            if not count.left:
+                await _respond(stopping(), send)
         except Exception as err:
             # Raised before an answer: the server failed (the error
             # middleware outside answers 500), unless the client went away.
-            if not answered:
-                gone = isinstance(err, (OSError, ClientDisconnect))
-                answered.append(CLIENT_GONE if gone else SERVER_ERROR)
-                self.observer.answered(path, answered[0])
+            count.once(CLIENT_GONE if isinstance(err, (OSError, ClientDisconnect)) else SERVER_ERROR)
             raise
         finally:
-            if not answered:
-                self.observer.answered(path, CLIENT_GONE)
+            count.once(CLIENT_GONE)
+
+
+@attrs.define
+class _Count:
+    """One request's count, once: at its answer's start, or as gone if none
+    began. A client heard leaving before its answer began is counted as
+    gone, whatever the route then answered nobody (a body cut short, 400)."""
+
+    observer: Observer
+    path: str
+    status: int | None = None  # counted
+    left: bool = False  # its disconnect was heard
+
+    def once(self, status: int) -> None:
+        if self.status is None:
+            self.status = CLIENT_GONE if self.left else status
+            self.observer.answered(self.path, self.status)
+
+    def sending(self, send: Send) -> Send:
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.once(message["status"])
+            await send(message)
+        return counted
+
+    def hearing(self, receive: Receive) -> Receive:
+        async def heard() -> Message:
+            message = await receive()
+            self.left = self.left or message["type"] == "http.disconnect"
+            return message
+        return heard
+
+
+def _uncancel() -> None:
+    """The cancel is answered here: it has done its work (as ``watched``'s)."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
 
 
 def refusal(scope: Scope, settings: ServerSettings) -> ApiError | None:

@@ -108,6 +108,12 @@ class EngineReplica:
                 except BaseException:  # noqa: BLE001 - already leaving
                     task.cancel()
 
+    def check_health(self) -> None:
+        """Ray Serve's periodic check: a replica whose engine has stopped
+        (an error, or closed) raises, so Ray replaces it rather than keep
+        sending it requests that can only get a 503."""
+        self.engine.loop.check_running()
+
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
+
 import attrs
+
+from bubblefree.images import pillow_max_pixels
 
 
 @attrs.frozen
@@ -21,14 +25,26 @@ class ServerSettings:
     model_name: str = "bubblefree"  # what /v1/models lists and responses name
 
     def __attrs_post_init__(self) -> None:
+        # Counts are integers: a NaN passed ``< 1`` (it fails every
+        # comparison) and bounded nothing (``live >= nan`` never holds).
         for name in ("max_body_bytes", "max_image_pixels", "max_live", "retry_after_s", "max_header_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (_is_a(value, numbers.Integral) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        most = pillow_max_pixels()
+        if most is not None and self.max_image_pixels > most:
+            raise ValueError(f"max_image_pixels must be at most {most}, the most pixels Pillow "
+                             f"decodes, got {self.max_image_pixels}")
         for name in ("request_timeout_s", "body_timeout_s", "header_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (_is_a(value, numbers.Real) and value > 0):  # NaN fails ``> 0``
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if self.api_key is not None:  # the CLI's check, for an app built from Python too
             from bubblefree.server.guard import api_key_refusal
             refused = api_key_refusal(self.api_key) if isinstance(self.api_key, str) else "must be a string"
             if refused is not None:
                 raise ValueError(f"api_key: {refused}")
+
+
+def _is_a(value: object, kind: type) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)  # True is an int, but no setting's value

@@ -20,6 +20,11 @@ from starlette.types import Receive, Scope, Send
 
 from bubblefree.server.errors import ApiError
 
+# The most a stream's last events (its end, or the error that ends it) wait
+# on a reader that stopped reading: its request has ended by then, and its
+# slot is free; past it the server gives up on the connection.
+TAIL_S = 5.0
+
 
 class ClientGone(Exception):
     """The client disconnected; nobody is left to answer."""
@@ -35,6 +40,13 @@ def stopping() -> ApiError:
     cancels what is still running once its grace period ends)."""
     return ApiError(503, "server: shutting down; this request was cancelled before its answer",
                     "server", headers={"Retry-After": "1"})
+
+
+def internal_error(err: BaseException) -> ApiError:
+    """The answer to a bug: the 500 in the one JSON shape, naming only the
+    exception's type (the traceback goes to the log)."""
+    return ApiError(500, f"server: an internal error ({type(err).__name__}); the request did not complete",
+                    "server", headers={"Connection": "close"})
 
 
 async def watched(receive: Receive, work: Awaitable[Any], timeout: float) -> Any:
@@ -70,9 +82,13 @@ async def watched(receive: Receive, work: Awaitable[Any], timeout: float) -> Any
 class EventStream(Response):
     """Server-sent events from ``events`` (dicts, or ``"[DONE]"``), with the
     same race: a client that leaves cancels the stream (and so the engine
-    request); the deadline (504) or the server shutting down (503) ends it
-    with ``ending(error)``'s events, the API's error event. ``on_end`` runs
-    once, however the stream ended."""
+    request); the deadline (504), the server shutting down (503) or a bug
+    (500) ends it with ``ending(error)``'s events, the API's error event.
+
+    ``on_end`` runs once, as soon as the events end, however they ended:
+    before the last events are written, since those wait on the reader. A
+    reader that stops reading so holds neither its slot nor its engine
+    request past the deadline, and the connection at most ``TAIL_S`` more."""
 
     def __init__(self, events: AsyncIterator[Any], timeout: float,
                  ending: Callable[[ApiError], list[Any]], on_end: Callable[[], None]):
@@ -80,28 +96,60 @@ class EventStream(Response):
         self.status_code, self.background = 200, None
         self.events, self.timeout = events, timeout
         self.ending, self.on_end = ending, on_end
+        self._ended = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"),
                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+            tail, bug = await self._run(receive, send)
             try:
-                await watched(receive, self._pump(send), self.timeout)
-            except ApiError as err:  # the deadline, or shutting down: say so, then end it
-                for event in self.ending(err):
-                    await send(_frame(event))
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await asyncio.wait_for(self._write_tail(send, tail), TAIL_S)
+            except asyncio.TimeoutError:
+                pass  # nobody reads: uvicorn closes a response left incomplete
+            if bug is not None:
+                raise bug  # logged, and the connection closed, as a route's bug is
         except (ClientGone, OSError):
             pass  # nobody to write to; the engine request is already cancelled
         finally:
-            with contextlib.suppress(Exception):
-                await self.events.aclose()  # type: ignore[attr-defined]
-            self.on_end()
+            await self._end()
+
+    async def _run(self, receive: Receive, send: Send) -> tuple[list[Any], Exception | None]:
+        """Pump the events until they end; the last events to write, and the
+        bug that ended them if one did. The request ends here (``_end``)."""
+        try:
+            await watched(receive, self._pump(send), self.timeout)
+            return [], None
+        except ApiError as err:  # the deadline, or shutting down
+            return self.ending(err), None
+        except (ClientGone, OSError):
+            raise
+        except Exception as err:  # a bug mid-stream: its 500, as the stream's last event
+            return self.ending(internal_error(err)), err
+        finally:
+            await self._end()
 
     async def _pump(self, send: Send) -> None:
         async for event in self.events:
             await send(_frame(event))
+
+    async def _write_tail(self, send: Send, events: list[Any]) -> None:
+        for event in events:
+            await send(_frame(event))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _end(self) -> None:
+        """Once: the slot back and the engine request cancelled (``on_end``),
+        then the events closed."""
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            self.on_end()
+        finally:
+            with contextlib.suppress(Exception):
+                await self.events.aclose()  # type: ignore[attr-defined]
 
 
 def _frame(event: Any) -> dict:
