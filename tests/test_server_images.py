@@ -160,3 +160,33 @@ def test_clients_at_once_each_get_the_answer_for_their_image(url, engine):
         jpeg = sent(image)
         assert points == {"points": engine.point(jpeg, "cat")["points"]}
         assert answer == engine.query(jpeg, "is there a dog")
+
+
+@pytest.mark.parametrize("spell", [
+    lambda b64: "\n".join(b64[i:i + 76] for i in range(0, len(b64), 76)),  # the base64 command's lines
+    lambda b64: b64.rstrip("="),  # no padding
+    lambda b64: " ".join(b64[i:i + 4] for i in range(0, len(b64), 4)) + "\r\n",
+], ids=["wrapped", "unpadded", "spaced"])
+def test_base64_as_browsers_read_it_is_an_image(url, engine, spell):
+    """Line-wrapped base64 (the ``base64`` command's own output) and base64
+    without its padding, which browsers read in a data URI, were refused
+    as "not valid base64"."""
+    data = png(IMAGE)
+    b64 = base64.b64encode(data).decode()
+    assert b64.endswith("="), "the case needs a PNG whose base64 is padded"
+    body = {"image_url": "data:image/png;base64," + spell(b64), "question": "what is the cat on"}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=20) as client:
+        reply = client.post("/v1/query", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["answer"] == engine.query(data, "what is the cat on")["answer"]
+
+
+@pytest.mark.parametrize("data", ["iVBO*w0K", "iVBORw0KG", "iVB\u00a0ORw0K"],
+                         ids=["not base64", "a lone sixth bit", "a non-ASCII space"])
+def test_base64_that_no_padding_or_space_explains_is_still_refused(url, data):
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=20) as client:
+        reply = client.post("/v1/query", json={"image_url": "data:image/png;base64," + data,
+                                               "question": "what"})
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["error"]["message"] == "image_url: not valid base64"
+

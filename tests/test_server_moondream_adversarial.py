@@ -139,7 +139,6 @@ BAD_URIS = [
     ("empty", "", "must be a data URI"),
     ("nothing after the comma", "data:image/png;base64,", "empty bytes"),
     ("truncated base64", "data:image/png;base64," + GOOD[:-3], "not valid base64"),
-    ("padding missing", "data:image/png;base64," + GOOD.rstrip("="), "not valid base64"),
     ("URL-safe alphabet", data_uri(b"\xfb\xff" * 40).replace("+", "-").replace("/", "_"), "not valid base64"),
     ("not ASCII", "data:image/png;base64,\u00e9" + GOOD, "not valid base64"),
     ("a lone surrogate", "data:image/png;base64,\ud800", "not valid base64"),

@@ -49,7 +49,7 @@ def check_image(url: object, field: str, takes_images: bool, max_pixels: int) ->
         raise ApiError(422, f"{field}: must be a data URI (data:image/...;base64,...); "
                        "this server fetches no URLs", field)
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = _base64(data)
     except (binascii.Error, ValueError):
         raise ApiError(422, f"{field}: not valid base64", field) from None
     try:
@@ -60,3 +60,14 @@ def check_image(url: object, field: str, takes_images: bool, max_pixels: int) ->
         raise ApiError(422, f"{field}: this model takes no images; ask without one", field)
     return image
 
+
+# ASCII whitespace inside a data URI's base64: the line breaks every 76
+# characters that the ``base64`` command and MIME encoders write.
+_SPACE = str.maketrans("", "", " \t\r\n\f\v")
+
+
+def _base64(data: str) -> bytes:
+    """A data URI's base64 as browsers read it: whitespace dropped, missing
+    ``=`` padding supplied; any other character not of base64 refused."""
+    compact = data.translate(_SPACE)
+    return base64.b64decode(compact + "=" * (-len(compact) % 4), validate=True)
