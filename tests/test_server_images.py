@@ -18,22 +18,15 @@ import pytest
 from PIL import Image
 
 from tests.server_support import serving
-from tests.image_world import expected, moon_engine, picture, png
+from tests.image_world import expected, moon, picture, png  # noqa: F401 (moon: a fixture)
 
 KEY = "sesame"
 IMAGE = picture(5, 64, 48)
 
 
 @pytest.fixture(scope="module")
-def engine():
-    eng = moon_engine()
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with serving(engine, api_key=KEY) as base:
+def url(moon):
+    with serving(moon, api_key=KEY) as base:
         yield base
 
 
@@ -61,32 +54,32 @@ def refusal(err: urllib.error.HTTPError) -> dict:
     return json.loads(err.read())["error"]
 
 
-def test_moondream_client_caption_and_query(md, engine):
+def test_moondream_client_caption_and_query(md, moon):
     jpeg = sent(IMAGE)
-    assert md.caption(IMAGE, length="short") == engine.caption(jpeg, length="short")
-    assert md.caption(IMAGE) == engine.caption(jpeg)
-    assert md.query(IMAGE, "what is the cat on") == engine.query(jpeg, "what is the cat on")
+    assert md.caption(IMAGE, length="short") == moon.caption(jpeg, length="short")
+    assert md.caption(IMAGE) == moon.caption(jpeg)
+    assert md.query(IMAGE, "what is the cat on") == moon.query(jpeg, "what is the cat on")
     pieces = list(md.query(IMAGE, "what is the cat on", stream=True)["answer"])
-    assert "".join(pieces).strip() == engine.query(jpeg, "what is the cat on")["answer"]
+    assert "".join(pieces).strip() == moon.query(jpeg, "what is the cat on")["answer"]
     pieces = list(md.caption(IMAGE, stream=True, settings={"max_tokens": 5})["caption"])
-    assert "".join(pieces).strip() == engine.caption(jpeg, max_tokens=5)["caption"]
+    assert "".join(pieces).strip() == moon.caption(jpeg, max_tokens=5)["caption"]
 
 
-def test_moondream_client_point_and_detect(md, engine):
+def test_moondream_client_point_and_detect(md, moon):
     jpeg = sent(IMAGE)
     points = md.point(IMAGE, "cat", settings={"max_objects": 3})
-    assert points == {"points": engine.point(jpeg, "cat", max_objects=3)["points"]}
+    assert points == {"points": moon.point(jpeg, "cat", max_objects=3)["points"]}
     # ... and both are the fake model's own answer for those bytes, a real list of points
-    want = expected(engine, "point", image=jpeg, object="cat", max_objects=3)[1]["points"]
+    want = expected(moon, "point", image=jpeg, object="cat", max_objects=3)[1]["points"]
     assert points["points"] == want and want
     boxes = md.detect(IMAGE, "dog", settings={"max_objects": 2, "temperature": 0.5, "seed": 9})
-    assert boxes == {"objects": engine.detect(jpeg, "dog", settings={"max_objects": 2, "temperature": 0.5,
+    assert boxes == {"objects": moon.detect(jpeg, "dog", settings={"max_objects": 2, "temperature": 0.5,
                                                                         "seed": 9})["objects"]}
     assert all(0 <= b["x_min"] <= b["x_max"] <= 1 for b in boxes["objects"])
 
 
-def test_a_text_only_query_on_the_image_model(md, engine):
-    assert md.query(question="what is the cat on") == engine.query(question="what is the cat on")
+def test_a_text_only_query_on_the_image_model(md, moon):
+    assert md.query(question="what is the cat on") == moon.query(question="what is the cat on")
 
 
 def test_segment_and_missing_images_are_refused_clearly(md, url):
@@ -121,19 +114,19 @@ def test_segment_and_missing_images_are_refused_clearly(md, url):
     assert md.point(IMAGE, "cat")["points"] is not None  # still serving
 
 
-def test_moondreams_client_sends_spatial_refs_with_a_query(md, engine):
+def test_moondreams_client_sends_spatial_refs_with_a_query(md, moon):
     refs = [[0.5, 0.25], [0.1, 0.1, 0.4, 0.3]]
-    want = engine.query(sent(IMAGE), "what is there", spatial_refs=refs)
+    want = moon.query(sent(IMAGE), "what is there", spatial_refs=refs)
     assert md.query(IMAGE, "what is there", spatial_refs=refs) == want
-    assert want != engine.query(sent(IMAGE), "what is there")
+    assert want != moon.query(sent(IMAGE), "what is there")
 
 
-def test_openai_chat_with_an_image_part(oa, engine):
+def test_openai_chat_with_an_image_part(oa, moon):
     image = png(IMAGE)
     parts = [{"type": "text", "text": "what is the cat on"},
              {"type": "image_url", "image_url": {"url": data_uri(image)}}]
     reply = oa.chat.completions.create(model="any", messages=[{"role": "user", "content": parts}])
-    want = engine.query(image, "what is the cat on")["answer"]
+    want = moon.query(image, "what is the cat on")["answer"]
     assert reply.choices[0].message.content.strip() == want
     chunks = oa.chat.completions.create(model="any", stream=True,
                                         messages=[{"role": "user", "content": parts}])
@@ -147,7 +140,7 @@ def test_openai_chat_with_an_image_part(oa, engine):
     assert "messages[0].content[0].image_url.url: the data is not an image" in str(caught.value)
 
 
-def test_clients_at_once_each_get_the_answer_for_their_image(url, engine):
+def test_clients_at_once_each_get_the_answer_for_their_image(url, moon):
     images = [picture(seed, 40 + seed, 30) for seed in range(6)]
 
     def ask(image):
@@ -158,8 +151,8 @@ def test_clients_at_once_each_get_the_answer_for_their_image(url, engine):
         got = list(pool.map(ask, images))
     for image, (points, answer) in zip(images, got):
         jpeg = sent(image)
-        assert points == {"points": engine.point(jpeg, "cat")["points"]}
-        assert answer == engine.query(jpeg, "is there a dog")
+        assert points == {"points": moon.point(jpeg, "cat")["points"]}
+        assert answer == moon.query(jpeg, "is there a dog")
 
 
 @pytest.mark.parametrize("spell", [
@@ -167,7 +160,7 @@ def test_clients_at_once_each_get_the_answer_for_their_image(url, engine):
     lambda b64: b64.rstrip("="),  # no padding
     lambda b64: " ".join(b64[i:i + 4] for i in range(0, len(b64), 4)) + "\r\n",
 ], ids=["wrapped", "unpadded", "spaced"])
-def test_base64_as_browsers_read_it_is_an_image(url, engine, spell):
+def test_base64_as_browsers_read_it_is_an_image(url, moon, spell):
     """Line-wrapped base64 (the ``base64`` command's own output) and base64
     without its padding, which browsers read in a data URI, were refused
     as "not valid base64"."""
@@ -178,7 +171,7 @@ def test_base64_as_browsers_read_it_is_an_image(url, engine, spell):
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=20) as client:
         reply = client.post("/v1/query", json=body)
     assert reply.status_code == 200, reply.text
-    assert reply.json()["answer"] == engine.query(data, "what is the cat on")["answer"]
+    assert reply.json()["answer"] == moon.query(data, "what is the cat on")["answer"]
 
 
 @pytest.mark.parametrize("data", ["iVBO*w0K", "iVBORw0KG", "iVB\u00a0ORw0K"],
