@@ -38,6 +38,7 @@ from bubblefree.handle import Handle, RequestFailed
 from bubblefree.images import DEFAULT_MAX_PIXELS
 from bubblefree.loop import EngineStopped, Listener, ServingLoop
 from bubblefree.skills import SkillSet
+from bubblefree.skills.skillset import output_room
 from bubblefree.streams import AsyncPieces, AsyncTextStream, TextPieces
 
 __all__ = ["EncodedImage", "Engine", "EngineStopped", "Handle", "RequestFailed"]
@@ -149,9 +150,17 @@ class Engine(SkillCalls):
         if args.get("image") is not None:
             self.skills.tables(skill)  # an unknown or unserved skill is refused before the image is read
             args["image"] = self.images.ref(args["image"])
+        return self.skills.request(skill, sampling=sampling, **self._bounds(), **args)
+
+    def output_room(self, prompt_len: int) -> int | None:
+        """Output tokens that fit after a prompt of ``prompt_len`` positions
+        (an image's included), as ``submit`` counts them: under 1, such a
+        prompt is refused as too long. None: nothing bounds it."""
+        return output_room(prompt_len, **self._bounds())[0]
+
+    def _bounds(self) -> dict[str, int | None]:
         cap = self.core.backend.capacity
-        return self.skills.request(skill, sampling=sampling, max_context=cap.max_context,
-                                   max_positions=cap.num_pages * cap.page_size, **args)
+        return {"max_context": cap.max_context, "max_positions": cap.num_pages * cap.page_size}
 
     def cancel(self, request: Handle) -> bool:
         """Cancel ``request`` (its Handle) from any thread; see ``Handle.cancel``."""

@@ -144,7 +144,7 @@ class SkillSet:
             if prompt[:1] != (templates.bos_id,):
                 prompt = (templates.bos_id, *prompt)
         prefix = len(prompt) + (image.length if image is not None else 0)
-        room, bound = _room(prefix, max_context, max_positions)
+        room, bound = output_room(prefix, max_context, max_positions)
         image_part = f" after the image's {image.length} positions" if image is not None else ""
         if room is not None and room < 1:
             raise invalid(name, "prompt", f"is {len(prompt)} tokens{image_part}; {_OWNERS[bound[0]]} "
@@ -204,8 +204,8 @@ def _started(skill: Skill, tables: Any, parsed: Any, max_tokens: int) -> SkillSt
 _OWNERS = {"max_context": "the model's", "max_positions": "the KV cache's"}
 
 
-def _room(prompt_len: int, max_context: int | None,
-          max_positions: int | None) -> tuple[int | None, tuple[str, int] | None]:
+def output_room(prompt_len: int, max_context: int | None,
+                max_positions: int | None) -> tuple[int | None, tuple[str, int] | None]:
     """Output tokens that fit after the prompt, and the bound that sets
     them as ``(its name, its value)``, for a refusal to name the one that
     was exceeded: the context, or the KV cache (the last output token is

@@ -301,3 +301,21 @@ def test_an_async_listener_is_refused_naming_it(engine):
     with pytest.raises(InvalidRequest, match="^listener: must be a plain function"):
         engine.submit("query", question="the cat", listener=listener)
     assert_serves(engine)
+
+
+@pytest.mark.parametrize("bound", [{"max_context": 48}, {"num_pages": 10}], ids=["context", "kv-pages"])
+def test_output_room_is_where_submit_starts_refusing_a_prompt_as_too_long(bound):
+    """``Engine.output_room`` is the count ``submit`` refuses by (the server
+    names an image that leaves no room by it), whichever bound is the
+    nearer: a prompt that leaves one output token is served, one token more
+    is refused naming the prompt."""
+    engine = make_engine(**bound)
+    try:
+        longest = next(n for n in range(1, 64) if engine.output_room(n + 1) < 1)
+        assert engine.output_room(longest) == 1
+        assert engine.submit("complete", prompt=[5] * longest).result(timeout=WAIT).tokens
+        with pytest.raises(InvalidRequest, match=r"^prompt: is \d+ tokens"):
+            engine.submit("complete", prompt=[5] * (longest + 1))
+        assert_serves(engine)
+    finally:
+        engine.close()

@@ -23,6 +23,7 @@ from bubblefree.server import cli
     ("--timeout", "0", "must be > 0"), ("--timeout", "nan", "must be > 0"), ("--timeout", "-5", "must be > 0"),
     ("--port", "70000", "must be in [0, 65535]"), ("--port", "-1", "must be in [0, 65535]"),
     ("--replicas", "-1", "must be >= 0"), ("--max-live", "x", "must be an integer, got 'x'"),
+    ("--max-json-values", "0", "must be >= 1"), ("--max-json-values", "1e6", "must be an integer"),
 ])
 def test_a_setting_out_of_range_is_a_usage_error_naming_the_flag(capsys, flag, value, why):
     with pytest.raises(SystemExit) as exit_:
@@ -35,6 +36,18 @@ def test_a_setting_out_of_range_is_a_usage_error_naming_the_flag(capsys, flag, v
 def test_the_bounds_keep_the_defaults_and_the_edges():
     args = cli.parser().parse_args(["serve", "--port", "0", "--timeout", "inf", "--max-live", "1"])
     assert (args.port, args.timeout, args.max_live) == (0, float("inf"), 1)
+
+
+def test_every_limit_given_reaches_the_server_settings():
+    args = cli.parser().parse_args(["serve", "--max-json-values", "7", "--max-body-bytes", "9",
+                                    "--max-image-pixels", "11", "--max-live", "3", "--timeout", "5",
+                                    "--body-timeout", "4", "--max-header-bytes", "999", "--header-timeout", "2"])
+    settings = cli.settings_of(args)
+    assert (settings.max_json_values, settings.max_body_bytes, settings.max_image_pixels, settings.max_live,
+            settings.request_timeout_s, settings.body_timeout_s, settings.max_header_bytes,
+            settings.header_timeout_s) == (7, 9, 11, 3, 5, 4, 999, 2)
+    assert cli.settings_of(cli.parser().parse_args(["serve"])) == cli.ServerSettings(
+        model_name="smollm2-135m-instruct")
 
 
 @pytest.mark.parametrize("model", ["/nonexistent/model", "FILE", "EMPTYDIR", "BADGGUF", ""])

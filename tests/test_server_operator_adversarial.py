@@ -253,7 +253,8 @@ def test_a_bug_mid_stream_ends_the_stream_with_the_500_error_event(monkeypatch, 
 
 @pytest.mark.parametrize("name,value", [
     ("max_live", float("nan")), ("max_body_bytes", float("nan")), ("max_header_bytes", float("nan")),
-    ("max_image_pixels", float("nan")), ("retry_after_s", 1.5), ("max_live", "8"), ("max_live", True),
+    ("max_image_pixels", float("nan")), ("max_json_values", 0), ("max_json_values", float("nan")),
+    ("retry_after_s", 1.5), ("max_live", "8"), ("max_live", True),
     ("request_timeout_s", "30"), ("body_timeout_s", None), ("header_timeout_s", True),
 ])
 def test_settings_refuse_values_no_bound_can_hold_naming_the_setting(name, value):

@@ -4,6 +4,7 @@ pages come back, and the server keeps serving."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -109,6 +110,34 @@ def test_oversized_bodies_get_413_with_or_without_a_length():
         chunked = client.post("/v1/query", content=iter([big[:600], big[600:]]))  # no Content-Length
         assert chunked.status_code == 413 and chunked.json()["error"]["param"] == "body"
         assert client.post("/v1/query", json={"question": "what"}).status_code == 200
+    engine.close()
+
+
+@pytest.mark.parametrize("route,fields", [
+    ("/v1/query", {"question": "what", "spatial_refs": [[0.5, 0.5]] * 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 3}),
+])
+def test_a_body_of_too_many_json_values_is_refused_before_it_is_parsed(route, fields):
+    """The parser holds the event loop: a 20 MB body of small numbers held
+    every other client for seconds. Past ``max_json_values`` (counted by
+    commas) the body is refused unparsed; at it, it is read as before."""
+    engine = fake_engine()
+    commas = json.dumps(fields).count(",")
+    with serving(engine, max_json_values=commas) as url, httpx.Client(base_url=url, timeout=10) as client:
+        refused = client.post(route, json=fields)
+        assert refused.status_code == 413, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "body"
+        assert error["message"] == (f"body: more than this server's limit of {commas} JSON values "
+                                    f"({commas} commas)")
+        assert client.post(route, json={**fields, "stream": "no"}).status_code == 413
+        assert client.post(route, json=fields).status_code == 413
+        ok = client.post("/v1/query", json={"question": "what"})
+        assert ok.status_code == 200, ok.text
+        assert stats(url)["requests_by_status"]["413"] == 3
+    with serving(engine, max_json_values=commas + 1) as url:
+        reply = httpx.post(f"{url}{route}", json=fields, timeout=10)
+        assert reply.status_code != 413, reply.text  # read, whatever the route then answers
     engine.close()
 
 

@@ -20,11 +20,14 @@ from bubblefree.server.errors import ApiError
 MISSING = object()  # a field the body does not have (null is a value)
 
 
-async def read_json(request: Request) -> "Fields":
+async def read_json(request: Request, max_values: int) -> "Fields":
+    """The body as ``Fields``; refused (naming ``body``) if it is not UTF-8
+    JSON holding an object, or holds more than ``max_values`` values."""
     try:
         raw = await request.body()
     except ClientDisconnect:
         raise ApiError(400, "body: the client left before sending the whole body", "body") from None
+    _check_values(raw, max_values)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -36,6 +39,22 @@ async def read_json(request: Request) -> "Fields":
     if not isinstance(value, dict):
         raise ApiError(422, f"body: must be a JSON object, got {type(value).__name__}", "body")
     return Fields(value)
+
+
+def _check_values(raw: bytes, most: int) -> None:
+    """Refuse a body of more than ``most`` JSON values before parsing it.
+
+    The parser runs on the event loop and holds the GIL (a thread would not
+    free the loop): a 20 MB body of small numbers took seconds, every other
+    client waiting. Commas bound the values (each value after the first in
+    an array or object follows one; nesting without them ends at the
+    parser's depth limit); counting them costs a fraction of a parse. A
+    comma inside a string counts too, so the bound over-counts text: at the
+    default a prompt would need more commas than any context has tokens."""
+    commas = raw.count(b",")
+    if commas >= most:
+        raise ApiError(413, f"body: more than this server's limit of {most} JSON values "
+                            f"({commas} commas)", "body")
 
 
 def _refuse_constant(name: str) -> Any:

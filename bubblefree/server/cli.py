@@ -59,6 +59,10 @@ def parser() -> argparse.ArgumentParser:
                        help="0: any free port")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     serve.add_argument("--max-body-bytes", type=_bounded(int, 1), default=defaults.max_body_bytes)
+    serve.add_argument("--max-json-values", type=_bounded(int, 1), default=defaults.max_json_values,
+                       help="values a JSON body may hold (413 past it; it is parsed on the event loop, "
+                            f"so this bounds how long one body holds up the others; default "
+                            f"{defaults.max_json_values})")
     serve.add_argument("--max-image-pixels", type=_bounded(int, 1, pillow_max_pixels()),
                        default=defaults.max_image_pixels,
                        help="larger images are refused (422) before they are decoded")
@@ -106,13 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from bubblefree.server.app import create_app
     from bubblefree.server.protocol import http_protocol
 
-    header_timeout = ServerSettings().header_timeout_s if args.header_timeout is None else args.header_timeout
-    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
-                              max_body_bytes=args.max_body_bytes, max_image_pixels=args.max_image_pixels,
-                              max_live=args.max_live, request_timeout_s=args.timeout,
-                              body_timeout_s=args.body_timeout, max_header_bytes=args.max_header_bytes,
-                              header_timeout_s=header_timeout,
-                              model_name=RANDOM.get(args.random) or args.model or "smollm2-135m-instruct")
+    settings = settings_of(args)
     make = engine_maker(args)
     if args.replicas > 0:
         return serve_replicas(args, settings, make)
@@ -143,6 +141,17 @@ def main(argv: list[str] | None = None) -> int:
 
 class Terminated(BaseException):
     """SIGTERM, once uvicorn has shut down: leaves ``with engine`` like Ctrl-C."""
+
+
+def settings_of(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings from ``serve``'s parsed options."""
+    header_timeout = ServerSettings().header_timeout_s if args.header_timeout is None else args.header_timeout
+    return ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
+                          max_body_bytes=args.max_body_bytes, max_json_values=args.max_json_values,
+                          max_image_pixels=args.max_image_pixels, max_live=args.max_live,
+                          request_timeout_s=args.timeout, body_timeout_s=args.body_timeout,
+                          max_header_bytes=args.max_header_bytes, header_timeout_s=header_timeout,
+                          model_name=RANDOM.get(args.random) or args.model or "smollm2-135m-instruct")
 
 
 def _terminated(*_: Any) -> None:

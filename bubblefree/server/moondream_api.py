@@ -43,14 +43,14 @@ def router(served: Served) -> APIRouter:
 
     @api.post("/query")
     async def query(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_json(request, served.settings.max_json_values)
         question = body.text("question")
         _no_reasoning(body)
         return await _skill(served, request, body, "query", {"question": question})
 
     @api.post("/caption")
     async def caption(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_json(request, served.settings.max_json_values)
         length = body.text("length", "normal")
         return await _skill(served, request, body, "caption", {"length": length})
 
@@ -61,7 +61,7 @@ def router(served: Served) -> APIRouter:
 
 def _spatial(served: Served, skill: str):
     async def route(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_json(request, served.settings.max_json_values)
         obj = body.text("object")
         if body.flag("stream"):
             raise body.refuse("stream", f"{skill} answers whole; ask without stream")
@@ -126,17 +126,13 @@ def _names(served: Served, skill: str, image: ImageRef | None) -> dict[str, str]
     enough. A caption's prompt is the model's own words: its image is what
     is too long."""
     text = PROMPTS.get(skill)
-    if image is not None and (text is None or image.length + 1 >= _prompt_bound(served)):
+    if image is not None and (text is None or _no_room(served.engine.output_room(image.length + 1))):
         text = "image_url"
     return {**NAMES, "prompt": text} if text else NAMES
 
 
-def _prompt_bound(served: Served) -> int:
-    """The shortest prompt the engine refuses as too long: one that leaves
-    no output token below the context or within the KV cache (whose last
-    output token is never written back), as ``SkillSet.request`` counts."""
-    cap = served.engine.core.backend.capacity
-    return min(cap.max_context, cap.num_pages * cap.page_size + 1)
+def _no_room(room: int | None) -> bool:
+    return room is not None and room < 1
 
 
 async def _chunks(run: Run) -> AsyncIterator[dict]:

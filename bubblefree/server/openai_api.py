@@ -65,7 +65,7 @@ def router(served: Served) -> APIRouter:
 
     @api.post("/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_json(request, served.settings.max_json_values)
         images: list[tuple[str, Any]] = []
         messages, image_in = _messages(body, images)
         # Off the event loop, as every tokenization here: a prompt of megabytes
@@ -80,7 +80,7 @@ def router(served: Served) -> APIRouter:
 
     @api.post("/completions")
     async def completions(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_json(request, served.settings.max_json_values)
         prompt = body.raw("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]

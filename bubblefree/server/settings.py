@@ -15,6 +15,7 @@ class ServerSettings:
     port: int = 2020  # where Moondream's client looks for a local server
     api_key: str | None = None  # None: no key asked for
     max_body_bytes: int = 20 * 1024 * 1024  # room for one large base64 image
+    max_json_values: int = 200_000  # a body's values (parsed on the event loop; else 413)
     max_image_pixels: int = 50_000_000  # checked from the header, before decoding (bombs)
     max_live: int = 64  # requests decoding or waiting at once; more get 429
     request_timeout_s: float = 300.0  # a request still running then is cancelled (504)
@@ -27,7 +28,7 @@ class ServerSettings:
     def __attrs_post_init__(self) -> None:
         # Counts are integers: a NaN passed ``< 1`` (it fails every
         # comparison) and bounded nothing (``live >= nan`` never holds).
-        for name in ("max_body_bytes", "max_image_pixels", "max_live", "retry_after_s", "max_header_bytes"):
+        for name in ("max_body_bytes", "max_json_values", "max_image_pixels", "max_live", "retry_after_s", "max_header_bytes"):
             value = getattr(self, name)
             if not (_is_a(value, numbers.Integral) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
