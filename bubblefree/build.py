@@ -35,22 +35,26 @@ from bubblefree.encoded import check_max_pixels
 from bubblefree.images import DEFAULT_MAX_PIXELS
 from bubblefree.skills import HFTokenizer, LocationCodec, RegionHeadCodec, SkillSet, location_tokens
 from bubblefree.skills.codec import CodecError
+from bubblefree.skills.registry import BUILTIN, Registry
 
 
 def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool | str,
-                 dtype: Any = None, max_image_pixels: int = DEFAULT_MAX_PIXELS, **backend_options: Any):
+                 dtype: Any = None, max_image_pixels: int = DEFAULT_MAX_PIXELS,
+                 registry: Registry = BUILTIN, **backend_options: Any):
     from bubblefree.checkpoints import is_moondream, is_vision_language
 
     if is_moondream(source):
         return build_moondream(cls, os.fspath(source), device=device, pipelined=pipelined, dtype=dtype,
-                               max_image_pixels=max_image_pixels, **backend_options)
+                               max_image_pixels=max_image_pixels, registry=registry, **backend_options)
     if is_vision_language(source):
         return build_vision_language(cls, os.fspath(source), device=device, pipelined=pipelined,
-                                     dtype=dtype, max_image_pixels=max_image_pixels, **backend_options)
+                                     dtype=dtype, max_image_pixels=max_image_pixels, registry=registry,
+                                     **backend_options)
     add_locations = backend_options.pop("location_tokens", False)
     if source is not None and not isinstance(source, (str, os.PathLike)):
         raise InvalidRequest(f"path_or_default: must be a path or None, got {source!r}")
     check_pipelined(pipelined)
+    check_registry(registry)
     flag()("location_tokens", add_locations)
     device, dtype = check_device(device), check_dtype(dtype)
     check_max_pixels(max_image_pixels)
@@ -71,13 +75,20 @@ def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool
             loaded.model.resize_token_embeddings(len(loaded.tokenizer), mean_resizing=True)
     backend = CudaBackend(loaded, **backend_options)
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
-    skills = SkillSet(tokenizer, core.register_mask, codec=_codec(tokenizer)).compile_all()
+    skills = SkillSet(tokenizer, core.register_mask, codec=_codec(tokenizer), registry=registry)
     return cls(core, skills, backend=backend, max_image_pixels=max_image_pixels)
 
 
 def check_pipelined(pipelined: Any) -> None:
     if not (isinstance(pipelined, bool) or pipelined == "auto"):
         raise InvalidRequest(f'pipelined: must be True, False or "auto", got {pipelined!r}')
+
+
+def check_registry(registry: Any) -> None:
+    # With the other options, before loading: a typo would cost a load.
+    if not isinstance(registry, Registry):
+        raise InvalidRequest(f"registry: must be a bubblefree.skills.registry.Registry (BUILTIN.with_skill"
+                             f"(MySkill()), say), got {type(registry).__name__}")
 
 
 def _codec(tokenizer: HFTokenizer) -> LocationCodec | None:
@@ -91,7 +102,7 @@ def _codec(tokenizer: HFTokenizer) -> LocationCodec | None:
 
 def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dtype: Any = None,
                     seed: int = 0, tokenizer: Any = None, max_image_pixels: int = DEFAULT_MAX_PIXELS,
-                    **backend_options: Any):
+                    registry: Registry = BUILTIN, **backend_options: Any):
     """An engine on moondream2: a local checkpoint directory (its weights,
     config and tokenizer.json), or a ``MoondreamConfig`` with random weights
     from ``seed`` (``tokenizer``: a ``tokenizers.Tokenizer``, default a small
@@ -108,6 +119,7 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
         raise InvalidRequest("location_tokens: moondream2 points and detects through its region head; "
                              "it takes no location tokens")
     check_pipelined(pipelined)
+    check_registry(registry)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise InvalidRequest(f"seed: must be an int >= 0, got {seed!r}")
     device, dtype = check_device(device), check_dtype(dtype)
@@ -136,14 +148,15 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     skills_tokenizer = moondream_tokenizer(raw, info.config.tokenizer)
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
     skills = SkillSet(skills_tokenizer, core.register_mask,
-                      codec=RegionHeadCodec.for_tokenizer(skills_tokenizer)).compile_all()
+                      codec=RegionHeadCodec.for_tokenizer(skills_tokenizer), registry=registry)
     return cls(core, skills, backend=backend, max_image_pixels=max_image_pixels)
 
 
 # -- transformers vision-language models (cuda_backend/vlm) ---------------------------
 
 def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str, dtype: Any = None,
-                          max_image_pixels: int = DEFAULT_MAX_PIXELS, **backend_options: Any):
+                          max_image_pixels: int = DEFAULT_MAX_PIXELS, registry: Registry = BUILTIN,
+                          **backend_options: Any):
     """An engine on a local transformers vision-language checkpoint
     (``cuda_backend/vlm``): its weights, its processor (tokenizer and image
     processor) and its chat template, which places the image in the user's
@@ -157,6 +170,7 @@ def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str,
     if backend_options.pop("location_tokens", False):
         raise InvalidRequest("location_tokens: a vision-language checkpoint keeps its own vocabulary")
     check_pipelined(pipelined)
+    check_registry(registry)
     device, dtype = check_device(device), check_dtype(dtype)
     check_max_pixels(max_image_pixels)
     check_backend_options(backend_options)
@@ -168,7 +182,7 @@ def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str,
     turn = tokenizer.image_turn
     backend = VlmBackend(loaded.model, loaded.processor, turn.head, turn.token, **backend_options)
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
-    skills = SkillSet(tokenizer, core.register_mask, codec=_codec(tokenizer)).compile_all()
+    skills = SkillSet(tokenizer, core.register_mask, codec=_codec(tokenizer), registry=registry)
     return cls(core, skills, backend=backend, max_image_pixels=max_image_pixels)
 
 

@@ -38,6 +38,7 @@ from bubblefree.handle import Handle, RequestFailed
 from bubblefree.images import DEFAULT_MAX_PIXELS
 from bubblefree.loop import EngineStopped, Listener, ServingLoop
 from bubblefree.skills import SkillSet
+from bubblefree.skills.registry import BUILTIN, Registry
 from bubblefree.skills.skillset import output_room
 from bubblefree.streams import AsyncPieces, AsyncTextStream, TextPieces
 
@@ -48,7 +49,11 @@ class Engine(SkillCalls):
     def __init__(self, core: CoreEngine, skills: SkillSet, *, backend: Any = None,
                  max_image_pixels: int = DEFAULT_MAX_PIXELS):
         self.core = core
-        self.skills = skills
+        # Compiled here, before the decode thread starts: compiling walks the
+        # vocabulary and registers masks, which on the CUDA backend may
+        # rebuild the mask table and re-capture sampling graphs; done lazily
+        # it ran on a caller's thread while the decode thread served.
+        self._skills = skills.compile_all()
         self.backend = backend
         self.images = ImageIntake(core.backend, max_image_pixels)
         self.loop = ServingLoop(core)
@@ -56,9 +61,16 @@ class Engine(SkillCalls):
         # it the model and the KV cache: the loop holds no reference back here.
         self._finalizer = weakref.finalize(self, self.loop.close, False)
 
+    @property
+    def skills(self) -> SkillSet:
+        """The skill set this engine was built with, compiled. Read-only: a
+        skill of your own is registered at construction (``registry=``)."""
+        return self._skills
+
     @classmethod
     def from_pretrained(cls, path_or_default: str | None = None, *, device: str | None = None,
-                        pipelined: bool | str = "auto", dtype: Any = None, **backend_options: Any) -> "Engine":
+                        pipelined: bool | str = "auto", dtype: Any = None, registry: Registry = BUILTIN,
+                        **backend_options: Any) -> "Engine":
         """Load a model (a directory, a ``.gguf`` file, or ``None`` for the
         embedded SmolLM2-135M-Instruct), build the CUDA backend (CPU without a
         GPU), compile the skills. A local moondream2 checkpoint directory
@@ -69,26 +81,30 @@ class Engine(SkillCalls):
         (``docs/vlm.md``). ``location_tokens=True`` adds the spatial skills'
         location tokens to a text model (point, detect and segment need
         them, or a region head); ``max_image_pixels`` bounds an image's
-        pixels (decompression bombs); options are checked before loading."""
+        pixels (decompression bombs); ``registry`` is the skills served
+        (``BUILTIN.with_skill(MySkill())`` adds yours); options are checked
+        before loading."""
         from bubblefree.build import build_engine  # torch is imported only here
 
         return build_engine(cls, path_or_default, device=device, pipelined=pipelined,
-                            dtype=dtype, **backend_options)
+                            dtype=dtype, registry=registry, **backend_options)
 
     @classmethod
     def moondream_random(cls, config: Any = "tiny", *, device: str | None = None, seed: int = 0,
                          pipelined: bool | str = "auto", dtype: Any = None, tokenizer: Any = None,
-                         **backend_options: Any) -> "Engine":
+                         registry: Registry = BUILTIN, **backend_options: Any) -> "Engine":
         """moondream2 with random weights from ``seed``, for tests and
         benchmarks: ``config`` is ``"tiny"`` (small widths, moondream2's image
         geometry; runs on a CPU), ``"full"`` (moondream2's shapes) or a
         ``MoondreamConfig``. The tokenizer is a small word-level one unless a
         ``tokenizers.Tokenizer`` is given. Its answers are noise; its shapes,
-        images, values and timings are moondream2's."""
+        images, values and timings are moondream2's. ``registry``: as in
+        ``from_pretrained``."""
         from bubblefree.build import build_moondream, random_config
 
         return build_moondream(cls, random_config(config), device=device, pipelined=pipelined,
-                               dtype=dtype, seed=seed, tokenizer=tokenizer, **backend_options)
+                               dtype=dtype, seed=seed, tokenizer=tokenizer, registry=registry,
+                               **backend_options)
 
     # ------------------------------------------------------------ submitting
     def submit(self, skill: str, *, sampling: SamplingParams | dict | None = None,

@@ -42,7 +42,15 @@ class Complete(Skill):
         raise invalid(self.name, "prompt", f"must be text or a non-empty list of token ids, got {value!r}"[:200])
 
     def prompt(self, tokenizer: Tokenizer, args: CompleteArgs) -> list[int]:
-        return list(args.ids) if args.ids is not None else list(tokenizer.encode(args.text))
+        if args.ids is None:
+            return list(tokenizer.encode(args.text))
+        # The caller's ids, refused as theirs: past here an id outside the
+        # vocabulary is the skill's bug (``SkillSet.request``).
+        outside = [t for t in args.ids if not 0 <= t < len(tokenizer)]
+        if outside:
+            raise invalid(self.name, "prompt", f"token ids must be ints in [0, {len(tokenizer)}), "
+                          f"got {outside[0]}")
+        return list(args.ids)
 
     def default_max_tokens(self, args: CompleteArgs) -> int:
         return self.max_tokens

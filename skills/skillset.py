@@ -2,10 +2,12 @@
 
 ``SkillSet(tokenizer, engine.register_mask)`` is the compile-once point:
 each skill's tables are built the first time it is used (or all at once by
-``compile_all``, to keep the first request's submit fast) and cached; each
-distinct allowed set is registered with the engine exactly once, however
-many skills or states share it. After that a request's decode state only
-looks up mask ids: the hot path never walks the vocabulary.
+``compile_all``, which the serving ``Engine`` calls before its decode thread
+starts) and cached; each distinct allowed set is registered with the engine
+exactly once, however many skills or states share it. After that a
+request's decode state only looks up mask ids: the hot path never walks the
+vocabulary. A lock makes "once" hold when several threads ask at the same
+time: a second compile would register its masks again, racing the first.
 
 Without a spatial codec (``codec=None``: a text model loaded without
 location tokens) the spatial skills (point, detect, segment) are not
@@ -21,6 +23,7 @@ assembles its result.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable
 
 import attrs
@@ -47,6 +50,8 @@ class SkillSet:
     _allowed: dict[int, frozenset[int]] = attrs.field(init=False, factory=dict)
     _tables: dict[str, Any] = attrs.field(init=False, factory=dict)
     _text_ids: frozenset[int] | None = attrs.field(init=False, default=None)
+    # Reentrant: a skill's compile may ask another skill's tables.
+    _compiling: threading.RLock = attrs.field(init=False, factory=threading.RLock, repr=False, eq=False)
 
     # -- the CompileContext skills see ---------------------------------------
 
@@ -77,19 +82,26 @@ class SkillSet:
     def serves(self, name: str) -> bool:
         """Whether skill ``name`` can run here (a spatial one needs a codec;
         see ``Skill.unserved``)."""
-        return self.registry.get(name).unserved(self.codec) is None
+        return self._unserved(name) is None
+
+    def _unserved(self, name: str) -> str | None:
+        skill = self.registry.get(name)
+        return _hook(name, "unserved", skill.unserved, self.codec)
 
     def tables(self, name: str) -> Any:
         if name in self._tables:  # None too: a skill without tables compiles once as well
             return self._tables[name]
-        why = self.registry.get(name).unserved(self.codec)
+        why = self._unserved(name)
         if why is not None:
             raise invalid(name, "skill", why)
-        try:
-            tables = self.registry.get(name).compile(self)
-        except Exception as err:  # noqa: BLE001 - the skill's code: named, its error chained
-            raise SkillError(f"skill {name!r} cannot compile: {described(err)}") from err
-        self._tables[name] = tables
+        with self._compiling:
+            if name in self._tables:  # another thread compiled it while this one waited
+                return self._tables[name]
+            try:
+                tables = self.registry.get(name).compile(self)
+            except Exception as err:  # noqa: BLE001 - the skill's code: named, its error chained
+                raise SkillError(f"skill {name!r} cannot compile: {described(err)}") from err
+            self._tables[name] = tables
         return tables
 
     def compile_all(self) -> SkillSet:
@@ -133,8 +145,10 @@ class SkillSet:
         # A vision-language model's chat turn about an image: the ids after the image.
         about = self.tokenizer.about_image() if image is not None and getattr(
             self.tokenizer, "image_turn", None) is not None else self.tokenizer
-        prompt = tuple(_hook(name, "prompt", skill.prompt, about, parsed))
-        values = tuple(_hook(name, "prompt_values", skill.prompt_values, self.tokenizer, parsed))
+        vocab = len(self.tokenizer)
+        prompt = _hook(name, "prompt", skill.prompt, about, parsed,
+                       check=functools.partial(_token_ids, name, "prompt", vocab))
+        values = _hook(name, "prompt_values", skill.prompt_values, self.tokenizer, parsed, check=tuple)
         if values and image is None:  # the references are to an image, as in moondream's reference
             raise invalid(name, "spatial_refs", "refer to an image: give one")
         templates = templates_of(self.tokenizer)
@@ -150,9 +164,8 @@ class SkillSet:
             raise invalid(name, "prompt", f"is {len(prompt)} tokens{image_part}; {_OWNERS[bound[0]]} "
                           f"{bound[0]} is {bound[1]}")
         if max_tokens is None:
-            max_tokens = _hook(name, "budget", skill.budget, tables, parsed)
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-                raise SkillError(f"skill {name!r}: budget() returned {max_tokens!r}, not an integer >= 1")
+            max_tokens = _hook(name, "budget", skill.budget, tables, parsed,
+                               check=functools.partial(_count, name, "budget"))
             if room is not None and max_tokens > room:
                 if "max_objects" in args:
                     raise invalid(name, "max_objects", f"{args['max_objects']} objects need up to {max_tokens} "
@@ -164,22 +177,48 @@ class SkillSet:
                           f"exceeds the room of {room} tokens ({bound[0]} {bound[1]})")
         factory = functools.partial(_started, skill, tables, parsed, max_tokens)
         return Request(prompt=prompt, max_tokens=max_tokens,
-                       stop_ids=_hook(name, "stop_ids", skill.stop_ids, self),
+                       stop_ids=_hook(name, "stop_ids", skill.stop_ids, self,
+                                      check=functools.partial(_token_ids, name, "stop_ids", vocab)),
                        sampling=sampling, decode_state=factory,
                        finisher=functools.partial(finish_request, skill, factory),
                        adapter=adapter, tag=tag, skill=name, image=image, prompt_values=values)
 
 
-def _hook(name: str, call: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """A skill's hook at submit. Its refusals of the caller's arguments
-    (``InvalidRequest``) and its own ``SkillError`` pass as they are; any
-    other exception is the skill's bug, named with the skill and the hook."""
+def _hook(name: str, call: str, fn: Callable[..., Any], *args: Any,
+          check: Callable[[Any], Any] | None = None) -> Any:
+    """A skill's hook at submit, and ``check`` of what it returned (which
+    converts it: a generator is read here, under the same guard). Its
+    refusals of the caller's arguments (``InvalidRequest``) and its own
+    ``SkillError`` pass as they are; any other exception is the skill's
+    bug, named with the skill and the hook."""
     try:
-        return fn(*args)
+        answer = fn(*args)
+        return answer if check is None else check(answer)
     except (InvalidRequest, SkillError):
         raise
     except Exception as err:  # noqa: BLE001 - the skill's code: named, its error chained
         raise SkillError(f"skill {name!r} raised {type(err).__name__} in {call}: {message(err)}") from err
+
+
+def _token_ids(name: str, call: str, vocab: int, ids: Any) -> tuple[int, ...]:
+    """A hook's token ids as plain ints (numpy's are ids too). One outside
+    the vocabulary is the skill's bug: left to the core, it was refused as
+    the caller's ``prompt`` or ``stop_ids``, naming no skill."""
+    if ids is None:
+        raise SkillError(f"skill {name!r}: {call}() returned None, not token ids")
+    ids = tuple(map(integer, ids))
+    bad = [t for t in ids if type(t) is not int or not 0 <= t < vocab]
+    if bad:
+        raise SkillError(f"skill {name!r}: {call}() returned {bad[0]!r:.40}, not a token id in [0, {vocab})")
+    return ids
+
+
+def _count(name: str, call: str, answer: Any) -> int:
+    """A hook's count of tokens: an integer >= 1, numpy's too."""
+    answer = integer(answer)
+    if type(answer) is not int or answer < 1:
+        raise SkillError(f"skill {name!r}: {call}() returned {answer!r:.40}, not an integer >= 1")
+    return answer
 
 
 def _started(skill: Skill, tables: Any, parsed: Any, max_tokens: int) -> SkillState:
@@ -197,6 +236,13 @@ def _started(skill: Skill, tables: Any, parsed: Any, max_tokens: int) -> SkillSt
     if missing:
         raise SkillError(f"start() returned {type(state).__name__}, a decode state without "
                          f"{' or '.join(missing)} (a SkillState has both)")
+    # A state handed to two requests would advance on both their tokens and
+    # merge their outputs. One that has consumed tokens already is caught
+    # here; two requests started in the same step before either commits are
+    # not (that would take a registry of live states).
+    if state.consumed != 0:
+        raise SkillError(f"start() returned a state that has consumed {state.consumed!r:.40} tokens: "
+                         f"each request needs a fresh state")
     return state
 
 
@@ -232,9 +278,19 @@ def finish_request(skill: Skill, factory: StateFactory, tokens: tuple[int, ...],
     before the state was built. The missing tokens are replayed (without
     spatial values, which only a region head supplies); replay stops at the
     first token the machine refuses, so the result keeps whole objects only.
+
+    A request that ended before it started (cancelled while queued, or its
+    ``start`` raised at admission) has nothing to finish: if ``start``
+    raises here too, its output is None and the request keeps its own
+    status (cancelled; or failed, with the first cause).
     """
     if state is None:
-        state = factory()
+        try:
+            state = factory()
+        except Exception:  # noqa: BLE001 - start's bug, named at admission if it got that far
+            if tokens:
+                raise
+            return None
     for token in tokens[state.consumed:]:
         if state.done:
             break
