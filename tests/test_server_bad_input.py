@@ -94,6 +94,11 @@ CASES = [
      422, "stop"),
     ("n = 2", "POST", "/v1/chat/completions", chat(n=2), 422, "n"),
     ("empty prompt", "POST", "/v1/completions", {"prompt": ""}, 422, "prompt"),
+    ("prompt of no token", "POST", "/v1/completions", {"prompt": "  "}, 422, "prompt"),
+    ("stream_options without stream", "POST", "/v1/chat/completions",
+     chat(stream_options={"include_usage": True}), 422, "stream_options"),
+    ("max_completion_tokens past the room", "POST", "/v1/chat/completions", chat(max_completion_tokens=10**6),
+     422, "max_completion_tokens"),
     ("unknown route", "GET", "/v1/nothing", None, 404, None),
     ("wrong method", "GET", "/v1/query", None, 405, None),
 ]

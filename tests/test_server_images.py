@@ -9,6 +9,7 @@ import base64
 import concurrent.futures
 import io
 import json
+import re
 import urllib.error
 
 import httpx
@@ -138,6 +139,25 @@ def test_openai_chat_with_an_image_part(oa, moon):
         oa.chat.completions.create(model="any", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_uri(b"GIF89a")}}]}])
     assert "messages[0].content[0].image_url.url: the data is not an image" in str(caught.value)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_counts_the_images_positions_as_prompt(oa, stream):
+    """They are what the request takes of the context, and OpenAI counts an
+    image in ``prompt_tokens``; it counted only the text's tokens, so a
+    question with an image reported fewer than the same without one."""
+    parts = [{"type": "text", "text": "what is the cat on"},
+             {"type": "image_url", "image_url": {"url": data_uri(png(IMAGE))}}]
+    with pytest.raises(openai.UnprocessableEntityError) as caught:  # its refusal counts both
+        oa.chat.completions.create(model="any", max_tokens=10**6, messages=[{"role": "user", "content": parts}])
+    text, image = map(int, re.search(r"after a (\d+)-token prompt after the image's (\d+) positions",
+                                     str(caught.value)).groups())
+    options = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    reply = oa.chat.completions.create(model="any", max_tokens=3, messages=[{"role": "user", "content": parts}],
+                                       **options)
+    usage = [c for c in reply if c.usage][-1].usage if stream else reply.usage
+    assert usage.prompt_tokens == text + image, (usage, text, image)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
 def test_clients_at_once_each_get_the_answer_for_their_image(url, moon):

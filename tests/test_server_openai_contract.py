@@ -29,10 +29,13 @@ def serves_on(url: str) -> None:
     assert reply.status_code == 200, reply.text
 
 
-def bpe_engine() -> Engine:
+def bpe_engine(chat_template: str | None = None) -> Engine:
     """A text engine whose tokenizer is a real one, with special tokens a
-    message may spell."""
-    tokenizer = HFTokenizer.wrap(small_bpe_tokenizer())
+    message may spell (and ``chat_template`` if given)."""
+    hf = small_bpe_tokenizer()
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    tokenizer = HFTokenizer.wrap(hf)
     core = CoreEngine(FakeBackend(model=FakeModel(vocab_size=len(tokenizer), eos_id=tokenizer.eos_id),
                                   num_pages=64, max_rows=4, images=False, values=False))
     return Engine(core, SkillSet(tokenizer, core.register_mask, codec=None).compile_all())
@@ -205,6 +208,10 @@ def test_a_developer_message_is_the_system_turn(url):
     ("/v1/chat/completions", {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False}),
     ("/v1/chat/completions", {"presence_penalty": None, "logprobs": None}),
     ("/v1/completions", {"frequency_penalty": 0, "logprobs": 0}),
+    ("/v1/chat/completions", {"top_logprobs": 0, "response_format": {"type": "text"}, "store": False,
+                              "metadata": {}, "parallel_tool_calls": True}),
+    ("/v1/completions", {"echo": False, "suffix": "", "best_of": 1}),
+    ("/v1/completions", {"echo": None, "suffix": None, "best_of": None, "store": None, "metadata": None}),
 ])
 def test_fields_clients_send_at_values_that_change_nothing_are_taken(url, route, fields):
     body = CHAT if route == "/v1/chat/completions" else {"prompt": "a"}
@@ -218,6 +225,14 @@ def test_fields_clients_send_at_values_that_change_nothing_are_taken(url, route,
     ("presence_penalty", False, "this server applies no penalty: only 0, got False"),
     ("logprobs", True, "this server gives no log probabilities"),
     ("logprobs", 2, "this server gives no log probabilities"),
+    ("top_logprobs", 3, "this server gives no log probabilities: only 0, got 3"),
+    ("response_format", {"type": "json_object"}, 'this server answers in text: only {"type": "text"}'),
+    ("store", True, "this server stores no answers: only false, got True"),
+    ("metadata", {"a": "b"}, "this server stores no answers: only an empty object"),
+    ("parallel_tool_calls", "yes", "only true or false (this server calls no tools), got 'yes'"),
+    ("echo", True, "this server does not echo the prompt: only false, got True"),
+    ("suffix", "after", "this server takes no suffix: only an empty one, got 'after'"),
+    ("best_of", 2, "this server gives one choice a request: only 1, got 2"),
 ])
 def test_those_fields_at_any_other_value_are_refused_naming_them(url, field, value, says):
     reply = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, field: value}, timeout=20)
@@ -225,3 +240,73 @@ def test_those_fields_at_any_other_value_are_refused_naming_them(url, field, val
     error = reply.json()["error"]
     assert error["param"] == field and error["message"].startswith(f"{field}: {says}"), error
     serves_on(url)
+
+
+# Gemma's way with a system turn, and Mistral's with turns that do not
+# alternate: the template itself raises (``raise_exception``).
+STRICT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_conversation_the_chat_template_refuses_is_a_422_naming_messages(stream):
+    """It was a 500 (``TemplateError``), counted as the server's bug, its
+    connection closed: the conversation is the client's to change."""
+    engine = bpe_engine(STRICT_TEMPLATE)
+    try:
+        with serving(engine) as url:
+            for messages, says in (
+                    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "what"}],
+                     "System role not supported"),
+                    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                     "Conversation roles must alternate user/assistant/user/assistant/...")):
+                reply = httpx.post(f"{url}/v1/chat/completions", timeout=20,
+                                   json={"messages": messages, "max_tokens": 3, "stream": stream})
+                assert reply.status_code == 422, reply.text
+                assert reply.json()["error"] == {
+                    "message": f"messages: the model's chat template refuses this conversation: {says}",
+                    "type": "invalid_request_error", "param": "messages", "code": 422}
+            ok = httpx.post(f"{url}/v1/chat/completions", timeout=20,
+                            json={"messages": [{"role": "user", "content": "what"}], "max_tokens": 3})
+            assert ok.status_code == 200, ok.text
+            assert httpx.get(f"{url}/v1/stats").json()["requests_by_status"] == {"200": 1, "422": 2}
+    finally:
+        engine.close()
+
+
+def test_a_refusal_quotes_at_most_500_characters_and_names_at_most_100(url):
+    """A refusal quotes what the client sent: a megabyte role came back
+    whole, and an unknown field's name as its ``param``."""
+    reply = httpx.post(f"{url}/v1/chat/completions", timeout=20,
+                       json={"messages": [{"role": "r" * 1_000_000, "content": "x"}]})
+    assert reply.status_code == 422
+    error = reply.json()["error"]
+    assert error["param"] == "messages[0].role"
+    assert len(error["message"]) == 500 and error["message"].endswith("rrr\u2026")
+    assert error["message"].startswith("messages[0].role: must be one of system, developer, user, assistant, got")
+    reply = httpx.post(f"{url}/v1/chat/completions", timeout=20, json={**CHAT, "f" * 10_000: 1})
+    error = reply.json()["error"]
+    assert reply.status_code == 422 and error["param"] == "f" * 99 + "\u2026", error["param"][:120]
+    assert len(error["message"]) == 500
+    reply = httpx.post(f"{url}/v1/completions", timeout=20, json={"prompt": "a", "seed": 10**4000})
+    assert reply.status_code == 422 and len(reply.json()["error"]["message"]) <= 500
+    serves_on(url)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_a_refusal_of_max_completion_tokens_names_it(url, route):
+    """The newer field was refused as ``max_tokens``, a field the client
+    never sent."""
+    body = CHAT if route == "/v1/chat/completions" else {"prompt": "a"}
+    reply = httpx.post(url + route, json={**body, "max_completion_tokens": 10**6}, timeout=20)
+    assert reply.status_code == 422, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "max_completion_tokens"
+    assert error["message"].startswith("max_completion_tokens: 1000000 after a "), error
+    reply = httpx.post(url + route, json={**body, "max_tokens": 10**6}, timeout=20)
+    assert reply.json()["error"]["param"] == "max_tokens"

@@ -86,7 +86,7 @@ class Fields:
                 raise self.refuse(field, "is required")
             return default
         if not isinstance(value, str):
-            raise self.refuse(field, f"must be a string, got {_kind(value)}")
+            raise self.refuse(field, f"must be a string, got {kind_of(value)}")
         return value
 
     def flag(self, field: str, default: bool = False) -> bool:
@@ -94,7 +94,7 @@ class Fields:
         if value is MISSING or value is None:
             return default
         if not isinstance(value, bool):
-            raise self.refuse(field, f"must be true or false, got {_kind(value)}")
+            raise self.refuse(field, f"must be true or false, got {kind_of(value)}")
         return value
 
     def integer(self, field: str, low: int, default: Any = None) -> Any:
@@ -102,7 +102,7 @@ class Fields:
         if value is MISSING or value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.refuse(field, f"must be an integer, got {_kind(value)}")
+            raise self.refuse(field, f"must be an integer, got {kind_of(value)}")
         if value < low:
             raise self.refuse(field, f"must be >= {low}, got {value}")
         return value
@@ -113,7 +113,7 @@ class Fields:
         if value is MISSING or value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.refuse(field, f"must be a number, got {_kind(value)}")
+            raise self.refuse(field, f"must be a number, got {kind_of(value)}")
         try:
             as_float = float(value)
         except OverflowError:  # JSON integers have no bound; a float's range ends near 1.8e308
@@ -128,7 +128,7 @@ class Fields:
         if value is MISSING or value is None:
             return None
         if not isinstance(value, dict):
-            raise self.refuse(field, f"must be an object, got {_kind(value)}")
+            raise self.refuse(field, f"must be an object, got {kind_of(value)}")
         return Fields(value, prefix=f"{self.name(field)}.")
 
     def items(self, field: str) -> list[Any]:
@@ -136,7 +136,7 @@ class Fields:
         if value is MISSING:
             raise self.refuse(field, "is required")
         if not isinstance(value, list):
-            raise self.refuse(field, f"must be an array, got {_kind(value)}")
+            raise self.refuse(field, f"must be an array, got {kind_of(value)}")
         return value
 
     def done(self) -> None:
@@ -162,11 +162,11 @@ def each_object(items: list[Any], where: str) -> Iterator[tuple[str, Fields]]:
     for i, item in enumerate(items):
         name = f"{where}[{i}]"
         if not isinstance(item, dict):
-            raise ApiError(422, f"{name}: must be an object, got {_kind(item)}", name)
+            raise ApiError(422, f"{name}: must be an object, got {kind_of(item)}", name)
         yield name, Fields(item, prefix=f"{name}.")
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
             list: "an array", dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
 

@@ -27,9 +27,19 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+# A refusal quotes what the client sent; these bound how much of it. A
+# 4,000-digit seed, a megabyte role or an unknown field named by a 1 MB key
+# came back whole, an answer as large as the request it refused.
+MAX_MESSAGE, MAX_PARAM = 500, 100
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
-                      "param": param, "code": status}}
+    return {"error": {"message": _clipped(message, MAX_MESSAGE), "type": _TYPES.get(status, "server_error"),
+                      "param": None if param is None else _clipped(param, MAX_PARAM), "code": status}}
+
+
+def _clipped(text: str, most: int) -> str:
+    return text if len(text) <= most else text[:most - 1] + "\u2026"
 
 
 class ErrorJSON(JSONResponse):

@@ -19,6 +19,7 @@ from PIL import Image
 
 from bubblefree.core import ImageRef, InvalidRequest
 from bubblefree.images import load_image
+from bubblefree.server.body import kind_of
 from bubblefree.server.errors import ApiError
 
 
@@ -40,7 +41,7 @@ async def read_image(served, url: object, field: str) -> ImageRef:
 def check_image(url: object, field: str, takes_images: bool, max_pixels: int) -> Image.Image:
     """The decoded RGB image, or a 422 naming ``field``."""
     if not isinstance(url, str):
-        raise ApiError(422, f"{field}: must be a data URI string, got {type(url).__name__}", field)
+        raise ApiError(422, f"{field}: must be a data URI string, got {kind_of(url)}", field)
     head, comma, data = url.partition(",")
     # Any case: a URI's scheme (RFC 3986) and the ";base64" token (RFC 2397's
     # grammar, whose literals ABNF matches without case) spell the same URI.

@@ -47,6 +47,7 @@ class Ask:
     stream: bool
     include_usage: bool
     image: ImageRef | None = None  # the conversation's image, on a model that takes one
+    max_tokens_field: str = "max_tokens"  # the field the client gave it in, for a refusal to name
 
 
 def router(served: Served) -> APIRouter:
@@ -87,7 +88,11 @@ def router(served: Served) -> APIRouter:
         if not isinstance(prompt, str) or not prompt:
             raise body.refuse("prompt", "must be a non-empty string (one prompt a request)")
         valid_text(prompt, "prompt")
-        ask = _ask(body, await asyncio.to_thread(served.engine.skills.tokenizer.encode, prompt))
+        ids = await asyncio.to_thread(served.engine.skills.tokenizer.encode, prompt)
+        if not ids:
+            raise body.refuse("prompt", "holds no token once tokenized (this model's tokenizer "
+                                        f"reads nothing in {prompt[:40]!r})")
+        ask = _ask(body, ids)
         return await _answer(served, request, ask, "text_completion", _text_choice)
 
     return api
@@ -157,7 +162,8 @@ def _ask(body: Fields, prompt: list[int]) -> Ask:
     body.text("user", None)
     max_tokens = body.integer("max_tokens", 1)
     newer = body.integer("max_completion_tokens", 1)
-    max_tokens = newer if newer is not None else max_tokens
+    max_tokens, max_tokens_field = (newer, "max_completion_tokens") if newer is not None \
+        else (max_tokens, "max_tokens")
     n = body.integer("n", 1, 1)
     if n != 1:
         raise body.refuse("n", f"this server gives one choice a request, got {n}")
@@ -169,28 +175,46 @@ def _ask(body: Fields, prompt: list[int]) -> Ask:
     _neutral(body)
     stream = body.flag("stream")
     options = body.nested("stream_options")
+    if options is not None and not stream:  # as OpenAI refuses it: a client expecting usage would get none
+        raise body.refuse("stream_options", "only with stream: true")
     include_usage = options.flag("include_usage") if options is not None else False
     if options is not None:
         options.done()
     body.done()
-    return Ask(prompt, max_tokens, sampling_params(values, ""), stops, stream, include_usage)
+    return Ask(prompt, max_tokens, sampling_params(values, ""), stops, stream, include_usage,
+               max_tokens_field=max_tokens_field)
 
 
 def _neutral(body: Fields) -> None:
     """Fields some clients send on every request at values that change
     nothing: taken absent, null or at those values, refused naming them at
-    any other (this server applies no penalty and gives no log
-    probabilities; a completions request's ``logprobs`` is a count)."""
-    for field in ("presence_penalty", "frequency_penalty"):
+    any other (this server applies no penalty, gives no log probabilities,
+    stores nothing, calls no tools; a completions request's ``logprobs`` is
+    a count)."""
+    for field, (holds, words) in _NEUTRAL.items():
         value = body.raw(field)
-        if value is not Fields.MISSING and value is not None \
-                and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != 0):
-            raise body.refuse(field, f"this server applies no penalty: only 0, got {value!r:.40}")
-    value = body.raw("logprobs")
-    if value is not Fields.MISSING and value is not None and value is not False \
-            and not (type(value) is int and value == 0):
-        raise body.refuse("logprobs", f"this server gives no log probabilities: only false (0 on "
-                                      f"completions), got {value!r:.40}")
+        if value is not Fields.MISSING and value is not None and not holds(value):
+            raise body.refuse(field, f"{words}, got {value!r:.40}")
+
+
+def _zero(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
+
+
+_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "presence_penalty": (_zero, "this server applies no penalty: only 0"),
+    "frequency_penalty": (_zero, "this server applies no penalty: only 0"),
+    "logprobs": (lambda v: v is False or (type(v) is int and v == 0),
+                 "this server gives no log probabilities: only false (0 on completions)"),
+    "top_logprobs": (lambda v: type(v) is int and v == 0, "this server gives no log probabilities: only 0"),
+    "response_format": (lambda v: v == {"type": "text"}, 'this server answers in text: only {"type": "text"}'),
+    "echo": (lambda v: v is False, "this server does not echo the prompt: only false"),
+    "suffix": (lambda v: v == "", "this server takes no suffix: only an empty one"),
+    "best_of": (lambda v: type(v) is int and v == 1, "this server gives one choice a request: only 1"),
+    "store": (lambda v: v is False, "this server stores no answers: only false"),
+    "metadata": (lambda v: v == {}, "this server stores no answers: only an empty object"),
+    "parallel_tool_calls": (lambda v: isinstance(v, bool), "only true or false (this server calls no tools)"),
+}
 
 
 def _stops(body: Fields) -> tuple[str, ...]:
@@ -224,8 +248,10 @@ async def _answer(served: Served, request: Request, ask: Ask, kind: str, choice:
     async def begin() -> Run:
         return await run_prompt(served.engine, ask.prompt, ask.max_tokens, ask.sampling, image=ask.image)
 
-    # The engine's "prompt" is the conversation here, which the client sent as messages.
-    names = {"prompt": "messages"} if kind == "chat.completion" else None
+    # The engine's "prompt" is the conversation here, which the client sent as
+    # messages; its max_tokens may have come as max_completion_tokens.
+    names = {"prompt": "messages"} if kind == "chat.completion" else {}
+    names["max_tokens"] = ask.max_tokens_field
     if ask.stream:
         run, ticket = await flow.start(served, begin, names)
         head = _head(kind + (".chunk" if kind == "chat.completion" else ""), served)

@@ -10,11 +10,13 @@ the ``complete`` skill, which takes a prompt framed already.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+import contextlib
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import attrs
 
 from bubblefree.core import ImageRef, InvalidRequest, SamplingParams
+from bubblefree.core.values import message
 from bubblefree.engine import Engine
 from bubblefree.handle import Handle
 from bubblefree.skills.templates import templates_of
@@ -30,7 +32,9 @@ class Run:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.handle.request.prompt)
+        """The prompt's positions, an image's included: what the request
+        takes of the context, as OpenAI counts an image in its usage."""
+        return self.handle.request.prefix_len
 
     @property
     def completion_tokens(self) -> int:
@@ -91,8 +95,9 @@ def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]], image_in: int |
         _check_turn(tokenizer, content, f"messages[{i}].content")
     turn = getattr(tokenizer, "image_turn", None)
     if turn is not None:
-        ids = tokenizer.chat([{"role": r, "content": ([{"type": "image"}] if i == image_in else [])
-                               + [{"type": "text", "text": c}]} for i, (r, c) in enumerate(messages)])
+        with _template_refusals():
+            ids = tokenizer.chat([{"role": r, "content": ([{"type": "image"}] if i == image_in else [])
+                                   + [{"type": "text", "text": c}]} for i, (r, c) in enumerate(messages)])
         return turn.check_text(ids) if image_in is None else turn.after(ids)
     templates = templates_of(tokenizer)
     if templates is not None:
@@ -105,8 +110,9 @@ def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]], image_in: int |
         return ids
     hf = getattr(tokenizer, "hf", None)
     if hf is not None and getattr(hf, "chat_template", None):
-        ids = hf.apply_chat_template([{"role": r, "content": c} for r, c in messages],
-                                     add_generation_prompt=True, tokenize=True)
+        with _template_refusals():
+            ids = hf.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                         add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # a BatchEncoding in newer releases
             ids = ids["input_ids"]
         return [int(i) for i in ids]
@@ -116,6 +122,25 @@ def chat_prompt(tokenizer: Any, messages: list[tuple[str, str]], image_in: int |
     turns = {"system": "{}", "user": "\n\nQuestion: {}", "assistant": "\n\nAnswer: {}"}
     frame = "".join(turns[role].format(text) for role, text in messages) + "\n\nAnswer:"
     return tokenizer.encode(frame)
+
+
+@contextlib.contextmanager
+def _template_refusals() -> Iterator[None]:
+    """A chat template's own refusal of a conversation (``raise_exception``:
+    Gemma's of a system turn, Mistral's of turns that do not alternate) is
+    the caller's to fix, not a server error: named as the prompt, which the
+    chat route names ``messages``."""
+    try:
+        yield
+    except Exception as err:
+        try:
+            from jinja2.exceptions import TemplateError
+        except ImportError:  # no jinja2, no template: nothing of the template's raised
+            raise err from None
+        if not isinstance(err, TemplateError):
+            raise
+        raise InvalidRequest(f"prompt: the model's chat template refuses this conversation: "
+                             f"{message(err)[:300]}") from None
 
 
 def _check_turn(tokenizer: Any, text: str, field: str) -> None:
