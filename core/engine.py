@@ -385,6 +385,9 @@ class Engine:
         # An image's prefix shares the prompt's prefill budget, context and pages.
         image = "" if req.image is None else f"image ({req.image.length}) + "
         if req.prefix_len > cap.max_prefill_tokens:
+            if req.image is not None and req.image.length >= cap.max_prefill_tokens:  # no text could fit
+                raise InvalidRequest(f"image: {req.image.length} positions, which leave no room for a prompt "
+                                     f"in the {cap.max_prefill_tokens} one prefill takes")
             size = f"{n} tokens" if not image else f"{req.prefix_len} tokens with the image's {req.image.length}"
             raise InvalidRequest(f"prompt: {size}, more than the {cap.max_prefill_tokens} one prefill takes")
         if req.prefix_len + req.max_tokens > cap.max_context:

@@ -44,8 +44,8 @@ class ImageTurn:
         at = ids.index(self.token_id)
         if tuple(ids[:at]) != self.head:
             raise InvalidRequest("prompt: the image must open the conversation, in its first user "
-                                 "turn: this model's image prefix holds the chat template's tokens "
-                                 "before it")
+                                 "turn, with no message before it (a system message neither): this "
+                                 "model's image prefix holds the chat template's tokens before it")
         return ids[at + 1:]
 
     def check_text(self, ids: Sequence[int]) -> list[int]:

@@ -1,6 +1,8 @@
 """Transformers vision-language models at their edges: an image the model's
-own processor refuses (Qwen2-VL's past 200:1) is an InvalidRequest naming
-image, a 422 over HTTP; and a Qwen2-VL checkpoint as published (the text
+own processor refuses (Qwen2-VL's past 200:1), or would resize past what
+this server resizes to (LLaVA's, thin), is an InvalidRequest naming image,
+a 422 over HTTP; an image too long for one prefill or the context is
+named as the image; and a Qwen2-VL checkpoint as published (the text
 settings at the top level of config.json) is served."""
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ IMAGE, QUESTION = vlm_world.IMAGES[0], "what is in this image ?"
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    path = vlm_world.checkpoint(tmp_path_factory.mktemp("qwen2_vl"), seed=3, text_type="qwen2", arch="qwen2_vl")
-    engine = Engine.from_pretrained(str(path), **OPTIONS)
+def qwen_path(tmp_path_factory):
+    return vlm_world.checkpoint(tmp_path_factory.mktemp("qwen2_vl"), seed=3, text_type="qwen2", arch="qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_path):
+    engine = Engine.from_pretrained(str(qwen_path), **OPTIONS)
     yield engine
     engine.close()
 
@@ -72,3 +78,45 @@ def test_a_qwen2_vl_checkpoint_with_the_text_settings_at_the_top_is_served(tmp_p
         assert _answers(engine)
     finally:
         engine.close()
+
+
+def test_a_thin_image_llavas_processor_would_blow_up_is_refused_before_it_is_resized(tmp_path):
+    """LLaVA's processor resizes an image's shortest edge up before it
+    crops: a 1 x 1,000,000 PNG of 4 KB became 336 x 336,000,000 pixels at
+    full scale, gigabytes on the caller's thread (here, at the tiny
+    processor's 28, a 1 x 30,000 strip would be 28 x 840,000)."""
+    engine = Engine.from_pretrained(str(vlm_world.checkpoint(tmp_path / "llava", seed=3)), **OPTIONS)
+    try:
+        with pytest.raises(InvalidRequest, match=r"^image: 1x30000; the model's processor resizes its shortest "
+                                                 r"edge to 28, which makes it 28x840000, past the 16777216 "):
+            engine.submit("query", image=_strip(1, 30_000), question=QUESTION, max_tokens=3)
+        assert _answers(engine)
+    finally:
+        engine.close()
+
+
+def test_an_image_too_long_for_one_prefill_or_the_context_is_named_as_the_image(qwen, qwen_path):
+    """No shorter text could fit: the refusal named the prompt (``question``,
+    ``messages``), which the client cannot fix by shortening it."""
+    big = _strip(300, 200)
+    length = qwen.images.ref(big).length
+    uri = "data:image/png;base64," + base64.b64encode(png(big)).decode()
+    chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                                      {"type": "text", "text": "what"}]}], "max_tokens": 2}
+    part = "messages[0].content[0].image_url.url"
+    for bound, says in (({"max_prefill_tokens": length}, f"{length} positions, which leave no room for a prompt"),
+                        ({"max_context": length + 1}, f"after the image's {length} positions")):
+        engine = Engine.from_pretrained(str(qwen_path), **{**OPTIONS, **bound})
+        try:
+            if "max_prefill_tokens" in bound:
+                with pytest.raises(InvalidRequest, match=f"^image: {says}"):
+                    engine.submit("query", image=big, question="what", max_tokens=2)
+            with serving(engine) as url:
+                reply = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=WAIT)
+                assert reply.status_code == 422 and reply.json()["error"]["param"] == part, reply.text[:300]
+                assert says in reply.json()["error"]["message"]
+                reply = httpx.post(f"{url}/v1/query", timeout=WAIT, json={
+                    "image_url": uri, "question": "what", "settings": {"max_tokens": 2}})
+                assert reply.status_code == 422 and reply.json()["error"]["param"] == "image_url", reply.text[:300]
+        finally:
+            engine.close()

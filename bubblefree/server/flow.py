@@ -38,6 +38,15 @@ class Text:
     stopped: bool  # a stop string ended it
 
 
+def fills_context(engine: Engine, image: Any) -> bool:
+    """Whether ``image`` (an ``ImageRef``) leaves no room for even one token
+    of prompt: a refusal of the prompt as too long then names the image, as
+    no text is short enough (a vision-language model's image grows with its
+    size, Qwen2-VL's)."""
+    room = engine.output_room(image.length + 1)
+    return room is not None and room < 1
+
+
 async def start(served: Served, begin: Callable[[], Awaitable[Run]],
                 names: dict[str, str] | None = None) -> tuple[Run, Ticket]:
     """Admit and submit. ``names`` maps the engine's field names to the

@@ -25,7 +25,7 @@ from bubblefree.engine import RequestFailed
 from bubblefree.server import flow
 from bubblefree.server.body import Fields, read_json, sampling_params
 from bubblefree.server.errors import ApiError, error_body
-from bubblefree.server.flow import ClientGone, Served
+from bubblefree.server.flow import ClientGone, Served, fills_context
 from bubblefree.server.images import read_image
 from bubblefree.server.runs import Run, run_skill
 
@@ -126,13 +126,9 @@ def _names(served: Served, skill: str, image: ImageRef | None) -> dict[str, str]
     enough. A caption's prompt is the model's own words: its image is what
     is too long."""
     text = PROMPTS.get(skill)
-    if image is not None and (text is None or _no_room(served.engine.output_room(image.length + 1))):
+    if image is not None and (text is None or fills_context(served.engine, image)):
         text = "image_url"
     return {**NAMES, "prompt": text} if text else NAMES
-
-
-def _no_room(room: int | None) -> bool:
-    return room is not None and room < 1
 
 
 async def _chunks(run: Run) -> AsyncIterator[dict]:

@@ -25,7 +25,7 @@ from bubblefree.engine import RequestFailed
 from bubblefree.server import flow
 from bubblefree.server.body import Fields, each_object, read_json, sampling_params, valid_text
 from bubblefree.server.errors import ApiError, error_body, field_of
-from bubblefree.server.flow import ClientGone, Served
+from bubblefree.server.flow import ClientGone, Served, fills_context
 from bubblefree.server.images import read_image
 from bubblefree.server.runs import Run, chat_prompt, finish_reason, run_prompt
 from bubblefree.server.stops import MAX_STOP_CHARS, StopText
@@ -48,6 +48,7 @@ class Ask:
     include_usage: bool
     image: ImageRef | None = None  # the conversation's image, on a model that takes one
     max_tokens_field: str = "max_tokens"  # the field the client gave it in, for a refusal to name
+    image_field: str | None = None  # the image part that held the image, likewise
 
 
 def router(served: Served) -> APIRouter:
@@ -77,7 +78,8 @@ def router(served: Served) -> APIRouter:
             where = images[1][0]
             raise ApiError(422, f"{where}: one image a request; this is the second", where)
         image = await read_image(served, images[0][1], images[0][0]) if images else None
-        return await _answer(served, request, attrs.evolve(ask, image=image), "chat.completion", _chat_choice)
+        ask = attrs.evolve(ask, image=image, image_field=images[0][0] if images else None)
+        return await _answer(served, request, ask, "chat.completion", _chat_choice)
 
     @api.post("/completions")
     async def completions(request: Request) -> Response:
@@ -252,6 +254,10 @@ async def _answer(served: Served, request: Request, ask: Ask, kind: str, choice:
     # messages; its max_tokens may have come as max_completion_tokens.
     names = {"prompt": "messages"} if kind == "chat.completion" else {}
     names["max_tokens"] = ask.max_tokens_field
+    if ask.image_field is not None:
+        names["image"] = ask.image_field
+        if fills_context(served.engine, ask.image):  # no text is short enough: the image is too long
+            names["prompt"] = ask.image_field
     if ask.stream:
         run, ticket = await flow.start(served, begin, names)
         head = _head(kind + (".chunk" if kind == "chat.completion" else ""), served)

@@ -65,11 +65,43 @@ class TokenRepeat:
         return {**out, "input_ids": torch.tensor([[self.token_id] * self.count(out) + list(self.after)])}
 
 
+# The most pixels an image's processor may resize it to. LLaVA's (CLIP's)
+# resizes the shortest edge to 336 before it crops: a 1 x 1,000,000 image,
+# 4 KB and a million pixels, became 336 x 336,000,000 on the caller's thread
+# (a 1 x 5,000 one took 18 s and 6 GB). Processors resize to a few million
+# pixels at most; past this bound the image is refused before the resize.
+RESIZED_MAX_PIXELS = 4096 * 4096
+
+
+def check_resize(processor: Any, image: Any) -> None:
+    """Refuse ``image`` if ``processor`` would resize its shortest edge up
+    to an image past ``RESIZED_MAX_PIXELS``: a processor that resizes to
+    ``size["shortest_edge"]`` and then center-crops (CLIP's, LLaVA's and
+    LLaVA-NeXT's). Others bound their output by themselves (Qwen2-VL's
+    ``shortest_edge`` is a pixel count, and it refuses past 200:1)."""
+    images = getattr(processor, "image_processor", processor)
+    if getattr(images, "do_resize", True) is False or not getattr(images, "do_center_crop", False):
+        return
+    size = getattr(images, "size", None)
+    short = size.get("shortest_edge") if isinstance(size, dict) else getattr(size, "shortest_edge", None)
+    if not isinstance(short, int):
+        return
+    w, h = image.size
+    scale = short / min(w, h)
+    wide, high = round(w * scale), round(h * scale)
+    if wide * high > RESIZED_MAX_PIXELS:
+        most = RESIZED_MAX_PIXELS // (short * short)
+        raise InvalidRequest(f"image: {w}x{h}; the model's processor resizes its shortest edge to {short}, "
+                             f"which makes it {wide}x{high}, past the {RESIZED_MAX_PIXELS} pixels this "
+                             f"server resizes to (an aspect ratio of at most {most}:1 is taken)")
+
+
 def expand(processor: Any, image: Any, token: str,
            rows: bool = False) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
     """One RGB PIL image through ``processor`` with the text ``token`` ->
     (block ids, the tower's tensors without their batch dim; with ``rows``,
     as they are: the image's patches as rows, Qwen2-VL's)."""
+    check_resize(processor, image)
     try:
         out = processor(text=token, images=[image], return_tensors="pt", add_special_tokens=False)
     except (ValueError, TypeError) as err:  # e.g. Qwen2-VL's: an aspect ratio past 200:1
