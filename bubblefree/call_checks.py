@@ -42,6 +42,10 @@ def lone(err: InvalidRequest) -> InvalidRequest:
 def check_listener(listener: Any) -> None:
     if listener is not None and not callable(listener):
         raise InvalidRequest(f"listener: must be callable, got {type(listener).__name__}")
-    if inspect.iscoroutinefunction(listener):
+    # An object whose ``__call__`` is async is as async as an ``async def``;
+    # the type's, as Python calls it. (What a lambda returns is seen only when
+    # it runs: the core fails the request then.)
+    call = getattr(type(listener), "__call__", None)
+    if inspect.iscoroutinefunction(listener) or inspect.iscoroutinefunction(call):
         raise InvalidRequest("listener: must be a plain function; an async one would never run "
                              "(the decode thread calls it and awaits nothing)")

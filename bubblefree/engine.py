@@ -19,7 +19,11 @@ and the engine keeps serving. A call that does not complete raises
 ``RequestFailed`` (streams too, at their end), so a cut answer never passes
 for a whole one. Whatever stops waiting for a request cancels it: an
 awaiting task that is cancelled, a stream closed or dropped half-read, a
-``KeyboardInterrupt`` in a blocking call.
+``KeyboardInterrupt`` in one of the engine's own blocking calls (``run``,
+``query``, ``caption``, ``point``, ``detect``, ``segment``, or a read of a
+``stream``). A ``Handle`` from ``submit`` is the caller's: a
+``KeyboardInterrupt`` in its ``result()`` or its iteration leaves the
+request running, for ``handle.cancel()``.
 """
 
 from __future__ import annotations

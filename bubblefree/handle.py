@@ -49,6 +49,9 @@ def wait_seconds(timeout: Any) -> float | None:
     return None if timeout > threading.TIMEOUT_MAX / 2 else float(timeout)
 
 
+NOT_COPIED = "a Handle is one request's; share the Handle itself, not a copy"
+
+
 class Handle:
     def __init__(self, request_id: int, request: Request, loop: "ServingLoop"):
         self.request_id = request_id
@@ -64,6 +67,18 @@ class Handle:
         self._ended = threading.Condition(lock)  # the end only: result()
         self._iterators = 0  # threads waiting on _changed (no token wakes nobody)
         self._engine: Any = None  # held while live (``_keep_until_done``)
+
+    # A copy would share the token list but not the conditions the decode
+    # thread notifies, so its result() would wait for ever; a pickle could
+    # not reach the decode thread at all. Refused, all three, saying so.
+    def __copy__(self) -> "Handle":
+        raise TypeError(NOT_COPIED)
+
+    def __deepcopy__(self, memo: dict) -> "Handle":
+        raise TypeError(NOT_COPIED)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(NOT_COPIED)
 
     def __repr__(self) -> str:
         state = "live" if self._result is None else self._result.status.value

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
 import time
+import warnings
 from typing import Callable
 
 from bubblefree.core import Engine as CoreEngine
@@ -36,6 +38,10 @@ Listener = Callable[[Handle, "int | None"], None]
 
 # At most this many GIL yields gather concurrent submits after an idle wait.
 GATHER_YIELDS = 16
+# How long ``close`` waits for the decode thread (a listener may hold it).
+CLOSE_WAIT = 60.0
+# How often a caller waiting on the decode thread looks whether it still runs.
+ALIVE_POLL = 0.1
 
 
 class EngineStopped(RuntimeError):
@@ -63,6 +69,10 @@ class ServingLoop:
         core.arrivals = lambda: self._arriving
         self._closed = False
         self._error: BaseException | None = None
+        # fork() copies this object but not its decode thread: a child's
+        # submits would wait for ever on a thread that is not there.
+        self._pid = os.getpid()
+        self.close_wait = CLOSE_WAIT  # seconds; per engine, so a test may shorten its own
         self._thread = threading.Thread(target=self._run, name="bubblefree-decode", daemon=True)
         self._thread.start()
 
@@ -79,6 +89,9 @@ class ServingLoop:
         so they start in the same prefill where capacity allows."""
         for request, _ in items:
             self.core.validate(request)  # pure: the same checks the core applies
+        # Before the lock too: in a child of fork() it may be held by a thread
+        # that was not copied, and taking it would hang.
+        self.check_running()
         with self._wake:
             self.check_running()
             handles = [Handle(next(self._ids), request, self) for request, _ in items]
@@ -112,21 +125,34 @@ class ServingLoop:
             self.core.pipelined = pipelined
             return
         made = threading.Event()
+        self.check_running()  # before the lock: see submit_all
         with self._wake:
             self.check_running()
             self._inbox.append(("pipelined", pipelined, made))
             self._wake.notify()
-        made.wait()
+        # The decode thread sets ``made`` even when it stops on an error; this
+        # looks again only in case it ended some other way, so nobody waits for ever.
+        while not made.wait(ALIVE_POLL):
+            if not self._thread.is_alive() and not made.is_set():
+                raise EngineStopped("the engine's decode thread has ended; the switch was not made")
 
     def close(self, wait: bool = True) -> None:
         """Stop taking work, cancel what is live, and end the thread. From the
         decode thread (a listener) it only asks: the loop ends after the
-        current delivery."""
+        current delivery. The wait is bounded (``close_wait``): a listener
+        that blocks holds the thread, and close warns rather than hang."""
+        if os.getpid() != self._pid:  # a child of fork(): no thread to end, its lock may be held
+            self._closed = True
+            return
         with self._wake:
             self._closed = True
             self._wake.notify()
         if wait and not self.on_loop_thread:
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=self.close_wait)
+            if self._thread.is_alive():
+                warnings.warn(f"close(): the decode thread is still running after {self.close_wait:g} s, held "
+                              "by a listener that has not returned; it ends when that listener returns",
+                              RuntimeWarning, stacklevel=3)
 
     @property
     def on_loop_thread(self) -> bool:
@@ -134,7 +160,8 @@ class ServingLoop:
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive() and not self._closed and self._error is None
+        return (os.getpid() == self._pid and self._thread.is_alive() and not self._closed
+                and self._error is None)
 
     def refuse_wait_on_loop_thread(self, what: str) -> None:
         if self.on_loop_thread:
@@ -143,10 +170,15 @@ class ServingLoop:
                                "return, or wait from another thread.")
 
     def check_running(self) -> None:
+        if os.getpid() != self._pid:
+            raise EngineStopped(f"the engine was built in process {self._pid}; a child of fork() "
+                                "must build its own")
         if self._error is not None:
             raise EngineStopped(f"the engine has stopped: {described(self._error)}")
         if self._closed:
             raise EngineStopped("the engine is closed")
+        if not self._thread.is_alive():
+            raise EngineStopped("the engine's decode thread has ended")
 
     # -------------------------------------------------------- decode thread
     def _run(self) -> None:

@@ -62,6 +62,13 @@ class TextPieces:
         return self
 
     def __next__(self) -> str:
+        # From a listener, a read of a live request could wait for the thread
+        # running it: refused here, before the read, whose error handling
+        # would take the refusal for an interrupted read and cancel the
+        # request, cutting its own reader's answer. Refused whether or not a
+        # token is there yet, so the answer does not depend on timing.
+        if not self.handle.done:
+            self.handle._loop.refuse_wait_on_loop_thread("reading a stream")
         with self._reading:
             return self._next()
 

@@ -30,6 +30,7 @@ else; a raise on a request that already ended is kept in
 from __future__ import annotations
 
 import collections
+import inspect
 import itertools
 import time
 from typing import Callable, Iterable, Iterator, Literal
@@ -333,18 +334,34 @@ class Engine:
                 handle, token = self._outbox.popleft()
                 for listener in tuple(handle.listeners):
                     try:
-                        listener(handle, token)
+                        returned = listener(handle, token)
                     except (KeyboardInterrupt, SystemExit):
                         raise  # asks the process to stop, not this request
                     except BaseException as err:  # noqa: BLE001 - fails its own request only
                         # (asyncio's CancelledError is a BaseException: a
                         # listener touching a cancelled future raises it)
-                        self._listener_raised(handle, err)
+                        self._listener_failed(handle, f"a listener raised {described(err)}")
+                        continue
+                    if returned is not None and inspect.isawaitable(returned):
+                        self._listener_async(handle, returned)
         finally:
             self._delivering = False
 
-    def _listener_raised(self, handle: Handle, err: BaseException) -> None:
-        reason = f"a listener raised {described(err)}"
+    def _listener_async(self, handle: Handle, returned: object) -> None:
+        """A listener that returned an awaitable (a lambda around an async
+        call, an object whose ``__call__`` is async) did none of its work:
+        nothing here awaits. Failed like a raise, not dropped in silence."""
+        close = getattr(returned, "close", None)
+        if callable(close):  # a coroutine: closed, so no "never awaited" warning
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the caller's object; the failure is named below
+                pass
+        self._listener_failed(handle, f"a listener returned {type(returned).__name__}, which nothing "
+                                      "awaits: listeners are plain functions run on the decode thread "
+                                      "(for asyncio use aquery, astream and the other a-calls)")
+
+    def _listener_failed(self, handle: Handle, reason: str) -> None:
         if handle.result is None and self.scheduler.cancel(handle.request_id, Status.FAILED, reason):
             self._log(("cancel", handle.request_id))
             self._absorb()

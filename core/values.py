@@ -113,18 +113,38 @@ def _checked_number(field: str, low: float, high: float, zero_ok: bool, value: A
     """An attrs converter (bound to its field with ``functools.partial``): a
     real number (bool refused) in [low, high], or 0 where ``zero_ok``, as a
     float, so an int temperature samples exactly like the same float does."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # Any real number (numpy's float32, a Fraction), as the caller's numbers
+    # come; Decimal is not one (no ``numbers.Real``), nor is a bool.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidRequest(f"sampling.{field}: must be a number, got {value!r}")
-    value = float(value)
+    allowed = f"0 or in [{low:g}, {high:g}]" if zero_ok else f"in [{low:g}, {high:g}]"
+    try:
+        value = float(value)
+    except OverflowError:  # an int (or Fraction) past a float's range: named, not a bare error
+        raise InvalidRequest(f"sampling.{field}: must be {allowed}, got {too_big(value)}, "
+                             "past a float's range") from None
     if not (low <= value <= high or (zero_ok and value == 0.0)):
-        allowed = f"0 or in [{low:g}, {high:g}]" if zero_ok else f"in [{low:g}, {high:g}]"
         raise InvalidRequest(f"sampling.{field}: must be {allowed}, got {value!r}")
     return value
 
 
+def too_big(value: Any) -> str:
+    """``value`` past a float's range, as a message names it: an int by its
+    digits (its repr may be thousands long, and ``str`` refuses past 4300)."""
+    if not isinstance(value, int):
+        return f"a {type(value).__name__} past 1e308"
+    digits = int(abs(value).bit_length() * 0.30102999566398120) + 1
+    if abs(value) < 10 ** (digits - 1):  # the estimate may be one over
+        digits -= 1
+    return f"an integer of {digits} digits"
+
+
 def _seed(value):
+    value = integer(value)  # numpy's integers are seeds too
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-        raise InvalidRequest(f"sampling.seed: must be an int in [0, 2**64), got {value!r}")
+        # A huge int by its digits: past 4300 of them its repr raises ValueError.
+        shown = too_big(value) if type(value) is int and value.bit_length() > 256 else repr(value)
+        raise InvalidRequest(f"sampling.seed: must be an int in [0, 2**64), got {shown}")
     return value
 
 

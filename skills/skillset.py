@@ -136,8 +136,8 @@ class SkillSet:
         skill = self.registry.get(name)
         tables = self.tables(name)  # first: a skill this model cannot serve is refused as such
         parsed = _hook(name, "parse_args", skill.parse_args, args)
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens < 1):
+        max_tokens = integer(max_tokens)  # numpy's integers are counts too
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
             raise invalid(name, "max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
         if image is not None and not isinstance(image, ImageRef):
             raise invalid(name, "image", f"must be an ImageRef from the backend's image_ref, "
