@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from starlette.requests import ClientDisconnect, Request
 
 from bubblefree.core import InvalidRequest, SamplingParams
+from bubblefree.core.values import too_big
 from bubblefree.server.errors import ApiError
 
 MISSING = object()  # a field the body does not have (null is a value)
@@ -117,8 +118,7 @@ class Fields:
         try:
             as_float = float(value)
         except OverflowError:  # JSON integers have no bound; a float's range ends near 1.8e308
-            raise self.refuse(field, f"must be finite, got an integer of {len(str(abs(value)))} digits, "
-                              "past a float's range") from None
+            raise self.refuse(field, f"must be finite, got {too_big(value)}, past a float's range") from None
         if not math.isfinite(as_float):
             raise self.refuse(field, f"must be finite, got {value!r}")
         return value
