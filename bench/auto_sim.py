@@ -9,7 +9,11 @@ Each cell runs the three modes on the same requests; the outputs must agree
 better of the other two (issue 14's target: >= 0.98).
 
 Simulated time units (a decode forward of 1.0 when the device is the
-limit): these compare the modes' orders, not any GPU.
+limit): these compare the modes' orders, not any GPU. ``--choose-cost``
+charges the rule's own host work, per row of the step it weighs, on the
+host clock (0 by default: the choice free); ``--every-tick`` weighs the
+rule at every tick even where its choices have bought less than that
+(``core.ahead.Worth`` off).
 
     python -m bubblefree.bench.auto_sim [--seeds 3] [--per-stream 12] [--out docs/auto-sim.md]
 """
@@ -26,6 +30,7 @@ from pathlib import Path
 import attrs
 
 from bubblefree.core import Engine, Request
+from bubblefree.core.ahead import Worth
 from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 
 MODES = ((True, "pipelined"), (False, "blocking"), ("auto", "auto"))
@@ -74,6 +79,13 @@ class Ending:
         return self.p is not None or self.at == 2 or (self.early and self.at == 0)
 
 
+class EveryTick(Worth):
+    """Weighs the rule at every tick, whatever its choices have bought."""
+
+    def weigh(self) -> bool:
+        return True
+
+
 def requests(p: float | None, n: int, seed: int, early: bool = False) -> list[Request]:
     rng = random.Random(seed)
     return [Request(prompt=(1, 2, 3), max_tokens=40, skill="sim",
@@ -82,13 +94,16 @@ def requests(p: float | None, n: int, seed: int, early: bool = False) -> list[Re
 
 def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request], think: float = 0.0,
         prefill: tuple[float, float, float] = (PREFILL, PREFILL_PER_ROW, PREFILL_LAUNCH),
-        inbox: bool = False) -> tuple[float, list]:
+        inbox: bool = False, choose_cost: float = 0.0, every_tick: bool = False) -> tuple[float, list]:
     """Simulated time to answer ``reqs`` with ``streams`` callers, each
     sending its next request ``think`` after its last one's end reached it,
     and the outputs. ``inbox``: a request whose time comes during a tick
     waits in an inbox the core can count (``Engine.arrivals``), as the
     serving loop's callers on other threads do; it is still submitted
-    between ticks."""
+    between ticks. ``choose_cost``: the rule's host work per row of the
+    step it weighs, spent inside the engine's timing of its choice (the
+    inbox count it reads there is the one call out); ``every_tick``: no
+    ``Worth``, the rule weighed at every tick."""
     _, forward, launch, finalize, per_row = regime
     # The commit's host cost per row is charged at release, after the
     # scheduler's commit, where the engine's clock sees it, as it sees the
@@ -103,9 +118,15 @@ def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
     backend = FakeBackend(model=FakeModel(), timing=timing, max_rows=streams, max_seqs=4 * streams,
                           num_pages=8192, page_size=16, max_prefill_tokens=64 * streams)
     engine = Engine(backend, pipelined=pipelined, clock=lambda: backend.clock.host)
+    if every_tick:
+        engine.worth = EveryTick()
     todo, handles, ended, due = list(reversed(reqs)), [], [], []
-    if inbox:
-        engine.arrivals = lambda: min(len(todo), sum(1 for t in due if t <= backend.clock.host))
+
+    def arrivals() -> int:
+        if choose_cost and engine.scheduler.inflight:
+            backend.clock.spend(choose_cost * len(engine.scheduler.inflight[-1].seq_ids))
+        return min(len(todo), sum(1 for t in due if t <= backend.clock.host)) if inbox else 0
+    engine.arrivals = arrivals
 
     def submit() -> None:
         handles.append(engine.submit(todo.pop()))
@@ -131,13 +152,15 @@ def run(pipelined: bool | str, regime: tuple, streams: int, reqs: list[Request],
 
 def cell(regime: tuple, streams: int, p: float | None, think: float, seeds: int, per_stream: int,
          prefill: tuple[float, float, float] = (PREFILL, PREFILL_PER_ROW, PREFILL_LAUNCH),
-         early: bool = False, inbox: bool = False) -> dict[str, float]:
+         early: bool = False, inbox: bool = False, choose_cost: float = 0.0,
+         every_tick: bool = False) -> dict[str, float]:
     times = dict.fromkeys((name for _, name in MODES), 0.0)
     for seed in range(seeds):
         reqs = requests(p, max(per_stream * streams, 24), seed, early)
         outputs = {}
         for pipelined, name in MODES:
-            t, outputs[name] = run(pipelined, regime, streams, reqs, think, prefill, inbox)
+            t, outputs[name] = run(pipelined, regime, streams, reqs, think, prefill, inbox, choose_cost,
+                                   every_tick)
             times[name] += t
         if len({tuple(o) for o in outputs.values()}) != 1:
             raise AssertionError(f"I8: the modes' outputs differ ({regime[0]}, {streams} streams, p={p})")
@@ -159,6 +182,10 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--inbox", action="store_true",
                     help="a request due during a tick waits in an inbox the core counts, as the "
                          "serving loop's callers on other threads do")
+    ap.add_argument("--choose-cost", type=float, default=0.0,
+                    help="the rule's own host work per row of the step it weighs, in forwards")
+    ap.add_argument("--every-tick", action="store_true",
+                    help="weigh the rule at every tick, whatever its choices have bought")
     ap.add_argument("--out", default="docs/auto-sim.md", help="append the table here ('' for none)")
     args = ap.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
@@ -178,7 +205,7 @@ def main(argv: list[str] | None = None) -> str:
                 for n in streams:
                     t = cell(regime, n, p, think, args.seeds, args.per_stream,
                              (args.prefill, args.prefill_per_row, args.prefill_launch), early,
-                             args.inbox)
+                             args.inbox, args.choose_cost, args.every_tick)
                     ratio = min(t["pipelined"], t["blocking"]) / t["auto"]
                     misses += ratio < 0.98
                     lines.append(f"| {regime[0]} | {skill} | {caller} | {n} | {t['pipelined']:.1f} | "
@@ -196,10 +223,14 @@ def main(argv: list[str] | None = None) -> str:
         header = (f"## {datetime.date.today().isoformat()}, a prefill of {args.prefill:g} forwards "
                   f"and {args.prefill_per_row:g} a row, its launch {args.prefill_launch:g} decode launches"
                   + (", callers' requests counted in an inbox" if args.inbox else "")
+                  + (f", the rule's host work {args.choose_cost:g} a row" if args.choose_cost else "")
+                  + (", weighed at every tick" if args.every_tick else "")
                   + f"\n\nCommand: `python -m bubblefree.bench.auto_sim "
                   f"--seeds {args.seeds} --per-stream {args.per_stream} --streams {args.streams} "
                   f"--prefill {args.prefill:g} --prefill-per-row {args.prefill_per_row:g} "
-                  f"--prefill-launch {args.prefill_launch:g}{' --inbox' if args.inbox else ''}`. "
+                  f"--prefill-launch {args.prefill_launch:g}{' --inbox' if args.inbox else ''}"
+                  f"{f' --choose-cost {args.choose_cost:g}' if args.choose_cost else ''}"
+                  f"{' --every-tick' if args.every_tick else ''}`. "
                   f"Decode forward, launch, finalize and per-row commit host costs per regime: "
                   + "; ".join(f"{r[0]} {r[1]}, {r[2]}, {r[3]}, {r[4]}" for r in REGIMES)
                   + f"; a prefill costs {args.prefill:g} forwards and {args.prefill_per_row:g} a row; "

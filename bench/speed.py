@@ -139,9 +139,10 @@ def measure_cell(backend, kind: str, streams: int, args, mask_ids, turn: int = 0
         for k in ("idle_ms", "busy_ms", "bookkeeping_ms"):
             row[k] = hooked.get(k)
         row["tok_s_hooked"] = hooked["tok_s"]
-        ticks = row.get("ahead_ticks", 0) + row.get("behind_ticks", 0)
+        ticks = row.get("ahead_ticks", 0) + row.get("behind_ticks", 0) + row.get("unweighed_ticks", 0)
         if ticks:  # how auto chose in the run the table shows
-            row["note"] = f"behind at {row['behind_ticks'] / ticks:.0%} of ticks"
+            row["note"] = (f"behind at {row['behind_ticks'] / ticks:.0%} of ticks, "
+                           f"unweighed at {row.get('unweighed_ticks', 0) / ticks:.0%}")
         rows.append(row)
     return rows
 

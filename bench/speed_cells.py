@@ -305,6 +305,7 @@ def run_closed_loop(backend: TimedBackend, requests: list[Request], streams: int
                choose_ms=engine.choose_host / steps * 1e3,
                gc_count=collected.count, gc_ms=collected.seconds * 1e3,
                ahead_ticks=engine.ahead_ticks, behind_ticks=engine.behind_ticks,
+               unweighed_ticks=engine.unweighed_ticks,
                behind_why=behind_summary(engine.behind), timings=timings_summary(engine),
                p50_ms=statistics.median(latency) * 1e3, p99_ms=_quantile(latency, 0.99) * 1e3,
                tokens_hash=hash(tuple(r.tokens for r in sorted(results, key=lambda r: r.request_id))),

@@ -111,13 +111,14 @@ def measure(engine, workload: str, side: int, streams: int, count: int, seed: in
     warm = images(max(2, streams), side, seed + 7)
     engine.pipelined = True
     run_cell(engine, workload, warm, streams)  # shapes, graphs, allocator
-    core, ticks = engine.core, [0, 0]  # auto's ticks ahead and behind, over its runs
+    core, ticks = engine.core, [0, 0, 0]  # auto's ticks ahead, behind and unweighed, over its runs
     why: list = []  # the rule's inputs at auto's behind ticks (the newest the core keeps)
     for i, mode in enumerate(engine_mode[name] for _, name in run_order(2 * rounds, turn)):
         engine.pipelined = mode
-        before = (core.ahead_ticks, core.behind_ticks)
+        before = (core.ahead_ticks, core.behind_ticks, core.unweighed_ticks)
         runs[mode].append(run_cell(engine, workload, images(count, side, seed + i), streams))
-        ticks = [ticks[0] + core.ahead_ticks - before[0], ticks[1] + core.behind_ticks - before[1]]
+        ticks = [ticks[0] + core.ahead_ticks - before[0], ticks[1] + core.behind_ticks - before[1],
+                 ticks[2] + core.unweighed_ticks - before[2]]
         new = min(core.behind_ticks - before[1], len(core.behind))
         why += list(core.behind)[len(core.behind) - new:]
         if mode == "auto":

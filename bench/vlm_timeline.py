@@ -238,7 +238,7 @@ def measure_streams(engine: Any, recorder: Recorder, workload: str, side: int, c
     the image prefills' count and rows, auto's ticks."""
     run_cell(engine, workload, images(2 * streams, side, seed + 99), streams)  # warm
     core = engine.core
-    before = (core.ahead_ticks, core.behind_ticks)
+    before = (core.ahead_ticks, core.behind_ticks, core.unweighed_ticks)
     recorder.spans.clear()
     recorder.launched.clear()
     start = time.perf_counter()
@@ -255,7 +255,8 @@ def measure_streams(engine: Any, recorder: Recorder, workload: str, side: int, c
                 parts={k: 1e3 * v / count for k, v in parts.items()},
                 prefills=len(prefills) / count, prefill_rows=statistics.mean(prefills) if prefills else 0.0,
                 decodes=sum(1 for kind, _ in recorder.launched if kind == "decode") / count,
-                ahead=core.ahead_ticks - before[0], behind=core.behind_ticks - before[1])
+                ahead=core.ahead_ticks - before[0], behind=core.behind_ticks - before[1],
+                unweighed=core.unweighed_ticks - before[2])
 
 
 def show_streams(mode: str, streams: int, r: dict[str, Any]) -> str:
@@ -271,7 +272,7 @@ def show_streams(mode: str, streams: int, r: dict[str, Any]) -> str:
     return (f"{r['workload']:7s} pipelined={mode:5s} x{streams}: {r['req_s']:.1f} req/s, p50 "
             f"{r['p50_ms']:.1f} ms; image prefills {r['prefills']:.2f} a request of "
             f"{r['prefill_rows']:.2f} rows, decode steps {r['decodes']:.2f} a request; ticks "
-            f"ahead {r['ahead']}, behind {r['behind']}{weighed}; decode thread, ms a request: "
+            f"ahead {r['ahead']}, behind {r['behind']}{weighed}, unweighed {r.get('unweighed', 0)}; decode thread, ms a request: "
             f"{listed(own)}; callers, ms a request (all threads): {listed(callers)}")
 
 

@@ -20,12 +20,15 @@ live, lets in-flight steps commit, and ends the thread.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import functools
 import itertools
 import os
 import threading
 import time
 import warnings
+import weakref
 from typing import Callable
 
 from bubblefree.core import Engine as CoreEngine
@@ -38,14 +41,29 @@ Listener = Callable[[Handle, "int | None"], None]
 
 # At most this many GIL yields gather concurrent submits after an idle wait.
 GATHER_YIELDS = 16
-# How long ``close`` waits for the decode thread (a listener may hold it).
-CLOSE_WAIT = 60.0
+# How long ``close`` waits for the decode thread (a listener may hold it),
+# and how long, at most, interpreter exit waits for a loop nobody closed.
+CLOSE_WAIT, EXIT_WAIT = 60.0, 10.0
 # How often a caller waiting on the decode thread looks whether it still runs.
 ALIVE_POLL = 0.1
 
 
 class EngineStopped(RuntimeError):
     """The engine was closed, or stopped on an error it names."""
+
+
+def _close_at_exit(ref: "weakref.ref[ServingLoop]") -> None:
+    """At interpreter exit, a loop that nobody closed: end its decode thread
+    (cancelling what is live; at most ``EXIT_WAIT`` or the loop's
+    ``close_wait``, whichever is less, where a listener holds it) before the
+    interpreter tears down what the thread may be running. Left running, a
+    torch call on the daemon thread during finalization aborted the process
+    ("terminate called without an active exception")."""
+    loop = ref()
+    if loop is None or os.getpid() != loop._pid:
+        return
+    loop.close(wait=False)
+    loop._thread.join(timeout=min(loop.close_wait, EXIT_WAIT))
 
 
 class ServingLoop:
@@ -74,6 +92,10 @@ class ServingLoop:
         self._pid = os.getpid()
         self.close_wait = CLOSE_WAIT  # seconds; per engine, so a test may shorten its own
         self._thread = threading.Thread(target=self._run, name="bubblefree-decode", daemon=True)
+        # A weak reference: the hook keeps no model alive. While the thread
+        # runs, its target holds the loop, so the hook finds it.
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         self._thread.start()
 
     # ----------------------------------------------------------- any thread
@@ -153,6 +175,8 @@ class ServingLoop:
                 warnings.warn(f"close(): the decode thread is still running after {self.close_wait:g} s, held "
                               "by a listener that has not returned; it ends when that listener returns",
                               RuntimeWarning, stacklevel=3)
+        if not self._thread.is_alive():  # nothing left for the exit hook to end
+            atexit.unregister(self._at_exit)
 
     @property
     def on_loop_thread(self) -> bool:

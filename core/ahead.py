@@ -63,6 +63,15 @@ inbox foresaw a decode holding the ending rows as zombies, went behind,
 and left the device idle through that prefill's launch call
 (docs/performance.md, "Point on images at 8 streams, span by span").
 
+The choice has a cost of its own: ``choose`` asks each of u's rows whether
+it may end, 0.05-0.07 ms a tick at 64 rows of a skill on the H200's host,
+where a step that the host paces takes 1.3 ms and the choice made it
+pipelined's 0.94-0.96. ``Worth`` weighs that cost against what the choices
+bought (``bought``: a behind choice's zombie share of a forward, less the
+bubble it left open); where they bought under an eighth of it, a tick is
+weighed with chance one in eight and otherwise launches ahead unweighed,
+which changes timing only (I8), as any choice does.
+
 Pure and torch-free: the Engine measures with the clock it was given and
 hands this module numbers.
 """
@@ -70,6 +79,7 @@ hands this module numbers.
 from __future__ import annotations
 
 import collections
+import random
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, NamedTuple
 
 import attrs
@@ -85,6 +95,13 @@ SMOOTHING = 0.2  # weight of the newest sample in each running mean
 POSITIONS = 8  # end rates per token position up to here; later positions share this one (``EndRates``)
 PRIOR = 2.0  # a position's end rate starts at its skill's, as if from this many chances
 MODES = (True, False, "auto")  # ``Engine.pipelined``: always ahead, never (blocking), chosen per tick
+# The choice weighs its own host time (``Worth``): after WARMUP choices, where
+# what they bought is under 1/WORTH of what they cost, a tick is weighed with
+# chance SAMPLE and otherwise goes ahead unweighed. GAIN_SMOOTHING: the
+# weight of the newest choice in the mean of what choices bought (the plain
+# mean until there are as many), slow because a behind tick may come once in
+# hundreds.
+WARMUP, WORTH, SAMPLE, GAIN_SMOOTHING = 16, 8.0, 1 / 8, 1 / 64
 
 
 def check_mode(mode: object) -> None:
@@ -335,8 +352,51 @@ class EndRates:
             self.at[skill, position] = (e + ended, c + chances)
 
 
-def _mean(old: float | None, sample: float) -> float:
-    return sample if old is None else old + SMOOTHING * (sample - old)
+def _mean(old: float | None, sample: float, weight: float = SMOOTHING) -> float:
+    return sample if old is None else old + weight * (sample - old)
+
+
+def bought(choice: Choice, forward: float) -> float:
+    """What a choice saved over launching ahead unweighed: nothing where it
+    chose ahead; where it chose behind, the zombie share of a forward it
+    avoided less the bubble it left open (``launch_ahead``'s two sides)."""
+    if choice.ahead or choice.rows <= 0:
+        return 0.0
+    return max(0.0, forward * min(choice.zombies, choice.rows) / choice.rows - choice.bubble)
+
+
+@attrs.define
+class Worth:
+    """Is this tick's choice worth the host time it takes? At 64 rows of a
+    skill ``choose`` asks every row whether it may end: 0.05-0.07 ms a tick
+    on the H200's host, 4-5% of a host-bound step of Qwen2-0.5B's detect,
+    where a behind tick came once in 300 and bought about 0.1 ms
+    (docs/performance.md, "Auto weighs its own cost"). After ``WARMUP``
+    choices, where the mean of what they ``bought`` is under 1/``WORTH`` of
+    their mean host time, a tick is weighed with chance ``SAMPLE`` and
+    otherwise launches ahead unweighed (the pipelined order: outputs are
+    the same, I8). The loss is bounded: a skipped tick loses at most what
+    a choice buys on average, under an eighth of what it costs. The draw
+    is random, from this Engine's own seeded stream, so that no workload
+    of a fixed period hides its behind ticks from the sample; the rates
+    (``EndRates``) learn from the weighed ticks only, and a workload whose
+    ends become likely makes its sampled choices buy more, which weighs
+    every tick again."""
+
+    rng: random.Random = attrs.Factory(lambda: random.Random(0))
+    cost: float | None = None  # host seconds a choice takes (running mean)
+    gain: float = 0.0  # host-clock seconds a choice bought (``bought``; slow running mean)
+    weighed: int = 0
+
+    def weigh(self) -> bool:
+        if self.weighed < WARMUP or self.cost is None or self.gain * WORTH >= self.cost:
+            return True
+        return self.rng.random() < SAMPLE
+
+    def record(self, host: float, gain: float) -> None:
+        self.weighed += 1
+        self.cost = _mean(self.cost, host)
+        self.gain = _mean(self.gain, gain, max(GAIN_SMOOTHING, 1 / self.weighed))
 
 
 @attrs.define

@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Iterator, Literal
 import attrs
 
 from bubblefree.core.protocol import Backend
-from bubblefree.core.ahead import Behind, EndRates, May, Successors, Timings, check_mode, choose
+from bubblefree.core.ahead import Behind, EndRates, May, Successors, Timings, Worth, bought, check_mode, choose
 from bubblefree.core.decode_state import guarded
 from bubblefree.core.events import TokenCommitted
 from bubblefree.core.handle import Handle
@@ -85,15 +85,19 @@ class Engine:
     _may_end: May = attrs.field(factory=dict, init=False)
     _ended: set[int] = attrs.field(factory=set, init=False)
     # Auto's choices so far, for a user to see how often it blocks: ticks
-    # that left their step in flight, and ticks that committed it at once;
-    # and why it blocked, the rule's inputs at the newest ``BEHIND_KEPT``
-    # behind ticks.
+    # that weighed the rule and left their step in flight, ticks that
+    # committed it at once, and ticks that left it in flight unweighed
+    # (``ahead.Worth``: choosing was not worth its host time); and why it
+    # blocked, the rule's inputs at the newest ``BEHIND_KEPT`` behind ticks.
     ahead_ticks: int = 0
     behind_ticks: int = 0
+    unweighed_ticks: int = 0
     # Host-clock seconds auto has spent choosing (``_ahead``): the rule's own
     # cost, which pipelined does not pay. Where the host sets a step's pace
     # (64 constrained rows on a small model) it is what auto gives up.
     choose_host: float = 0.0
+    # Whether a tick's choice is worth its host time (``ahead.Worth``).
+    worth: Worth = attrs.Factory(Worth)
     behind: collections.deque[Behind] = attrs.field(
         factory=lambda: collections.deque(maxlen=BEHIND_KEPT), init=False)
 
@@ -168,7 +172,11 @@ class Engine:
             self._absorb()
         self._learn()
         if self.pipelined == "auto" and self.scheduler.inflight:
-            if self._ahead():  # the step stays in flight, and the next tick launches first
+            if self.backend.capacity.asynchronous and not self.worth.weigh():
+                # Choices have bought little for their host time: the step
+                # stays in flight unweighed, as pipelined leaves it.
+                self.unweighed_ticks += 1
+            elif self._ahead():  # the step stays in flight, and the next tick launches first
                 self.ahead_ticks += 1
             else:
                 # Behind: the step just finalized commits now, in this tick,
@@ -188,7 +196,9 @@ class Engine:
         flight, so that the next tick launches before committing it? Never
         on a backend whose launch computes its step before it returns
         (``Capacity.asynchronous``): there the bubble the rule measures is
-        the forward itself, which launching ahead cannot hide."""
+        the forward itself, which launching ahead cannot hide. (``tick``
+        asks it only where ``ahead.Worth`` says the choice is worth its host
+        time.)"""
         if not self.backend.capacity.asynchronous:
             self._may_end = {}
             return False
@@ -201,7 +211,9 @@ class Engine:
         self._ended = set()  # its rows were all live: none has ended since
         if not choice.ahead:
             self.behind.append(Behind(choice.rows, choice.zombies, choice.bubble, forward, follow))
-        self.choose_host += self.clock() - started
+        spent = self.clock() - started
+        self.choose_host += spent
+        self.worth.record(spent, bought(choice, forward))
         return choice.ahead
 
     def _learn(self) -> None:

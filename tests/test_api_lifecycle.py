@@ -1,8 +1,9 @@
 """The Python API across an engine's life and a request's edges: an engine
 used in a child of ``fork()``, listeners that are async without being an
 ``async def``, sampling numbers of other types or past a float's range, a
-stream read from a listener, a copied ``Handle``, and a ``close`` held up by
-a listener. Each was a hang, a silent loss or a bare error before."""
+stream read from a listener, a copied ``Handle``, a ``close`` held up by a
+listener, and a process that exits with an engine nobody closed. Each was a
+hang, a silent loss, a bare error or a crash before."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import fractions
 import inspect
 import os
 import pickle
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -217,3 +221,34 @@ def test_close_held_up_by_a_blocking_listener_warns_and_keeps_its_bound():
         release.set()
     engine.loop._thread.join(WAIT)
     assert not engine.loop._thread.is_alive()
+
+
+# -- a process that exits with an engine nobody closed ---------------------------
+
+UNCLOSED = textwrap.dedent("""
+    import sys, time
+    from PIL import Image
+    from bubblefree import Engine
+    engine = Engine.moondream_random("tiny", device="cpu")
+    picture = Image.new("RGB", (64, 48), "red")
+    handles = [engine.submit("query", image=picture, question="what is here " * 3, max_tokens=100)
+               for _ in range(4)]
+    if sys.argv[2] == "dropped":  # the engine collected first: its finalizer asked the thread to end
+        del engine
+    time.sleep(float(sys.argv[1]))
+    print("exiting", flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["kept", "dropped"])
+@pytest.mark.parametrize("delay", [0.0, 0.2])
+def test_a_process_exiting_with_an_engine_nobody_closed_exits_cleanly(how, delay):
+    """A script that submits work and ends without ``close()``: the decode
+    thread, a daemon, was still inside a torch call while the interpreter
+    tore down, and the process aborted ("terminate called without an
+    active exception", exit status 134) at every delay tried. Exit now ends
+    the thread first, cancelling what is live."""
+    done = subprocess.run([sys.executable, "-c", UNCLOSED, str(delay), how], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert (done.returncode, done.stdout) == (0, "exiting\n"), done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

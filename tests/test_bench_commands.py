@@ -67,6 +67,26 @@ def test_auto_sim_with_an_inbox_lets_the_core_count_requests_due_during_a_tick(m
     assert "auto >= 0.98x" in table
 
 
+def test_auto_sim_charges_the_rule_s_host_work_and_weighs_it_unless_told_every_tick():
+    """``--choose-cost``: the rule's host work a row, on the simulated host's
+    clock. Host-bound text at 32 streams, where pipelined is the better:
+    weighed at every tick (``--every-tick``), auto takes about the charge
+    longer a tick; with ``core.ahead.Worth`` most ticks go unweighed and it
+    comes back to pipelined's time. Every mode gives the same outputs."""
+    regime = [r for r in auto_sim.REGIMES if r[0] == "host-bound"][0]
+    reqs = auto_sim.requests(0.02, 64, seed=3)
+    pipelined, out = auto_sim.run(True, regime, 32, reqs, choose_cost=0.001)
+    every, out_every = auto_sim.run("auto", regime, 32, reqs, choose_cost=0.001, every_tick=True)
+    worth, out_worth = auto_sim.run("auto", regime, 32, reqs, choose_cost=0.001)
+    free, _ = auto_sim.run("auto", regime, 32, reqs)
+    assert out == out_every == out_worth
+    assert pipelined / every < 0.98 <= pipelined / worth
+    assert free <= worth < every
+    table = auto_sim.main(["--seeds", "1", "--per-stream", "2", "--streams", "2", "--skills", "point",
+                           "--choose-cost", "0.001", "--every-tick", "--out", ""])
+    assert "auto >= 0.98x" in table
+
+
 def test_tests_skipped_without_the_gpus_parts_are_marked_gpu():
     """``pytest -m gpu`` (``bench/gpu_run.sh``) selects every test whose skip
     names CUDA, a GPU, Triton or sm_90, and no other: the marker is derived

@@ -56,11 +56,11 @@ def test_unknown_workloads_are_refused_by_name(capsys):
     assert "unknown dance" in capsys.readouterr().err
 
 
-def _engine(ticks=(0, 0), kept=()):
+def _engine(ticks=(0, 0, 0), kept=()):
     """The serving engine as ``vlm_speed.measure`` reads it: the mode it
     sets, auto's tick counters and the rule's records of behind ticks."""
     from bubblefree.core.ahead import Successors, Timings
-    core = types.SimpleNamespace(ahead_ticks=ticks[0], behind_ticks=ticks[1],
+    core = types.SimpleNamespace(ahead_ticks=ticks[0], behind_ticks=ticks[1], unweighed_ticks=ticks[2],
                                  behind=collections.deque(kept, maxlen=4),
                                  timings=Timings(lambda: 0.0), successors=Successors())
     return types.SimpleNamespace(pipelined=True, core=core)
@@ -90,14 +90,15 @@ def test_rounds_repeat_the_alternation_and_each_mode_keeps_its_median(monkeypatc
     from bubblefree.core.ahead import Behind
     from bubblefree.core.values import StepKind
     # auto's counters, moved only by auto's runs (as the core's), and by earlier cells
-    engine = _engine(ticks=(100, 50), kept=[Behind(1, 9.0, 0.0, 0.0, 1.0)] * 3)
+    engine = _engine(ticks=(100, 50, 70), kept=[Behind(1, 9.0, 0.0, 0.0, 1.0)] * 3)
 
     def cell(engine, workload, pictures, streams):
         order.append(engine.pipelined)
         rate = next(rates[engine.pipelined]) if len(order) > 1 else 0  # the first run warms up
         if engine.pipelined == "auto":
-            engine.core.ahead_ticks += 3
+            engine.core.ahead_ticks += 2
             engine.core.behind_ticks += 1
+            engine.core.unweighed_ticks += 1  # launched ahead unweighed: a tick all the same
             rows = 2 * len(order)  # each behind tick of its own, none of an earlier cell's
             engine.core.behind.append(Behind(rows, 1.0, 0.0002, 0.001 * rows, 0.5))
             # the rule's running means as auto's last run left them
@@ -217,14 +218,14 @@ def test_vlm_timeline_with_several_callers_sums_the_runs_spans_per_request(capsy
     prefills = [rows for kind, rows in recorder.launched if kind == "image_prefill"]
     assert r["prefills"] * 8 == len(prefills) and sum(prefills) == 8  # every request prefilled once
     assert r["prefill_rows"] == pytest.approx(8 / len(prefills))
-    assert r["req_s"] > 0 and r["ahead"] == 0 and r["behind"] > 0  # on the CPU auto never goes ahead
+    assert r["req_s"] > 0 and r["ahead"] == r["unweighed"] == 0 and r["behind"] > 0  # on the CPU auto never goes ahead
     assert r["why"] is None  # nor weighs anything: a launch there computes its step
     assert all(v >= 0 for v in r["parts"].values()), r["parts"]
     line = vlm_timeline.show_streams("auto", 3, r)
     weighed = vlm_timeline.show_streams("auto", 3, dict(r, why=dict(
         rows=5, zombies=1.1, follow=0.26, bubble_ms=1.9, zombie_cost_ms=0.48)))
     assert "behind " + str(r["behind"]) + " (medians there: rows 5, zombies 1.10, follow 0.26, " \
-        "bubble 1.90 ms, zombie cost 0.48 ms);" in weighed
+        "bubble 1.90 ms, zombie cost 0.48 ms), unweighed 0;" in weighed
     own, callers = line.split("decode thread, ms a request: ")[1].split("; callers")
     assert "launch image_prefill" in own and "image_ref" not in own and "image_ref" in callers
     vlm_timeline.main(["--tiny", "--streams", "2", "--requests", "4", "--workloads", "point",

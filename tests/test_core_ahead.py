@@ -11,8 +11,8 @@ import attrs
 import pytest
 
 from bubblefree.core import Capacity, Engine, Request, Scheduler, StepKind, StepOutput
-from bubblefree.core.ahead import (EndRates, Successors, Timings, choose, launch_ahead, may_end, outlook,
-                                   weighed_bubble)
+from bubblefree.core.ahead import (SAMPLE, WARMUP, WORTH, Choice, EndRates, Successors, Timings, Worth, bought,
+                                   choose, launch_ahead, may_end, outlook, weighed_bubble)
 from bubblefree.core.sequence import Sequence
 from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 from bubblefree.skills import Kind, SkillSet, demo_tokenizer
@@ -755,3 +755,106 @@ def test_auto_learns_at_which_token_a_skill_ends_and_goes_ahead_where_it_does_no
     # Each request: its prefill's token (may end: ahead once learned), its
     # second (cannot end: ahead), its third (ends: behind, no zombie).
     assert per_request[-3:] == [[True, True, False]] * 3
+
+
+# ------------------------------------------------------ the choice's own cost
+def test_what_a_choice_buys_is_the_zombie_share_it_avoided_less_the_bubble_it_left():
+    assert bought(Choice(True, {}, rows=4, zombies=4.0, bubble=0.0), forward=2.0) == 0.0  # ahead: nothing
+    assert bought(Choice(False, {}, rows=4, zombies=1.0, bubble=0.3), forward=2.0) == pytest.approx(0.2)
+    assert bought(Choice(False, {}, rows=2, zombies=5.0, bubble=0.5), forward=2.0) == pytest.approx(1.5)  # at most all rows
+    assert bought(Choice(False, {}, rows=0), forward=2.0) == 0.0
+
+
+def test_choices_are_weighed_each_tick_until_they_have_bought_under_an_eighth_of_their_cost():
+    worth = Worth()
+    for _ in range(WARMUP - 1):  # costly and buying nothing, but too few to judge by
+        assert worth.weigh()
+        worth.record(1.0, 0.0)
+    worth.record(1.0, 1.0 / WORTH * WARMUP)  # the plain mean so far: exactly an eighth of the cost
+    assert worth.gain == pytest.approx(1.0 / WORTH) and all(worth.weigh() for _ in range(200))
+    for _ in range(200):  # buying nothing: a tick is weighed with chance SAMPLE
+        worth.record(1.0, 0.0)
+    draws = [worth.weigh() for _ in range(4000)]
+    assert abs(sum(draws) / len(draws) - SAMPLE) < 0.02
+
+
+def test_a_free_choice_is_always_weighed():
+    worth = Worth()
+    for _ in range(10 * WARMUP):  # a clock that does not move while choosing (the simulated GPU's)
+        worth.record(0.0, 0.0)
+    assert all(worth.weigh() for _ in range(500))
+
+
+class Always(Worth):
+    def weigh(self):
+        return True
+
+
+def charged(pipelined, requests, cost, worth=None, forward=1.0, host=0.4):
+    """``run`` with the rule's own host work charged on the host clock:
+    ``cost`` a choice, spent where the Engine times its choice (its
+    ``arrivals`` call, inside); ``host`` each launch and each finalize."""
+    backend = FakeBackend(model=FakeModel(), timing=Timing(forward=forward, sampling=0.0, copy=0.0, launch_cost=host,
+                                                             finalize_cost=host))
+    engine = Recording(backend, pipelined=pipelined, clock=lambda: backend.clock.host)
+    engine.arrivals = lambda: backend.clock.spend(cost) and 0
+    if worth is not None:
+        engine.worth = worth
+    handles = [engine.submit(r) for r in requests]
+    engine.run_until_idle(max_ticks=2000)
+    return [h.result for h in handles], backend.clock.host, engine
+
+
+def test_where_choosing_buys_nothing_most_ticks_go_ahead_unweighed_with_blocking_s_tokens():
+    # Text that rarely ends, the rule's host work 0.5 against a forward of
+    # 1.0 and a host tick of 0.8: host-bound, its choices buy nothing once
+    # the end rate is learned, so after the warm-up most ticks go ahead
+    # unweighed, each 0.3 sooner than weighing (the host's 1.3 against the
+    # device's 1.0).
+    reqs = [Request(prompt=(0, 5), max_tokens=250, stop_ids={0})]
+    blocking, _, _ = charged(False, reqs, 0.5)
+    auto, auto_time, engine = charged("auto", reqs, 0.5)
+    weighed, weighed_time, every = charged("auto", reqs, 0.5, Always())
+    assert auto == weighed == blocking  # I8: timing only
+    assert every.unweighed_ticks == 0 and engine.unweighed_ticks > 200
+    assert engine.ahead_ticks + engine.behind_ticks == len(engine.choices) < 80  # the weighed ticks only
+    assert engine.choose_host == pytest.approx(0.5 * len(engine.choices))
+    assert auto_time < weighed_time - 0.25 * engine.unweighed_ticks
+
+
+def test_where_choosing_buys_more_than_it_costs_every_tick_is_weighed():
+    # A skill that surely ends at its third token, on a device that sets the
+    # pace (a forward of 2.0, a host tick of 0.2 and the choice's 0.2):
+    # going behind there saves a zombie step, far more than the choice's
+    # host time. (Where the host set the pace, behind would buy little, and
+    # rightly go unweighed.)
+    reqs = [Request(prompt=(3, 5), max_tokens=8, decode_state=Three) for _ in range(200)]
+    blocking, _, _ = charged(False, reqs, 0.2, forward=2.0, host=0.1)
+    auto, _, engine = charged("auto", reqs, 0.2, forward=2.0, host=0.1)
+    assert auto == blocking
+    assert engine.unweighed_ticks == 0 and engine.choices.count(False) > 10
+    assert engine.worth.weighed > WARMUP and engine.worth.gain * WORTH > engine.worth.cost
+
+
+def test_a_workload_whose_ends_become_likely_is_weighed_at_every_tick_again():
+    # Long text first (choices buy nothing: most ticks unweighed), then
+    # three-token answers one after another: the sampled choices learn the
+    # third token's end, go behind there and buy a zombie step each, and
+    # from then on every tick is weighed.
+    backend = FakeBackend(model=FakeModel(), timing=Timing(forward=2.0, sampling=0.0, copy=0.0, launch_cost=0.4,
+                                                             finalize_cost=0.4))
+    engine = Engine(backend, pipelined="auto", clock=lambda: backend.clock.host)
+    engine.arrivals = lambda: backend.clock.spend(0.5) and 0
+    engine.submit(Request(prompt=(0, 5), max_tokens=250, stop_ids={0}))
+    engine.run_until_idle(max_ticks=2000)
+    skipped = engine.unweighed_ticks
+    assert skipped > 200
+    for _ in range(15):  # about 4 ticks each: its sampled ticks learn that the third token ends
+        engine.submit(Request(prompt=(3, 5), max_tokens=8, decode_state=Three, skill="three"))
+        engine.run_until_idle(max_ticks=50)
+    assert engine.unweighed_ticks - skipped < 40
+    before = engine.unweighed_ticks
+    for _ in range(25):
+        engine.submit(Request(prompt=(3, 5), max_tokens=8, decode_state=Three, skill="three"))
+        engine.run_until_idle(max_ticks=50)
+    assert engine.unweighed_ticks == before

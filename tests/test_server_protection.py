@@ -169,7 +169,8 @@ def test_health_stats_and_metrics_report_the_engine():
         assert s["kv_pages"] == {"free": 32, "total": 32} and s["row_slots"]["free"] == s["row_slots"]["total"]
         ticks = s["auto_ticks"]
         assert s["pipelined"] == "auto" and ticks == {"ahead": engine.core.ahead_ticks,
-                                                      "behind": engine.core.behind_ticks}
+                                                      "behind": engine.core.behind_ticks,
+                                                      "unweighed": engine.core.unweighed_ticks}
         assert ticks["ahead"] + ticks["behind"] > 0
         metrics = client.get("/metrics").text
         for choice, n in ticks.items():

@@ -67,13 +67,14 @@ class Observer:
 
 def _auto_ticks(engine: Engine) -> dict[str, int]:
     core = engine.core
-    return {"ahead": core.ahead_ticks, "behind": core.behind_ticks}
+    return {"ahead": core.ahead_ticks, "behind": core.behind_ticks, "unweighed": core.unweighed_ticks}
 
 
 class _AutoTicks:
     """``bubblefree_auto_ticks_total{choice}``: the ticks ``pipelined="auto"``
-    left its step in flight (ahead) or committed it at once (behind), read
-    from the engine when scraped."""
+    left its step in flight (ahead) or committed it at once (behind), or
+    left it in flight without weighing the rule (unweighed), read from the
+    engine when scraped."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -88,4 +89,5 @@ class _AutoTicks:
         return [family]
 
 
-_AUTO_DOC = "Ticks of the auto mode, by its choice: the next step launched ahead of the commit, or behind it"
+_AUTO_DOC = ("Ticks of the auto mode, by its choice: the next step launched ahead of the commit, or behind it, "
+             "or ahead without weighing (unweighed: choosing was not worth its host time)")
