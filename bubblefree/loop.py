@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import inspect
 import itertools
 import os
 import threading
@@ -33,6 +34,7 @@ from typing import Callable
 
 from bubblefree.core import Engine as CoreEngine
 from bubblefree.core import Request, Result, Status
+from bubblefree.core.engine import closed
 from bubblefree.core.values import described
 from bubblefree.handle import Handle
 
@@ -318,7 +320,9 @@ class ServingLoop:
                                           tag=handle.request.tag))
                 if listener is not None:  # its end, as the core would have told it
                     try:
-                        listener(handle, None)
+                        returned = listener(handle, None)
+                        if returned is not None and inspect.isawaitable(returned):
+                            closed(returned)  # as the core closes it; the request has ended
                     except (KeyboardInterrupt, SystemExit) as err:
                         stop = stop or err
                     except BaseException:  # noqa: BLE001 - the request has ended; nothing more to fail

@@ -15,7 +15,7 @@ step; ``SlotState.FINALIZED``, ``Scheduler.finalized``), and a *finalized
 sequence* (its request has ended; ``Phase.FINALIZED``, ``Sequence.finalized``).
 A finalized sequence that a launched step still includes is a *zombie*.
 
-Where things are: ``scheduler.py`` keeps the invariants (DESIGN.md I2-I9; I13, a decoded value only where asked, is ours: DESIGN.md keeps I11-I12 for a prefix cache),
+Where things are: ``scheduler.py`` keeps the invariants (DESIGN.md I2-I9; I13, a decoded value only where asked, and I14, a decode state one live request's, are ours: DESIGN.md keeps I11-I12 for a prefix cache),
 ``policy.py`` chooses each step's rows, ``integrity.py`` checks,
 ``events.py`` is what the scheduler reports, ``engine.py`` drives a backend
 (``protocol.py``: the backend contract, stated once) and delivers results to

@@ -64,6 +64,18 @@ def guarded(request: Request, call: str, fn: Callable[..., Any], *args: Any) -> 
         return None, f"{who(request)} raised {type(err).__name__} in {call}: {message(err)}"
 
 
+def held_elsewhere(request: Request, holder: int | None) -> str | None:
+    """Why the state ``request``'s ``decode_state`` just returned cannot be
+    its own, or None: ``holder``, the live request already holding that
+    object. It would advance on both requests' tokens and merge their
+    outputs; a state that has consumed tokens is caught by its skill set,
+    but two requests admitted before either commits had consumed none."""
+    if holder is None:
+        return None
+    return (f"{who(request)}: decode_state returned the state request {holder} holds: "
+            f"each request needs a fresh state")
+
+
 def _optional_call(state: Any, name: str) -> Any:
     """``state.name()``, or None where the state has no ``name`` (looked up
     here, under ``guarded``: a property that raises fails its request)."""

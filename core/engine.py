@@ -49,6 +49,19 @@ from bubblefree.core.sequence import Sequence
 from bubblefree.core.values import (ImageRef, InvalidRequest, Request, Result, SamplingParams, Status, StepFailed,
                                    bad_prompt_values, described, integer)
 
+
+def closed(returned: object) -> None:
+    """Close what a listener returned if it can be closed (a coroutine: no
+    "never awaited" warning); nothing here awaits it. The caller's object:
+    its ``close`` raising changes nothing."""
+    close = getattr(returned, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - the caller's object, already failed or ended
+            pass
+
+
 @attrs.define(eq=False)
 class Engine:
     backend: Backend
@@ -328,7 +341,7 @@ class Engine:
     def _result(self, seq: Sequence) -> Result:
         req, output = seq.request, None
         status, reason = seq.status, seq.finish_reason
-        if req.finisher is not None:
+        if req.finisher is not None and not seq.state_held:  # another's state: not its output
             output, error = guarded(req, "finish", req.finisher, tuple(seq.tokens), seq.state)
             if error is not None and status is not Status.FAILED:  # a failure keeps its first cause
                 status, reason = Status.FAILED, error
@@ -363,12 +376,7 @@ class Engine:
         """A listener that returned an awaitable (a lambda around an async
         call, an object whose ``__call__`` is async) did none of its work:
         nothing here awaits. Failed like a raise, not dropped in silence."""
-        close = getattr(returned, "close", None)
-        if callable(close):  # a coroutine: closed, so no "never awaited" warning
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - the caller's object; the failure is named below
-                pass
+        closed(returned)
         self._listener_failed(handle, f"a listener returned {type(returned).__name__}, which nothing "
                                       "awaits: listeners are plain functions run on the decode thread "
                                       "(for asyncio use aquery, astream and the other a-calls)")

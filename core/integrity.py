@@ -36,6 +36,10 @@ def check_integrity(sched) -> None:
                 f"I3: sequence {s.seq_id} inflight_refs={s.inflight_refs}, in {refs} steps")
         if len(s.tokens) > s.request.max_tokens:
             raise InvariantViolation(f"I5: sequence {s.seq_id} has {len(s.tokens)} tokens")
+    held = {id(s.state): s.seq_id for s in sched.seqs.values() if s.state is not None and not s.finalized}
+    if held != sched.held:
+        raise InvariantViolation(f"I14: live requests hold the states {sorted(held.values())}, "
+                                 f"the register says {sorted(sched.held.values())}")
     gone = [sid for st in sched.inflight for sid in st.seq_ids if sid not in sched.seqs]
     if gone:
         raise InvariantViolation(f"I6: in-flight steps include sequences {gone}, already released")

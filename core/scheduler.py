@@ -12,7 +12,8 @@ The bubble this tick removes, and the invariants by id, are pictured in
 launched, uncommitted steps (at most 2); I4 a slot is reused only after its
 commit; I5 nothing after the end; I6 release exactly once, at
 ``finalized and inflight_refs == 0``; I7 one end each; I9 masks after commit;
-I13 each row gets the value it asked for, of its kind's shape, and no other.
+I13 each row gets the value it asked for, of its kind's shape, and no other;
+I14 a decode state is one live request's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Callable, Mapping
 import attrs
 
 from bubblefree.core.protocol import Capacity
-from bubblefree.core.decode_state import ask_value, bad_mask, guarded
+from bubblefree.core.decode_state import ask_value, bad_mask, guarded, held_elsewhere
 from bubblefree.core.events import Event, SequenceEnded, TokenCommitted
 from bubblefree.core.integrity import InvariantViolation, check_integrity, check_values
 from bubblefree.core.pages import IdPool, pages_needed
@@ -56,6 +57,9 @@ class Scheduler:
     _next_step: int = 0
     _last_kind: StepKind | None = None
     _waited: set[int] = attrs.Factory(set)  # sequences refused admission at least once
+    # I14: id(decode state) -> the live sequence holding it (``held_elsewhere``).
+    # Entered at admission, left at the end.
+    held: dict[int, int] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         cap = self.capacity
@@ -94,7 +98,13 @@ class Scheduler:
             seq.move("admit")
             if req.decode_state is not None:
                 seq.state, error = guarded(req, "decode_state", req.decode_state)
+                if error is None and seq.state is not None:
+                    error = held_elsewhere(req, self.held.get(id(seq.state)))
+                    seq.state_held = error is not None
+                    if error is None:
+                        self.held[id(seq.state)] = seq.seq_id
                 if error is not None:
+                    seq.state = None
                     self._end(seq, Status.FAILED, error)
                     self._maybe_teardown(seq)
                     continue
@@ -287,6 +297,8 @@ class Scheduler:
 
     def _end(self, s: Sequence, status: Status, reason: str) -> None:
         s.finish(status, reason)
+        if s.state is not None:
+            del self.held[id(s.state)]  # it advances no more
         self._waited.discard(s.seq_id)
         self.events.append(SequenceEnded(s))
 

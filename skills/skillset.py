@@ -238,8 +238,8 @@ def _started(skill: Skill, tables: Any, parsed: Any, max_tokens: int) -> SkillSt
                          f"{' or '.join(missing)} (a SkillState has both)")
     # A state handed to two requests would advance on both their tokens and
     # merge their outputs. One that has consumed tokens already is caught
-    # here; two requests started in the same step before either commits are
-    # not (that would take a registry of live states).
+    # here; one that another live request holds though it has consumed none
+    # (both admitted before either commits), by the core at admission.
     if state.consumed != 0:
         raise SkillError(f"start() returned a state that has consumed {state.consumed!r:.40} tokens: "
                          f"each request needs a fresh state")

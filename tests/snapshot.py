@@ -14,7 +14,9 @@ slotted ``attrs`` classes, and its per-object overhead dominated the search.
 One hazard: the fake backend schedules a copy's landing as a closure over
 its slot, and a deep copy shares functions. A closure is therefore rebuilt
 over the twin's own objects, or the twin's copy would land in the original's
-host buffer.
+host buffer. Another: the scheduler's register of held decode states is
+keyed by the states' ids, which a copy changes; it is re-keyed by the
+twins' (``_rekey_held``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import types
 from typing import Any, Callable, Iterable
 
 import attrs
+
+from bubblefree.core import Scheduler
 
 _ATOMIC = (int, float, str, bool, bytes, type(None), types.BuiltinFunctionType)
 
@@ -86,6 +90,8 @@ class Cloner:
         memo[id(x)] = twin
         for name, value in zip(names, self._items([getattr(x, n) for n in names], memo)):
             object.__setattr__(twin, name, value)
+        if cls is Scheduler:
+            _rekey_held(x, twin, memo)
         return twin
 
     def _tuple(self, x, memo):  # page ids, KV addresses
@@ -155,6 +161,17 @@ class Cloner:
 
 
 _MISSING = object()
+
+
+def _rekey_held(x: Scheduler, twin: Scheduler, memo: dict) -> None:
+    """``held`` maps ``id(state)`` to its holder: each key becomes the id of
+    that state's twin. A key naming no state of its holder stays as it is,
+    for the twin's integrity check to find as the original's would."""
+    def key(old: int, seq_id: int) -> int:
+        seq = x.seqs.get(seq_id)
+        state = None if seq is None else seq.state
+        return id(memo[id(state)]) if state is not None and id(state) == old and id(state) in memo else old
+    twin.held = {key(k, v): v for k, v in x.held.items()}
 
 
 def _share(x, memo):

@@ -114,6 +114,41 @@ def test_a_listener_returning_a_coroutine_fails_its_request_naming_why(engine):
     assert_serves(engine)
 
 
+def test_a_coroutine_a_listener_returns_at_an_end_the_engine_gave_is_closed(gated, gate):
+    """Requests still in the serving loop's inbox when the engine stops
+    (here a listener asked the process to stop) are ended by the loop, not
+    the core, and their listeners told there; what a listener returned was
+    dropped, and a coroutine among it warned "never awaited" when
+    collected. Now it is closed there as the core closes one."""
+    made, stopping = [], threading.Event()
+
+    async def work(token):
+        pass
+
+    def at_end(handle, token):
+        if token is None:
+            made.append(coroutine := work(token))
+            return coroutine
+        return None
+
+    def stop(handle, token):
+        if stopping.is_set():
+            raise SystemExit("stop")
+
+    gate.arm(at=2)
+    stopper = gated.submit("query", question=GATED, max_tokens=6, listener=stop)
+    gate.wait_reached()  # the decode thread held inside a tick: what comes now waits in the inbox
+    late = [gated.submit("query", question=q, max_tokens=4, listener=at_end) for q in ("the cat", "a dog")]
+    stopping.set()
+    gate.open()
+    for handle in (stopper, *late):
+        assert handle.result(WAIT).status is Status.FAILED
+    assert all("SystemExit" in h.result(WAIT).finish_reason for h in late)
+    with pytest.raises(EngineStopped, match="SystemExit"):
+        gated.submit("query", question="the cat")
+    assert len(made) == 2 and all(inspect.getcoroutinestate(c) == inspect.CORO_CLOSED for c in made)
+
+
 # -- sampling numbers -----------------------------------------------------------
 
 def test_a_seed_of_thousands_of_digits_is_refused_by_its_count_of_digits(engine):

@@ -3,6 +3,8 @@ docstring says what was wrong."""
 
 from __future__ import annotations
 
+import pytest
+
 from bubblefree.core import Engine, Request, Status
 from bubblefree.fake_backend import FakeBackend
 
@@ -36,3 +38,56 @@ def test_run_until_idle_does_not_call_an_idle_engine_busy():
     while e.tick():
         needed += 1
     engine().run_until_idle(max_ticks=needed)
+
+
+class _Counting:
+    """A decode state that allows any token and counts what it is given."""
+
+    def __init__(self) -> None:
+        self.advanced: list[int] = []
+
+    def mask_id(self):
+        return None
+
+    def advance(self, token, value):
+        self.advanced.append(token)
+        return False
+
+
+@pytest.mark.parametrize("pipelined", [True, False, "auto"])
+def test_one_state_handed_to_two_requests_admitted_together_fails_the_second(pipelined):
+    """A ``decode_state`` that returned one object to two requests admitted in
+    the same step: neither had consumed a token, so the skill set's check of
+    a used state passed, and the state advanced on both requests' tokens,
+    each request's output the two merged. Fixed: the core refuses at
+    admission a state another live request holds; the second fails naming
+    the holder, with no output, and the first runs as if alone."""
+    def alone():
+        engine = Engine(FakeBackend(zero_cost=True), pipelined=pipelined)
+        h = engine.submit(Request(prompt=(1, 2), max_tokens=4, decode_state=_Counting))
+        engine.run_until_idle()
+        return h.result
+
+    shared = _Counting()
+    engine = Engine(FakeBackend(zero_cost=True), pipelined=pipelined)
+    outputs = []
+    reqs = [Request(prompt=prompt, max_tokens=4, decode_state=lambda: shared,
+                    finisher=lambda tokens, state: outputs.append(state) or tuple(state.advanced))
+            for prompt in ((1, 2), (3, 4))]
+    first, second = (engine.submit(r) for r in reqs)
+    engine.run_until_idle()
+    expected = alone()
+    assert first.result.status is Status.COMPLETED and first.result.tokens == expected.tokens
+    assert shared.advanced == list(expected.tokens)  # its tokens only, each once
+    assert first.result.output == expected.tokens
+    assert second.result.status is Status.FAILED and second.result.tokens == ()
+    assert second.result.output is None and outputs == [shared]  # its finisher never ran
+    assert second.result.finish_reason == (
+        "decode state: decode_state returned the state request 0 holds: each request needs a fresh state")
+    engine.scheduler.check_integrity()
+    assert not engine.scheduler.seqs  # every resource back (I6)
+    # Once the holder has ended, its state is no longer held: the core lets
+    # it go to a new request (a used state is the skill set's to refuse).
+    third = engine.submit(Request(prompt=(1, 2), max_tokens=4, decode_state=lambda: shared))
+    engine.run_until_idle()
+    assert third.result.status is Status.COMPLETED

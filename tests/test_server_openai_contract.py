@@ -51,7 +51,7 @@ def bpe():
 @pytest.mark.parametrize("messages,field", [
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a <|endoftext|> b"}],
      "messages[1].content"),
-    ([{"role": "user", "content": [{"type": "text", "text": "<|endof"}, {"type": "text", "text": "text|>"}]}],
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b <|endoftext|>"}]}],
      "messages[0].content"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
@@ -191,6 +191,23 @@ def test_usage_after_a_stop_string_counts_the_tokens_read_up_to_it(delay_s, stre
             serves_on(base)
     finally:
         engine.close()
+
+
+def test_a_message_s_text_parts_are_one_text_a_line_apart(bpe):
+    """Parts were joined with nothing between them: ["what is", "the sky"]
+    reached the model as "what isthe sky". They are joined as vLLM joins
+    them, a newline apart: the same prompt and answer as that string."""
+    def answer(content) -> tuple[int, str]:
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=20, json={
+            "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens"], reply.json()["choices"][0]["message"]["content"]
+
+    with serving(bpe) as url:
+        parts = answer([{"type": "text", "text": "what is"}, {"type": "text", "text": "the sky"}])
+        assert parts == answer("what is\nthe sky")
+        assert parts[0] != answer("what isthe sky")[0]  # the join is seen in the prompt
+        assert answer([{"type": "text", "text": "what is the sky"}]) == answer("what is the sky")
 
 
 def test_a_developer_message_is_the_system_turn(url):

@@ -51,6 +51,27 @@ def test_a_streaming_client_that_leaves_frees_its_pages(slow):
         wait_for(lambda: pages_back(url), timeout=5)
 
 
+def test_how_each_stream_ended_is_counted(slow):
+    """A stream's 200 goes out with its first bytes, so a client that left
+    mid-stream was counted as answered like one that read to the end, and
+    a stream cut by its deadline likewise: how streams end was nowhere.
+    Now ``/v1/stats`` and ``/metrics`` count them by how they ended."""
+    with serving(slow, request_timeout_s=0.5) as url, httpx.Client(timeout=10) as client:
+        short = client.post(f"{url}/v1/query", json={"question": "a", "stream": True,
+                                                     "settings": {"max_tokens": 2}})
+        assert short.status_code == 200 and short.text.endswith("\n\n")
+        with client.stream("POST", f"{url}/v1/query", json={**QUERY, "stream": True}) as reply:
+            assert next(reply.iter_lines()).startswith("data: ")
+        wait_for(lambda: pages_back(url), timeout=5)
+        cut = client.post(f"{url}/v1/query", json={**QUERY, "stream": True}).text.split("\n\n")
+        assert '"code":504' in cut[-2]
+        expected = {"finished": 1, "client_left": 1, "deadline": 1}
+        wait_for(lambda: stats(url)["streams_ended"] == expected)
+        metrics = client.get(f"{url}/metrics").text
+        for how, count in expected.items():
+            assert f'bubblefree_streams_ended_total{{how="{how}"}} {count:.1f}' in metrics, metrics
+
+
 def test_a_waiting_client_that_leaves_frees_its_pages(slow):
     with serving(slow) as url:
         port = int(url.rsplit(":", 1)[1])

@@ -256,3 +256,32 @@ def test_a_state_that_has_consumed_tokens_is_refused_as_not_fresh(pipelined):
     # Only consumed tokens mark a used state: one that starts done is fresh.
     done = TextState(eng.skills.tables("query"), done=True)
     assert _started(attrs.evolve(_SharedState(), states=[done]), None, None, 4) is done
+
+
+@pytest.mark.parametrize("pipelined", MODES)
+def test_a_state_two_requests_get_before_either_commits_fails_the_second(pipelined):
+    """Admitted in one step, neither request had consumed a token, so the
+    used-state check passed and both advanced the one state. The second
+    now fails at admission naming the skill and the holder; the first's
+    tokens and output are its own, as alone."""
+    gate = Gate()
+    eng = make_engine(registry=BUILTIN.with_skill(_SharedState()), pipelined=pipelined, gate=gate)
+    try:
+        gate.arm(at=1)
+        blocker = eng.submit("query", question="the sky", max_tokens=4)  # holds the decode thread
+        gate.wait_reached()
+        first = eng.submit("shared", question="the cat", max_tokens=5)
+        second = eng.submit("shared", question="a dog", max_tokens=5)
+        gate.open()
+        result = second.result(WAIT)
+        assert result.status is Status.FAILED and result.output is None and result.tokens == ()
+        assert result.finish_reason == ("skill 'shared': decode_state returned the state request "
+                                        f"{first.request_id} holds: each request needs a fresh state")
+        alone = eng.submit("query", question="the cat", max_tokens=5).result(WAIT)
+        assert first.result(WAIT).tokens == alone.tokens == reference("query", {"question": "the cat"}, None, 5)
+        assert first.result(WAIT).output == alone.output
+        assert blocker.result(WAIT).status is Status.COMPLETED
+        wait_idle(eng)
+    finally:
+        gate.open()
+        eng.close()

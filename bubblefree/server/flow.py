@@ -100,11 +100,12 @@ def stream(served: Served, run: Run, ticket: Ticket, events: AsyncIterator[Any],
            ending: Callable[[ApiError], list[Any]]) -> EventStream:
     """``ending``: the API's last events for a stream the deadline (504) or
     the server's shutdown (503) ends."""
-    def on_end() -> None:
+    def on_end(how: str) -> None:
         ticket.leave()
         if not run.handle.done:
             run.handle.cancel()
         served.observer.tokens(run.prompt_tokens, run.completion_tokens)
+        served.observer.stream_ended(how)
     return EventStream(events, served.settings.request_timeout_s, ending, on_end)
 
 

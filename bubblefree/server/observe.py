@@ -31,6 +31,12 @@ class Observer:
                                  ("route", "status"), registry=self.registry)
         self._tokens = Counter("bubblefree_tokens", "Tokens, by kind (prompt, completion)", ("kind",),
                                registry=self.registry)
+        # A stream's status goes out with its first bytes: whether its client
+        # read it to the end is told only here.
+        self.streams: collections.Counter = collections.Counter()
+        self._streams = Counter("bubblefree_streams_ended", "Streamed answers, by how they ended "
+                                "(finished, client_left, deadline, shutdown, error)", ("how",),
+                                registry=self.registry)
         gauges = {"bubblefree_live_requests": ("Requests admitted and not ended", lambda: admission.live),
                   "bubblefree_queue_depth": ("Requests waiting for KV pages or a row slot",
                                              lambda: len(self._scheduler.queue)),
@@ -48,6 +54,10 @@ class Observer:
         self.by_status[status] += 1
         self._requests.labels(path if path in ROUTES else "other", str(status)).inc()
 
+    def stream_ended(self, how: str) -> None:
+        self.streams[how] += 1
+        self._streams.labels(how).inc()
+
     def tokens(self, prompt: int, completion: int) -> None:
         self._tokens.labels("prompt").inc(prompt)
         self._tokens.labels("completion").inc(completion)
@@ -55,6 +65,7 @@ class Observer:
     def stats(self) -> dict[str, Any]:
         s = self._scheduler
         return {"requests_by_status": {str(k): v for k, v in sorted(self.by_status.items())},
+                "streams_ended": dict(sorted(self.streams.items())),
                 "live_requests": self.admission.live, "max_live_requests": self.admission.limit,
                 "queue_depth": len(s.queue),
                 "kv_pages": {"free": s.pages.num_free, "total": s.pages.size},

@@ -156,7 +156,7 @@ def _content(content: Any, where: str, images: list[tuple[str, Any]]) -> str:
             images.append((f"{at}.image_url.url", url))
         else:
             raise fields.refuse("type", f"must be text or image_url, got {kind!r}")
-    return "".join(texts)
+    return "\n".join(texts)  # as vLLM joins them: "what is" and "the sky" are not "what isthe sky"
 
 
 def _ask(body: Fields, prompt: list[int]) -> Ask:

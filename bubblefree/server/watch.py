@@ -20,6 +20,11 @@ from starlette.types import Receive, Scope, Send
 
 from bubblefree.server.errors import ApiError
 
+# How a stream ended, as ``EventStream`` tells its ``on_end``: its events ran
+# to their end (the request's own end, a failure's event included); its client
+# left; its deadline (504) or the server's shutdown (503) cut it; a bug did.
+ENDINGS = ("finished", "client_left", "deadline", "shutdown", "error")
+
 # The most a stream's last events (its end, or the error that ends it) wait
 # on a reader that stopped reading: its request has ended by then, and its
 # slot is free; past it the server gives up on the connection.
@@ -85,18 +90,20 @@ class EventStream(Response):
     request); the deadline (504), the server shutting down (503) or a bug
     (500) ends it with ``ending(error)``'s events, the API's error event.
 
-    ``on_end`` runs once, as soon as the events end, however they ended:
-    before the last events are written, since those wait on the reader. A
-    reader that stops reading so holds neither its slot nor its engine
-    request past the deadline, and the connection at most ``TAIL_S`` more."""
+    ``on_end(how)`` runs once, as soon as the events end, however they
+    ended (``ENDINGS``): before the last events are written, since those
+    wait on the reader. A reader that stops reading so holds neither its
+    slot nor its engine request past the deadline, and the connection at
+    most ``TAIL_S`` more."""
 
     def __init__(self, events: AsyncIterator[Any], timeout: float,
-                 ending: Callable[[ApiError], list[Any]], on_end: Callable[[], None]):
+                 ending: Callable[[ApiError], list[Any]], on_end: Callable[[str], None]):
         # A Response only so that FastAPI hands it on untouched; it writes itself.
         self.status_code, self.background = 200, None
         self.events, self.timeout = events, timeout
         self.ending, self.on_end = ending, on_end
         self._ended = False
+        self._how = "client_left"  # until the events run: the first write failed, or was cut
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -120,12 +127,16 @@ class EventStream(Response):
         bug that ended them if one did. The request ends here (``_end``)."""
         try:
             await watched(receive, self._pump(send), self.timeout)
+            self._how = "finished"
             return [], None
         except ApiError as err:  # the deadline, or shutting down
+            self._how = "deadline" if err.status == 504 else "shutdown"
             return self.ending(err), None
         except (ClientGone, OSError):
+            self._how = "client_left"
             raise
         except Exception as err:  # a bug mid-stream: its 500, as the stream's last event
+            self._how = "error"
             return self.ending(internal_error(err)), err
         finally:
             await self._end()
@@ -146,7 +157,7 @@ class EventStream(Response):
             return
         self._ended = True
         try:
-            self.on_end()
+            self.on_end(self._how)
         finally:
             with contextlib.suppress(Exception):
                 await self.events.aclose()  # type: ignore[attr-defined]
