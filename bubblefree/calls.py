@@ -31,6 +31,7 @@ import asyncio
 from typing import Any, Mapping
 
 from bubblefree.core import ImageRef, InvalidRequest, SamplingParams
+from bubblefree.core.values import named
 from bubblefree.encoded import EncodedImage
 from bubblefree.skills.text import CAPTION_LENGTHS
 
@@ -58,7 +59,7 @@ def call_args(skill: str, image: Any, settings: Any, kw: dict[str, Any], **args:
     if not isinstance(settings, Mapping):
         raise InvalidRequest(f"settings: must be a mapping, got {type(settings).__name__}")
     allowed = SETTINGS if skill in OBJECT_SKILLS else SETTINGS[:-1]
-    unknown = sorted(str(k) for k in settings if k not in allowed)
+    unknown = sorted(named(k) for k in settings if k not in allowed)
     if unknown:
         raise InvalidRequest(f"settings.{unknown[0]}: unknown; expected {', '.join(allowed)}")
     sampling = {k: settings[k] for k in SAMPLING if k in settings}

@@ -53,6 +53,11 @@ class ImageIntake:
 
     backend: Any
     max_pixels: int = attrs.field(default=DEFAULT_MAX_PIXELS)
+    # The refs this intake made: an ``ImageRef`` passed in is taken only if
+    # it is one. A ref built by hand, or by another engine, reached the
+    # backend unchecked: its source unreadable there, the step failed as a
+    # lost device and the engine stopped for every caller.
+    _made: weakref.WeakSet = attrs.field(factory=weakref.WeakSet, init=False)
 
     @max_pixels.validator
     def _check(self, _, value: Any) -> None:
@@ -66,10 +71,13 @@ class ImageIntake:
         """The ``ImageRef`` a request about ``image`` carries."""
         self._check_takes()
         if isinstance(image, ImageRef):
+            if image not in self._made:
+                raise InvalidRequest("image: an ImageRef this engine did not make; pass the image, or "
+                                     "an EncodedImage from this engine's encode_image")
             return image
         if isinstance(image, EncodedImage):
             return self._own(image).ref
-        return self.backend.image_ref(self._load(image))
+        return self._keep(self.backend.image_ref(self._load(image)))
 
     def encode(self, image: Any) -> EncodedImage:
         """``image`` made ready for many requests. A backend that keeps
@@ -80,8 +88,12 @@ class ImageIntake:
             return self._own(image)
         pil = self._load(image)
         encode = getattr(self.backend, "encode_image", None)
-        ref = self.backend.image_ref(encode(pil) if encode is not None else pil)
+        ref = self._keep(self.backend.image_ref(encode(pil) if encode is not None else pil))
         return EncodedImage(ref=ref, width=pil.width, height=pil.height, backend=self.backend)
+
+    def _keep(self, ref: ImageRef) -> ImageRef:
+        self._made.add(ref)  # callers make refs on their own threads: one set.add, under the GIL
+        return ref
 
     def _load(self, image: Any):
         if image is None:

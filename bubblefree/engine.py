@@ -40,7 +40,7 @@ from bubblefree.core import InvalidRequest, Request, SamplingParams
 from bubblefree.encoded import EncodedImage, ImageIntake
 from bubblefree.handle import Handle, RequestFailed
 from bubblefree.images import DEFAULT_MAX_PIXELS
-from bubblefree.loop import EngineStopped, Listener, ServingLoop
+from bubblefree.loop import EngineStopped, Listener, ServingLoop, check_undriven
 from bubblefree.skills import SkillSet
 from bubblefree.skills.registry import BUILTIN, Registry
 from bubblefree.skills.skillset import output_room
@@ -52,6 +52,7 @@ __all__ = ["EncodedImage", "Engine", "EngineStopped", "Handle", "RequestFailed"]
 class Engine(SkillCalls):
     def __init__(self, core: CoreEngine, skills: SkillSet, *, backend: Any = None,
                  max_image_pixels: int = DEFAULT_MAX_PIXELS):
+        check_undriven(core)  # before compiling, which registers masks on it
         self.core = core
         # Compiled here, before the decode thread starts: compiling walks the
         # vocabulary and registers masks, which on the CUDA backend may

@@ -68,8 +68,18 @@ def _close_at_exit(ref: "weakref.ref[ServingLoop]") -> None:
     loop._thread.join(timeout=min(loop.close_wait, EXIT_WAIT))
 
 
+def check_undriven(core: CoreEngine) -> None:
+    """Refuse a core another serving loop drives: two loops would number
+    their requests from 0 alike and tick one state machine from two threads."""
+    if core.driver is not None and core.driver() is not None:
+        raise ValueError("this core engine is driven by another ServingLoop (another Engine's): "
+                         "one loop a core; build an engine of its own for each")
+
+
 class ServingLoop:
     def __init__(self, core: CoreEngine):
+        check_undriven(core)
+        core.driver = weakref.ref(self)
         self.core = core
         # Reentrant: a stream's garbage-collection finalizer cancels through
         # here, and the collector may run it on a thread that already holds
@@ -127,6 +137,8 @@ class ServingLoop:
     def cancel(self, handle: Handle) -> bool:
         if handle.done:
             return False
+        if os.getpid() != self._pid:  # no decode thread here to take it: "taken" would be a lie
+            raise EngineStopped(self._forked())
         if self.on_loop_thread and self.core.delivering and handle.request_id in self.core.handles:
             # From a listener: the state machine is consistent, cancel at once.
             return self.core.cancel(handle.request_id)
@@ -189,7 +201,14 @@ class ServingLoop:
         return (os.getpid() == self._pid and self._thread.is_alive() and not self._closed
                 and self._error is None)
 
+    def _forked(self) -> str:
+        return f"the engine was built in process {self._pid}; a child of fork() must build its own"
+
     def refuse_wait_on_loop_thread(self, what: str) -> None:
+        """Refuse a wait nothing would end: on the decode thread (a listener),
+        or in a child of fork(), which has no decode thread."""
+        if os.getpid() != self._pid:
+            raise EngineStopped(f"{what}: {self._forked()}")
         if self.on_loop_thread:
             raise RuntimeError(f"{what} was called from a listener, on the decode thread: it would wait "
                                "for the thread running it. Listeners must not block; keep state and "
@@ -197,8 +216,7 @@ class ServingLoop:
 
     def check_running(self) -> None:
         if os.getpid() != self._pid:
-            raise EngineStopped(f"the engine was built in process {self._pid}; a child of fork() "
-                                "must build its own")
+            raise EngineStopped(self._forked())
         if self._error is not None:
             raise EngineStopped(f"the engine has stopped: {described(self._error)}")
         if self._closed:

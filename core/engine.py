@@ -73,6 +73,10 @@ class Engine:
     # Requests handed over and not yet submitted: what the serving loop's
     # inbox holds. The auto rule foresees their prefill (``ahead._taken``).
     arrivals: Callable[[], int] = lambda: 0
+    # Who drives this engine's ticks (a weak reference to it), set once by
+    # that driver: two serving loops on one core each number their requests
+    # from 0 and tick it from two threads.
+    driver: Callable[[], object] | None = attrs.field(default=None, init=False)
     scheduler: Scheduler = attrs.field(init=False)
     timings: Timings = attrs.field(init=False)
     end_rates: EndRates = attrs.Factory(EndRates)

@@ -76,6 +76,18 @@ def integer(x: Any) -> Any:
     return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else x
 
 
+# The most of a caller's name (a field, a skill) a refusal quotes.
+NAME_CHARS = 100
+
+
+def named(name: Any, most: int = NAME_CHARS) -> str:
+    """A name the caller sent, as a refusal quotes it: a lone surrogate
+    escaped (a message holding one cannot be printed or logged) and at most
+    ``most`` characters (a megabyte-long key quoted whole is no clearer)."""
+    text = (name if isinstance(name, str) else repr(name)).encode("utf-8", "backslashreplace").decode()
+    return text if len(text) <= most else text[:most] + "..."
+
+
 def described(err: BaseException) -> str:
     """``Type: message`` for a reason a Result carries (``message``)."""
     return f"{type(err).__name__}: {message(err)}"
@@ -173,7 +185,7 @@ class SamplingParams:
         if isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
-            unknown = sorted(map(str, set(value) - {"temperature", "top_p", "seed"}))
+            unknown = sorted(map(named, set(value) - {"temperature", "top_p", "seed"}))
             if unknown:
                 raise InvalidRequest(f"sampling: unknown field(s) {', '.join(unknown)}; "
                                      "expected temperature, top_p, seed")

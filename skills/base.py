@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable, ClassVar, Mapping, Protocol
 
-from bubblefree.core.values import InvalidRequest
+from bubblefree.core.values import InvalidRequest, integer, named
 from bubblefree.skills.codec import SpatialCodec
 from bubblefree.skills.tokenizer import Tokenizer
 
@@ -152,7 +152,7 @@ def invalid(skill: str, field: str, problem: str) -> InvalidRequest:
 
 
 def _cut(text: str, most: int) -> str:
-    return text if len(text) <= most else text[:most] + "..."
+    return named(text, most)
 
 
 def check_fields(skill: str, args: Mapping[str, Any], known: tuple[str, ...]) -> None:
@@ -178,7 +178,7 @@ def text_arg(skill: str, args: Mapping[str, Any], field: str) -> str:
 
 
 def positive_int(skill: str, args: Mapping[str, Any], field: str, default: int) -> int:
-    value = args.get(field, default)
+    value = integer(args.get(field, default))  # numpy's integers too, as max_tokens takes them
     # bool is an int subclass; True objects is a caller's bug, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(skill, field, f"must be an integer, got {value!r}")

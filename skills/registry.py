@@ -12,7 +12,7 @@ from typing import Mapping
 
 import attrs
 
-from bubblefree.core.values import InvalidRequest
+from bubblefree.core.values import InvalidRequest, named
 from bubblefree.skills.base import Skill
 from bubblefree.skills.complete import Complete
 from bubblefree.skills.detect import Detect
@@ -51,7 +51,7 @@ class Registry:
     def get(self, name: str) -> Skill:
         skill = self.skills.get(name) if isinstance(name, str) else None
         if skill is None:
-            raise InvalidRequest(f"skill: unknown skill {name!r}; known: "
+            raise InvalidRequest(f"skill: unknown skill {named(repr(name))}; known: "
                                  f"{', '.join(sorted(map(str, self.skills)))}")
         return skill
 

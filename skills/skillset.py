@@ -89,7 +89,8 @@ class SkillSet:
         return _hook(name, "unserved", skill.unserved, self.codec)
 
     def tables(self, name: str) -> Any:
-        if name in self._tables:  # None too: a skill without tables compiles once as well
+        # Not a str: refused by the registry naming the skill (a list, unhashable, raised TypeError here).
+        if isinstance(name, str) and name in self._tables:  # None too: a skill without tables compiles once
             return self._tables[name]
         why = self._unserved(name)
         if why is not None:

@@ -12,6 +12,7 @@ Only a checkpoint whose tokenizer config names both placeholders takes them.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Mapping
 
 from bubblefree.core.values import PromptValue, ValueKind
@@ -38,7 +39,8 @@ def _ref(skill: str, i: int, ref: Any) -> Ref:
         raise invalid(skill, field, f"must be [x, y] or [x_min, y_min, x_max, y_max], got {ref!r}")
     for v in ref:
         # bool is an int, but never a coordinate; NaN fails both comparisons.
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+        # Any real number: numpy's and Fractions too, as sampling takes them.
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v <= 1.0:
             raise invalid(skill, field, f"coordinates must be numbers in [0, 1], got {v!r}")
     out = tuple(float(v) for v in ref)
     if len(out) == 4 and not (out[0] < out[2] and out[1] < out[3]):

@@ -6,9 +6,11 @@ cancels at any moment, threads, asyncio, and bad values of every type."""
 from __future__ import annotations
 
 import asyncio
+import fractions
 import gc
 import threading
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -341,6 +343,19 @@ BAD_CALLS = {
     "image ref of no length": (lambda e: e.submit("query", image=ImageRef(length=0, source=1),
                                                   question="what"), "image"),
     "another engine's encoded image": (lambda e: e.point(_other_engines_image(), "cat"), "image"),
+    # A ref the engine did not make reached the backend, whose refusal there
+    # was a lost device's: every live request failed and the engine stopped.
+    "a hand-made image ref": (lambda e: e.submit("query", image=ImageRef(length=3, source=object()),
+                                                 question="what"), "image"),
+    "another engine's image ref": (lambda e: e.submit("query", image=_other_engines_image().ref,
+                                                      question="what"), "image"),
+    "another engine's image ref, async": (lambda e: asyncio.run(e.aquery(_other_engines_image().ref, "what")),
+                                          "image"),
+    # A list is unhashable: with an image, a bare TypeError.
+    "a skill name of a list, with an image": (lambda e: e.submit(["query"], image=PICTURES[0]), "skill"),
+    "a skill name of a list, with an image, in a batch": (
+        lambda e: e.submit_many([("query", {"question": "a"}), (["query"], {"image": PICTURES[0]})]),
+        "calls[1].skill"),
     "max_tokens past the context": (lambda e: e.query(PICTURES[0], "what", max_tokens=10_000), "max_tokens"),
     "listener not callable": (lambda e: e.query(PICTURES[0], "what", listener=3), "listener"),
 }
@@ -409,6 +424,19 @@ def test_spatial_refs_are_read_as_values_at_their_placeholders(moon):
     for call in (lambda: moon.query(img, "what is here", spatial_refs=REFS),
                  lambda: asyncio.run(moon.aquery(img, "what is here", spatial_refs=REFS))):
         assert call() == want
+
+
+def test_numpy_numbers_and_fractions_are_taken_as_refs_and_counts_as_plain_ones(moon):
+    """``max_tokens`` and the sampling numbers took numpy's numbers, but
+    ``max_objects`` and ``spatial_refs`` refused them, saying a 2 was not an
+    integer and a 0.5 not a number in [0, 1]."""
+    img = picture(7)
+    refs = [[np.float32(0.25), fractions.Fraction(1, 2)], [np.float64(0.1), 0.2, np.float32(0.3), 0.6]]
+    assert moon.query(img, "what is here", spatial_refs=refs) == moon.query(img, "what is here",
+                                                                            spatial_refs=REFS)
+    assert moon.point(img, "cat", max_objects=np.int64(2)) == moon.point(img, "cat", max_objects=2)
+    with pytest.raises(InvalidRequest, match=r"^max_objects: must be an integer, got np.True_"):
+        moon.point(img, "cat", max_objects=np.bool_(True))
 
 
 @pytest.mark.parametrize("refs, field, message", [

@@ -22,7 +22,7 @@ import warnings
 import numpy as np
 import pytest
 
-from bubblefree import EngineStopped, InvalidRequest, Status
+from bubblefree import Engine, EngineStopped, InvalidRequest, Status
 from bubblefree.core import SamplingParams
 from tests.serving_world import (GATED, WAIT, assert_serves, engine, gate, gated,  # noqa: F401 - fixtures
                                  make_engine, wait_idle)
@@ -74,6 +74,28 @@ def test_an_engine_used_in_a_child_of_fork_refuses_naming_why(engine, act):
     assert _in_child(engine, act) == REFUSED
     assert_serves(engine)
     wait_idle(engine)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+@pytest.mark.parametrize("act", [
+    lambda handle: handle.result(),
+    lambda handle: list(handle),
+    lambda handle: handle.cancel(),
+], ids=["result", "iterate", "cancel"])
+def test_a_handle_live_at_fork_refuses_in_the_child_instead_of_waiting(gated, gate, act):
+    """A request live when the process forked: in the child, ``result()``
+    and iterating waited for ever on a decode thread the child lacks, and
+    ``cancel()`` said it was taken. Now each refuses, saying why; the
+    parent's request ends as it would have."""
+    gate.arm(at=2)
+    handle = gated.submit("query", question=GATED, max_tokens=6)
+    gate.wait_reached()
+    try:
+        assert _in_child(handle, act) == REFUSED
+    finally:
+        gate.open()
+    assert handle.result(WAIT).status is Status.COMPLETED
+    assert_serves(gated)
 
 
 # -- listeners that are async without being an async def ----------------------
@@ -147,6 +169,35 @@ def test_a_coroutine_a_listener_returns_at_an_end_the_engine_gave_is_closed(gate
     with pytest.raises(EngineStopped, match="SystemExit"):
         gated.submit("query", question="the cat")
     assert len(made) == 2 and all(inspect.getcoroutinestate(c) == inspect.CORO_CLOSED for c in made)
+
+
+def test_a_second_engine_on_a_core_another_drives_is_refused(engine):
+    """``Engine(core, skills)`` took a core another engine's loop drove: two
+    decode threads ticked one state machine, both numbered their requests
+    from 0 ("request id 0 is in use"), and under load both engines died."""
+    with pytest.raises(ValueError, match="driven by another ServingLoop"):
+        Engine(engine.core, engine.skills)
+    assert_serves(engine)
+
+
+# -- names the caller sent, quoted in refusals ----------------------------------
+
+@pytest.mark.parametrize("name", ["\ud800", "z" * 1_000_000], ids=["lone surrogate", "a megabyte"])
+@pytest.mark.parametrize("call", [
+    lambda e, n: e.submit(n, question="x"),
+    lambda e, n: e.submit("query", question="x", **{n: 1}),
+    lambda e, n: e.submit("query", question="x", sampling={n: 1}),
+    lambda e, n: e.query("x", settings={n: 1}),
+], ids=["skill", "argument", "sampling key", "settings key"])
+def test_a_refusal_quotes_a_name_it_can_print_and_at_most_a_line_of_it(engine, name, call):
+    """A lone surrogate in a name made a refusal that could not be printed
+    or logged (UnicodeEncodeError), and a megabyte name came back whole."""
+    with pytest.raises(InvalidRequest) as err:
+        call(engine, name)
+    text = str(err.value)
+    text.encode("utf-8")  # printable, loggable
+    assert len(text) < 600, len(text)
+    assert_serves(engine)
 
 
 # -- sampling numbers -----------------------------------------------------------

@@ -198,12 +198,33 @@ def test_a_long_stream_is_not_cut_by_the_header_timeout(engine):
         assert events[-1]["completed"] is True and len(events) == 151
 
 
+@pytest.mark.parametrize("head", [
+    b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Length: \xc2\xb2\r\n\r\n{}",
+    b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Length: 12345678901234567890123456\r\n\r\n{}",
+    b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}",
+    b"POST /v1/query HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"GET /health HTTP/1.1 extra\r\nHost: x\r\n\r\n",
+], ids=["length not digits", "length past any size", "length and chunked", "bad chunk size", "bad line"])
+def test_bytes_the_parser_refuses_get_400_in_the_json_shape(engine, head):
+    """uvicorn answered them in plain text, "Invalid HTTP request
+    received.": the one refusal outside the API's error shape."""
+    with serving(engine) as url, connect(url) as sock:
+        sock.sendall(head)
+        raw = until_closed(sock)
+        head_bytes, _, body = raw.partition(b"\r\n\r\n")
+        assert status_of(raw) == 400 and b"content-type: application/json" in head_bytes.lower(), raw
+        error = json.loads(body)["error"]
+        assert error["param"] == "request" and error["code"] == 400, error
+        assert error["message"].startswith("request: not valid HTTP/1.1"), error
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
 def test_the_hooks_the_protocol_takes_are_still_uvicorns():
     """What ``HeadBoundedProtocol`` overrides must be called by uvicorn: a
     renamed hook would leave the bounds silently off (the tests above
     would fail too; this names the hook)."""
     for hook in ("connection_made", "connection_lost", "data_received", "on_message_begin",
-                 "on_headers_complete", "on_response_complete"):
+                 "on_headers_complete", "on_response_complete", "send_400_response"):
         assert hook in vars(HttpToolsProtocol), f"uvicorn's HttpToolsProtocol has no {hook}"
         assert hook in vars(HeadBoundedProtocol)
 

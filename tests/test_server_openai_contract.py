@@ -228,6 +228,7 @@ def test_a_developer_message_is_the_system_turn(url):
     ("/v1/chat/completions", {"top_logprobs": 0, "response_format": {"type": "text"}, "store": False,
                               "metadata": {}, "parallel_tool_calls": True}),
     ("/v1/completions", {"echo": False, "suffix": "", "best_of": 1}),
+    ("/v1/chat/completions", {"reasoning": False}),  # Moondream's client, chat(reasoning=False)
     ("/v1/completions", {"echo": None, "suffix": None, "best_of": None, "store": None, "metadata": None}),
 ])
 def test_fields_clients_send_at_values_that_change_nothing_are_taken(url, route, fields):
@@ -250,6 +251,7 @@ def test_fields_clients_send_at_values_that_change_nothing_are_taken(url, route,
     ("echo", True, "this server does not echo the prompt: only false, got True"),
     ("suffix", "after", "this server takes no suffix: only an empty one, got 'after'"),
     ("best_of", 2, "this server gives one choice a request: only 1, got 2"),
+    ("reasoning", True, "not supported by this model: only false, got True"),
 ])
 def test_those_fields_at_any_other_value_are_refused_naming_them(url, field, value, says):
     reply = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, field: value}, timeout=20)

@@ -84,6 +84,34 @@ def test_a_waiting_client_that_leaves_frees_its_pages(slow):
         wait_for(lambda: stats(url)["requests_by_status"].get("499") == 1)
 
 
+def _head_and_body(body: dict) -> bytes:
+    raw = json.dumps(body).encode()
+    return b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_pipelines_a_request_then_leaves_frees_the_running_ones_pages(slow, stream):
+    """uvicorn stops reading once a request waits behind a running one, so it
+    never saw such a client leave, and told only the waiting request when
+    it did: the running one held its slot and its pages until its deadline
+    (300 s by default), one connection enough to hold the whole KV cache."""
+    with serving(slow) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(_head_and_body({**QUERY, "stream": stream}))
+            wait_for(lambda: stats(url)["live_requests"] == 1)
+            raw.sendall(_head_and_body(QUERY))  # pipelined behind the running one
+            time.sleep(0.3)
+            assert stats(url)["live_requests"] == 1  # the second waits its turn, unadmitted
+        wait_for(lambda: pages_back(url), timeout=5)  # long before its 200 tokens or its deadline
+        if stream:
+            wait_for(lambda: stats(url)["streams_ended"] == {"client_left": 1})
+        else:
+            wait_for(lambda: stats(url)["requests_by_status"].get("499") == 1)
+        answered = httpx.post(f"{url}/v1/query", json={"question": "a", "settings": {"max_tokens": 2}})
+        assert answered.json()["answer"] == "cat cat"
+
+
 def test_past_the_live_bound_requests_get_429_with_retry_after(slow):
     with serving(slow, max_live=1, retry_after_s=3) as url, httpx.Client(timeout=10) as client:
         with client.stream("POST", f"{url}/v1/query", json={**QUERY, "stream": True}) as first:
@@ -96,6 +124,35 @@ def test_past_the_live_bound_requests_get_429_with_retry_after(slow):
         wait_for(lambda: pages_back(url))
         answered = client.post(f"{url}/v1/query", json={"question": "a", "settings": {"max_tokens": 2}})
         assert answered.json()["answer"] == "cat cat"
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": "the cat " * 200_000}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the cat " * 200_000}]}),
+])
+def test_past_the_live_bound_an_openai_request_is_refused_before_it_is_tokenized(slow, monkeypatch,
+                                                                                  route, body):
+    """The OpenAI routes tokenized their prompt before asking for a live
+    slot: a request past the bound took seconds of tokenizing (for a 16 MB
+    prompt) to be told 429, and such requests' tokenizing was not bounded by
+    ``--max-live`` at all. Now nothing is tokenized for a request refused."""
+    kind, calls = type(slow.skills.tokenizer), []
+    real = kind.encode
+    monkeypatch.setattr(kind, "encode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with serving(slow, max_live=1) as url, httpx.Client(timeout=20) as client:
+        with client.stream("POST", f"{url}/v1/query", json={**QUERY, "stream": True}) as first:
+            lines = first.iter_lines()  # held: a dropped line iterator closes the response
+            assert next(lines).startswith("data: ")  # the one live slot, held
+            assert stats(url)["live_requests"] == 1
+            calls.clear()
+            refused = client.post(f"{url}{route}", json={**body, "max_tokens": 2})
+            assert refused.status_code == 429, refused.text
+            assert calls == []
+        wait_for(lambda: pages_back(url))
+        admitted = client.post(f"{url}{route}", json={**body, "max_tokens": 2})
+        assert calls  # tokenized once admitted: longer than the context, refused naming it
+        assert admitted.status_code == 422 and "max_context is 256" in admitted.json()["error"]["message"]
+        assert client.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
 
 
 def test_a_request_past_its_deadline_gets_504_and_is_cancelled(slow):

@@ -338,11 +338,17 @@ def test_the_spatial_skills_are_refused_without_location_tokens(world):
         engine.point(IMAGES[0], "cat")
 
 
-def test_an_image_from_another_backend_is_refused_at_launch(world):
+def test_an_image_from_another_backend_is_refused(world):
+    """Refused at submit, naming the image, since the engine takes only refs
+    it made; the backend's own check at launch (which fails the request
+    alone, here) is its second line, for a ref the engine would pass."""
     from bubblefree.core.values import ImageRef
 
     engine, _, _ = world
     foreign = ImageRef(length=engine.images.ref(IMAGES[0]).length, source=object())
+    with pytest.raises(InvalidRequest, match="^image: an ImageRef this engine did not make"):
+        engine.submit("query", image=foreign, question=QUESTIONS[0], max_tokens=4)
+    engine.images._made.add(foreign)  # past the intake, as a ref it made: the backend refuses it at launch
     handle = engine.submit("query", image=foreign, question=QUESTIONS[0], max_tokens=4)
     assert handle.result(WAIT).status is Status.FAILED
     assert "did not make" in handle.result(WAIT).finish_reason

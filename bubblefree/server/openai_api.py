@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import attrs
 from fastapi import APIRouter
@@ -70,16 +70,18 @@ def router(served: Served) -> APIRouter:
         body = await read_json(request, served.settings.max_json_values)
         images: list[tuple[str, Any]] = []
         messages, image_in = _messages(body, images)
-        # Off the event loop, as every tokenization here: a prompt of megabytes
-        # (or a hundred thousand messages) takes seconds, and would hold up every client.
-        prompt = await asyncio.to_thread(_chat_ids, served.engine.skills.tokenizer, messages, image_in)
-        ask = _ask(body, prompt)
+        ask = _ask(body, [])
         if len(images) > 1:
             where = images[1][0]
             raise ApiError(422, f"{where}: one image a request; this is the second", where)
-        image = await read_image(served, images[0][1], images[0][0]) if images else None
-        ask = attrs.evolve(ask, image=image, image_field=images[0][0] if images else None)
-        return await _answer(served, request, ask, "chat.completion", _chat_choice)
+
+        async def ready() -> Ask:
+            # Off the event loop, as every tokenization here: a prompt of megabytes
+            # (or a hundred thousand messages) takes seconds, and would hold up every client.
+            prompt = await asyncio.to_thread(_chat_ids, served.engine.skills.tokenizer, messages, image_in)
+            image = await read_image(served, images[0][1], images[0][0]) if images else None
+            return attrs.evolve(ask, prompt=prompt, image=image, image_field=images[0][0] if images else None)
+        return await _answer(served, request, ask, ready, "chat.completion", _chat_choice)
 
     @api.post("/completions")
     async def completions(request: Request) -> Response:
@@ -90,12 +92,15 @@ def router(served: Served) -> APIRouter:
         if not isinstance(prompt, str) or not prompt:
             raise body.refuse("prompt", "must be a non-empty string (one prompt a request)")
         valid_text(prompt, "prompt")
-        ids = await asyncio.to_thread(served.engine.skills.tokenizer.encode, prompt)
-        if not ids:
-            raise body.refuse("prompt", "holds no token once tokenized (this model's tokenizer "
-                                        f"reads nothing in {prompt[:40]!r})")
-        ask = _ask(body, ids)
-        return await _answer(served, request, ask, "text_completion", _text_choice)
+        ask = _ask(body, [])
+
+        async def ready() -> Ask:
+            ids = await asyncio.to_thread(served.engine.skills.tokenizer.encode, prompt)
+            if not ids:
+                raise ApiError(422, "prompt: holds no token once tokenized (this model's tokenizer "
+                                    f"reads nothing in {prompt[:40]!r})", "prompt")
+            return attrs.evolve(ask, prompt=ids)
+        return await _answer(served, request, ask, ready, "text_completion", _text_choice)
 
     return api
 
@@ -216,6 +221,8 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "store": (lambda v: v is False, "this server stores no answers: only false"),
     "metadata": (lambda v: v == {}, "this server stores no answers: only an empty object"),
     "parallel_tool_calls": (lambda v: isinstance(v, bool), "only true or false (this server calls no tools)"),
+    # Moondream's client sends it on chat (``reasoning=False``), as /v1/query takes it.
+    "reasoning": (lambda v: v is False, "not supported by this model: only false"),
 }
 
 
@@ -246,18 +253,24 @@ def _text_choice(text: str, reason: str | None, delta: bool) -> dict:
     return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
 
 
-async def _answer(served: Served, request: Request, ask: Ask, kind: str, choice: Choice) -> Response:
-    async def begin() -> Run:
-        return await run_prompt(served.engine, ask.prompt, ask.max_tokens, ask.sampling, image=ask.image)
-
+async def _answer(served: Served, request: Request, ask: Ask, ready: Callable[[], Awaitable[Ask]],
+                  kind: str, choice: Choice) -> Response:
+    """``ready()``: ``ask`` with its prompt tokenized and its image read,
+    once the request is admitted: past the live bound a request is refused
+    at once, before that work (seconds, for a prompt of megabytes)."""
     # The engine's "prompt" is the conversation here, which the client sent as
     # messages; its max_tokens may have come as max_completion_tokens.
     names = {"prompt": "messages"} if kind == "chat.completion" else {}
     names["max_tokens"] = ask.max_tokens_field
-    if ask.image_field is not None:
-        names["image"] = ask.image_field
-        if fills_context(served.engine, ask.image):  # no text is short enough: the image is too long
-            names["prompt"] = ask.image_field
+
+    async def begin() -> Run:
+        made = await ready()
+        if made.image_field is not None:
+            names["image"] = made.image_field
+            if fills_context(served.engine, made.image):  # no text is short enough: the image is too long
+                names["prompt"] = made.image_field
+        return await run_prompt(served.engine, made.prompt, made.max_tokens, made.sampling, image=made.image)
+
     if ask.stream:
         run, ticket = await flow.start(served, begin, names)
         head = _head(kind + (".chunk" if kind == "chat.completion" else ""), served)

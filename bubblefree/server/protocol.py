@@ -20,13 +20,25 @@ subclass, passed to uvicorn as its ``http`` protocol (``http_protocol``):
   bound, 431 and the connection closed, so the parser holds at most the
   bound and two reads. A head that completes is measured whole by the
   guard (``guard.refusal``), from its parsed headers.
+- a client that pipelined a request behind one still running, then left:
+  uvicorn pauses reading once a request is queued so, reading nothing, it
+  never saw the connection end; and it holds only the queued request's
+  cycle (``self.cycle``), so only that one would have been told. The
+  running request held its live slot and its KV pages to the deadline.
+  While a request is queued the socket is asked every ``HANGUP_CHECK_S``
+  whether the peer hung up (``hung_up``), and at the connection's end
+  every cycle not yet answered is told.
 
 Neither runs while a request's body arrives (``--body-timeout`` bounds
 that) or while its response is sent, however long it streams. This leans
 on httptools' callbacks (``on_message_begin``, ``on_headers_complete``)
-and on two of uvicorn's internals (``on_response_complete``, the
-callback that ends a response; ``cycle.response_complete``, which its own
-``shutdown`` reads); tests/test_server_headers.py fails if any moves.
+and on uvicorn's internals (``on_response_complete``, the callback that
+ends a response; ``cycle.response_complete``, which its own ``shutdown``
+reads; ``cycle.disconnected`` and ``cycle.message_event``, which its own
+``connection_lost`` sets; ``cycle.response_started``; ``send_400_response``,
+its answer to bytes the parser refuses, here in the JSON error shape);
+tests/test_server_headers.py and
+tests/test_server_protection.py fail if any moves.
 """
 
 from __future__ import annotations
@@ -36,6 +48,9 @@ import functools
 import http
 import logging
 import math
+import os
+import select
+import socket
 from typing import Any, Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -45,6 +60,10 @@ from bubblefree.server.guard import head_too_large
 from bubblefree.server.settings import ServerSettings
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn's: --log-level applies
+
+# How often a connection that reads nothing (a request queued behind a
+# running one) is asked whether its client hung up.
+HANGUP_CHECK_S = 0.25
 
 
 def http_protocol(settings: ServerSettings) -> Callable[..., asyncio.Protocol]:
@@ -67,6 +86,8 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         self._heard = False  # bytes of a head came while the deadline ran: answer 408, not only close
         self._in_head = False  # the parser is inside a request's line and headers
         self._head_bytes = 0  # of that head, in reads that fell wholly inside it
+        self._cycles: list[Any] = []  # requests begun and not answered: each hears the disconnect
+        self._hangup: asyncio.TimerHandle | None = None  # the check while reading is paused
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -75,7 +96,15 @@ class HeadBoundedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._hangup is not None:
+            self._hangup.cancel()
+            self._hangup = None
         super().connection_lost(exc)
+        for cycle in self._cycles:  # as uvicorn tells its latest
+            if not cycle.response_complete:
+                cycle.disconnected = True
+            cycle.message_event.set()
+        self._cycles.clear()
 
     def data_received(self, data: bytes) -> None:
         self._heard = True
@@ -97,6 +126,21 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         self._in_head = False
         self._disarm()
         super().on_headers_complete()
+        self._cycles = [c for c in self._cycles if not c.response_complete]
+        if self.cycle is not None:
+            self._cycles.append(self.cycle)
+        if self.pipeline and self._hangup is None:  # queued: uvicorn reads no more until it starts
+            self._hangup = asyncio.get_running_loop().call_later(HANGUP_CHECK_S, self._check_hangup)
+
+    def _check_hangup(self) -> None:
+        self._hangup = None
+        wire = self._wire
+        if wire is None or wire.is_closing() or not self.pipeline:
+            return
+        if hung_up(wire):
+            wire.close()  # connection_lost follows, and tells every cycle
+        else:
+            self._hangup = asyncio.get_running_loop().call_later(HANGUP_CHECK_S, self._check_hangup)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -104,6 +148,22 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         # connection waits for the next head.
         if not self._answering() and self._wire is not None and not self._wire.is_closing():
             self._arm()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes its parser refuses (a malformed request
+        line, header or body framing), in the one JSON error shape rather
+        than its plain text; and, once a response has begun (the bytes
+        were pipelined behind it), the connection closed alone, as
+        ``_refuse`` does: an answer would cut into it. A request whose body
+        the parser refused has none begun: it hears the disconnect."""
+        wire = self._wire
+        if wire is None or wire.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.response_started:
+            wire.write(_raw_answer(400, "request: not valid HTTP/1.1 (its request line, a header or "
+                                        "its body's framing)", "request"))
+        wire.close()
 
     def _answering(self) -> bool:
         """A response is under way (uvicorn's ``shutdown`` asks the same)."""
@@ -143,10 +203,37 @@ class HeadBoundedProtocol(HttpToolsProtocol):
         wire.close()
 
 
-def _raw_answer(status: int, message: str) -> bytes:
+def hung_up(wire: asyncio.Transport) -> bool:
+    """Whether the peer closed its side, read without consuming a byte: the
+    kernel's hang-up flag where it has one (Linux), which sees the end behind
+    bytes not yet read; else a peek, which sees it only where none wait."""
+    sock = wire.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        fd = sock.fileno()
+        if fd < 0:
+            return True
+        if hasattr(select, "POLLRDHUP"):
+            poller = select.poll()
+            poller.register(fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            return bool(poller.poll(0))
+        raw = socket.socket(fileno=os.dup(fd))
+        try:
+            raw.setblocking(False)
+            return raw.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        finally:
+            raw.close()
+    except OSError:
+        return True
+
+
+def _raw_answer(status: int, message: str, param: str = "headers") -> bytes:
     """The error in the app's JSON shape, with ``Connection: close``: written
     on the connection itself, no request having reached the app."""
-    body = bytes(error_json(status, message, "headers").body)
+    body = bytes(error_json(status, message, param).body)
     head = (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode("ascii") + body
