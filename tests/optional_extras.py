@@ -9,7 +9,8 @@ import re
 # The optional packages the tests import, by the extra that installs them
 # (pyproject.toml); moondream's client comes from the Makefile, without its
 # dependencies (they are for its own inference, which the tests do not use).
-EXTRAS = {"fastapi": "server", "uvicorn": "server", "httptools": "server", "prometheus_client": "server",
+EXTRAS = {"fastapi": "server", "starlette": "server", "uvicorn": "server", "httptools": "server",
+          "prometheus_client": "server",
           "PIL": "images", "httpx": "test", "openai": "test", "ray": "ray"}
 NO_DEPS = {"moondream"}
 MISSING = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")

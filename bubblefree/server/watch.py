@@ -106,6 +106,7 @@ class EventStream(Response):
         self._how = "client_left"  # until the events run: the first write failed, or was cut
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        send = _connection(send)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -161,6 +162,19 @@ class EventStream(Response):
         finally:
             with contextlib.suppress(Exception):
                 await self.events.aclose()  # type: ignore[attr-defined]
+
+
+def _connection(send: Send) -> Send:
+    """``send``, a failure of its connection as ``ClientGone``: a write to a
+    transport the client closed raises ``OSError`` under asyncio's loop
+    but ``RuntimeError`` under uvloop's, which counted as a bug (a stream
+    ended "error", an exception logged) before the disconnect was heard."""
+    async def sent(message: dict) -> None:
+        try:
+            await send(message)
+        except RuntimeError as err:
+            raise ClientGone() from err
+    return sent
 
 
 def _frame(event: Any) -> dict:
