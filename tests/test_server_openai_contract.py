@@ -138,7 +138,8 @@ def test_a_stream_is_framed_ends_with_usage_then_done_and_agrees_with_the_whole_
     assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["stop"]
     if kind == "chat.completion.chunk":
         assert choices[0]["delta"] == {"role": "assistant", "content": ""}
-        text = "".join(c["delta"]["content"] for c in choices)
+        assert choices[-1]["delta"] == {}  # OpenAI's last chunk: its finish_reason, nothing said
+        text = "".join(c["delta"].get("content", "") for c in choices)
     else:
         text = "".join(c["text"] for c in choices)
     assert text == ANSWER_TEXT == (whole["choices"][0].get("text") or whole["choices"][0]["message"]["content"])

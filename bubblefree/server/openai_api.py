@@ -307,7 +307,10 @@ async def _chunks(run: Run, ask: Ask, head: dict, choice: Choice) -> AsyncIterat
         await run.pieces.aclose()  # type: ignore[attr-defined]  # a stop cancels the rest
     if tail := stop.flush():
         yield {**head, "choices": [choice(tail, None, True)]}
-    yield {**head, "choices": [choice("", finish_reason(run, stop.stopped), True)]}
+    last = choice("", finish_reason(run, stop.stopped), True)
+    if "delta" in last:
+        last["delta"] = {}  # as OpenAI ends a chat stream: the reason, and nothing more said
+    yield {**head, "choices": [last]}
     if ask.include_usage:
         yield {**head, "choices": [], "usage": _usage(run)}
     yield "[DONE]"
