@@ -59,6 +59,7 @@ class Engine(SkillCalls):
         # rebuild the mask table and re-capture sampling graphs; done lazily
         # it ran on a caller's thread while the decode thread served.
         self._skills = skills.compile_all()
+        check_masks_on(core, self._skills)
         self.backend = backend
         self.images = ImageIntake(core.backend, max_image_pixels)
         self.loop = ServingLoop(core)
@@ -209,6 +210,10 @@ class Engine(SkillCalls):
 
     # ---------------------------------------------------------------- asyncio
     async def arun(self, skill: str, **args: Any) -> dict:
+        # An event loop on the decode thread was started by a hook or a
+        # listener (``asyncio.run`` inside one): awaited there, nothing
+        # would ever settle the answer.
+        self.loop.refuse_wait_on_loop_thread(f"Engine.arun({skill!r})")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -230,6 +235,7 @@ class Engine(SkillCalls):
     async def astream(self, skill: str = "query", **args: Any) -> AsyncIterator[str]:
         """``stream`` for asyncio: an async iterator of text pieces; closing it,
         or cancelling the task iterating it, cancels the request."""
+        self.loop.refuse_wait_on_loop_thread("Engine.astream")
         args = await self._aimage(skill, args)
         pieces = AsyncTextStream(asyncio.get_running_loop(), self.skills.tokenizer)
         handle = self.submit(skill, listener=_chained(pieces.listener, args.pop("listener", None)), **args)
@@ -243,6 +249,7 @@ class Engine(SkillCalls):
     async def astream_now(self, skill: str = "query", **args: Any) -> AsyncPieces:
         """``astream``, submitted now: bad arguments raise at the await, and
         the request runs whether or not the pieces are read yet."""
+        self.loop.refuse_wait_on_loop_thread("Engine.astream_now")
         args = await self._aimage(skill, args)
         pieces = AsyncTextStream(asyncio.get_running_loop(), self.skills.tokenizer)
         handle = self.submit(skill, listener=_chained(pieces.listener, args.pop("listener", None)), **args)
@@ -279,6 +286,19 @@ class Engine(SkillCalls):
 
 # What ``_request`` hands ``SkillSet.request`` itself, besides the skill's name.
 ENGINE_SETS = frozenset({"name", "max_context", "max_positions"})
+
+
+def check_masks_on(core: CoreEngine, skills: SkillSet) -> None:
+    """Refuse a skill set whose masks are not this core's: one compiled for
+    another engine's core registered its masks there, and compiles no more,
+    so here every constrained request failed on an unknown mask id, or,
+    where this core had masks of its own under the same ids, sampled under
+    the wrong sets."""
+    stray = [mask_id for mask_id, allowed in skills.registered().items()
+             if core.masks.get(mask_id) != allowed]
+    if stray:
+        raise ValueError(f"skills: compiled for another engine's core (its mask {stray[0]} is not this "
+                         f"core's); build a SkillSet with this core's register_mask")
 
 
 def _chained(ours: Callable, theirs: Callable | None) -> Callable:

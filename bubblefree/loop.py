@@ -103,6 +103,9 @@ class ServingLoop:
         # submits would wait for ever on a thread that is not there.
         self._pid = os.getpid()
         self.close_wait = CLOSE_WAIT  # seconds; per engine, so a test may shorten its own
+        # When the decode thread last went round its loop (a tick, or waking
+        # with nothing to do): ``stalled_for`` reads it, without the lock.
+        self._moved = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="bubblefree-decode", daemon=True)
         # A weak reference: the hook keeps no model alive. While the thread
         # runs, its target holds the loop, so the hook finds it.
@@ -187,10 +190,19 @@ class ServingLoop:
             self._thread.join(timeout=self.close_wait)
             if self._thread.is_alive():
                 warnings.warn(f"close(): the decode thread is still running after {self.close_wait:g} s, held "
-                              "by a listener that has not returned; it ends when that listener returns",
+                              "by a step or a listener that has not returned; it ends when that returns",
                               RuntimeWarning, stacklevel=3)
         if not self._thread.is_alive():  # nothing left for the exit hook to end
             atexit.unregister(self._at_exit)
+
+    def stalled_for(self) -> float:
+        """Seconds the decode thread has held requests without going round
+        its loop once (a step or a listener that does not return), or 0:
+        it is idle, or moving. Its thread is alive all the while, so only
+        this tells a health probe that nothing will answer."""
+        if not (self._live or self._inbox):  # sizes read without the lock: atomic, and a probe's guess
+            return 0.0
+        return max(0.0, time.monotonic() - self._moved)
 
     @property
     def on_loop_thread(self) -> bool:
@@ -210,9 +222,9 @@ class ServingLoop:
         if os.getpid() != self._pid:
             raise EngineStopped(f"{what}: {self._forked()}")
         if self.on_loop_thread:
-            raise RuntimeError(f"{what} was called from a listener, on the decode thread: it would wait "
-                               "for the thread running it. Listeners must not block; keep state and "
-                               "return, or wait from another thread.")
+            raise RuntimeError(f"{what} was called on the decode thread (from a listener or a skill's "
+                               "hook): it would wait for the thread running it. Listeners and hooks must "
+                               "not block; keep state and return, or wait from another thread.")
 
     def check_running(self) -> None:
         if os.getpid() != self._pid:
@@ -232,6 +244,7 @@ class ServingLoop:
                     idle = not (self._inbox or self._closed or self.core.has_work())
                     while not (self._inbox or self._closed or self.core.has_work()):
                         self._wake.wait()
+                    self._moved = time.monotonic()  # idle is not stalled
                 if idle:
                     self._gather()
                 with self._wake:
@@ -246,6 +259,7 @@ class ServingLoop:
                     return
                 if self.core.has_work():
                     self.core.tick()
+                self._moved = time.monotonic()
         except BaseException as err:  # noqa: BLE001 - a bug or a lost device: end everyone, name it
             self._stop(err)
 

@@ -76,6 +76,13 @@ def held_elsewhere(request: Request, holder: int | None) -> str | None:
             f"each request needs a fresh state")
 
 
+def stolen(request: Request, taker: int) -> str:
+    """Why a live request fails when its decode state is handed to request
+    ``taker`` too (``held_elsewhere``, the other side)."""
+    return (f"{who(request)}: decode_state returned this request's state to request {taker} too: "
+            f"each request needs a fresh state")
+
+
 def _optional_call(state: Any, name: str) -> Any:
     """``state.name()``, or None where the state has no ``name`` (looked up
     here, under ``guarded``: a property that raises fails its request)."""

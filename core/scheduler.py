@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 import attrs
 
 from bubblefree.core.protocol import Capacity
-from bubblefree.core.decode_state import ask_value, bad_mask, guarded, held_elsewhere
+from bubblefree.core.decode_state import ask_value, bad_mask, guarded, held_elsewhere, stolen
 from bubblefree.core.events import Event, SequenceEnded, TokenCommitted
 from bubblefree.core.integrity import InvariantViolation, check_integrity, check_values
 from bubblefree.core.pages import IdPool, pages_needed
@@ -99,10 +99,13 @@ class Scheduler:
             if req.decode_state is not None:
                 seq.state, error = guarded(req, "decode_state", req.decode_state)
                 if error is None and seq.state is not None:
-                    error = held_elsewhere(req, self.held.get(id(seq.state)))
+                    holder = self.held.get(id(seq.state))
+                    error = held_elsewhere(req, holder)
                     seq.state_held = error is not None
                     if error is None:
                         self.held[id(seq.state)] = seq.seq_id
+                    else:  # handing it out may have reset it: the holder's output is no longer sure
+                        self._fail_holder(holder, seq.seq_id)
                 if error is not None:
                     seq.state = None
                     self._end(seq, Status.FAILED, error)
@@ -289,6 +292,15 @@ class Scheduler:
         self._end(s, status, reason)
         self._maybe_teardown(s)
         return True
+
+    def _fail_holder(self, holder: int, seq_id: int) -> None:
+        """I14: the live request whose decode state was just handed to
+        ``seq_id`` too fails, with no output: a skill that pools its states
+        resets one in ``start``, and the holder would complete on a state
+        that lost its tokens, its output wrong and called whole."""
+        s = self.seqs[holder]
+        s.state_held = True
+        self.cancel(holder, Status.FAILED, stolen(s.request, seq_id))
 
     def take_events(self) -> list[Event]:
         """What happened since the last call, in order; the outbox is emptied."""

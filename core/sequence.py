@@ -60,7 +60,7 @@ class Sequence:
     tokens: list[int] = attrs.Factory(list)  # committed output tokens
     launched: int = 0  # tokens whose sampling has been launched (runs ahead of commits)
     state: Any = None  # the skill's DecodeState, built at admission
-    state_held: bool = False  # its state was another live request's: refused, it has no output
+    state_held: bool = False  # its state was another live request's, or handed to another: no output
     pages: tuple[int, ...] = ()
     row_slot: int | None = None
     adapter_slot: int | None = None

@@ -13,6 +13,7 @@ sizes its buffers and captures its graphs from the vocabulary.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def load_model(source: str | os.PathLike | None = None, *, gguf_file: str | None
     try:
         directory = _model_directory(path, cache_dir)
     except OSError as ex:  # the path itself unusable (a name too long, say)
-        raise ModelLoadError(f"model path {str(path)[:80]}: {ex.strerror or ex}") from ex
+        raise ModelLoadError(f"model path {path}: {ex.strerror or ex}") from ex
     return load_dir(directory, device=device, dtype=dtype)
 
 
@@ -146,7 +147,10 @@ def load_dir(path: Path, *, device=None, dtype=None) -> LoadedModel:
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        refuse_custom_code(path, json.loads((path / "config.json").read_text()))
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except ModelLoadError:
+        raise
     except Exception as ex:  # noqa: BLE001 - any failure here is a bad directory
         raise ModelLoadError(f"model directory {path}: cannot read config.json: {ex}") from ex
     check_decoder(config, str(path))
@@ -157,29 +161,71 @@ def load_dir(path: Path, *, device=None, dtype=None) -> LoadedModel:
                                           "tokenizer.model", "vocab.json")):
         try:
             with quiet_transformers():
-                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                          trust_remote_code=False)
         except Exception as ex:  # noqa: BLE001
             raise ModelLoadError(f"model directory {path}: cannot load tokenizer: {ex}") from ex
     return LoadedModel(model, tokenizer, stop_ids_of(model, tokenizer), str(path))
 
 
 def load_weights(cls, path: Path, **kwargs) -> PreTrainedModel:
-    """``cls.from_pretrained(path, ...)``, refused where the checkpoint lacks
-    weights the model has: transformers fills those with random values and
-    says so only in a warning (which a server's quiet log would not show),
-    and the model would answer with them."""
+    """``cls.from_pretrained(path, ...)``, refused where the checkpoint and
+    its config disagree: weights the model has and the checkpoint lacks, or
+    whose shapes differ, would be random (transformers says so only in a
+    warning a server's quiet log would not show, or in a report it
+    suppresses); weights the model has no place for (more layers than the
+    config says) would be dropped without a word."""
     try:
         with quiet_transformers():  # a progress bar per load is noise in a server's log
             model, info = cls.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                              ignore_mismatched_sizes=True, trust_remote_code=False,
                                               **kwargs)
     except Exception as ex:  # noqa: BLE001
         raise ModelLoadError(f"model directory {path}: cannot load weights: {ex}") from ex
+    check_loading_info(info, f"model directory {path}")
+    return model
+
+
+def check_loading_info(info: dict, source: str) -> None:
+    """Refuse a load whose ``output_loading_info`` shows random or dropped
+    weights, naming the first few keys."""
     missing = sorted(info.get("missing_keys") or ())
     if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelLoadError(f"model directory {path}: its weights lack {', '.join(missing[:3])}{more}; "
+        raise ModelLoadError(f"{source}: its weights lack {_some(missing)}; they would be random")
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: m[0])
+    if mismatched:
+        shapes = [f"{name} (checkpoint {tuple(ckpt)}, model {tuple(model)})"
+                  for name, ckpt, model in mismatched]
+        raise ModelLoadError(f"{source}: config.json disagrees with the weights' shapes: {_some(shapes)}; "
                              "they would be random")
-    return model
+    # Rotary inverse frequencies are computed from the config, never read:
+    # older checkpoints that saved them lose nothing.
+    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not k.endswith("inv_freq"))
+    if unexpected:
+        raise ModelLoadError(f"{source}: the model config.json describes has no place for the weights "
+                             f"{_some(unexpected)}; they would be dropped")
+
+
+def _some(items: list[str], shown: int = 3) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
+def refuse_custom_code(path: Path, config: dict) -> None:
+    """A config.json with ``auto_map`` names classes of the checkpoint's own
+    Python files: for a model type transformers does not know, it would ask
+    on stdin whether to run them (a server has no one to answer), and
+    running them is running whatever the download holds. A type it knows
+    loads as its own (many checkpoints of those keep an ``auto_map`` from
+    before transformers had them), and every load here passes
+    ``trust_remote_code=False``."""
+    if not (isinstance(config, dict) and "auto_map" in config):
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config.get("model_type") not in CONFIG_MAPPING:
+        raise ModelLoadError(f"model directory {path}: its config.json has auto_map (the checkpoint's "
+                             "own Python code); custom-code checkpoints are not supported")
 
 
 def stop_ids_of(model: PreTrainedModel, tokenizer) -> frozenset[int]:

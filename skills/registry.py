@@ -29,9 +29,9 @@ class Registry:
     @skills.validator
     def _named(self, _, skills: Mapping[str, Skill]) -> None:
         for name, skill in skills.items():
-            if not isinstance(name, str) or not name or name != getattr(skill, "name", None):
-                raise ValueError(f"a skill is registered under its name, a non-empty str: {name!r} "
-                                 f"holds {type(skill).__name__} named {getattr(skill, 'name', None)!r}")
+            if bad_name(name) is not None or name != getattr(skill, "name", None):
+                raise ValueError(f"a skill is registered under its name, a non-empty str: {named(repr(name))} "
+                                 f"holds {type(skill).__name__} named {named(repr(getattr(skill, 'name', None)))}")
 
     @classmethod
     def of(cls, *skills: Skill) -> Registry:
@@ -40,8 +40,11 @@ class Registry:
     def with_skill(self, *skills: Skill) -> Registry:
         merged = dict(self.skills)
         for skill in skills:
-            if not isinstance(skill.name, str) or not skill.name:
-                raise ValueError(f"a skill's name must be a non-empty str, got {skill.name!r} "
+            if not isinstance(skill, Skill):  # else the engine's build failed on a missing hook, unnamed
+                raise ValueError(f"a skill must be a Skill (skills.base), got {type(skill).__name__}")
+            why = bad_name(skill.name)
+            if why is not None:
+                raise ValueError(f"a skill's name {why}, got {named(repr(skill.name))} "
                                  f"({type(skill).__name__})")
             if skill.name in merged:
                 raise ValueError(f"a skill named {skill.name!r} is already registered")
@@ -52,12 +55,29 @@ class Registry:
         skill = self.skills.get(name) if isinstance(name, str) else None
         if skill is None:
             raise InvalidRequest(f"skill: unknown skill {named(repr(name))}; known: "
-                                 f"{', '.join(sorted(map(str, self.skills)))}")
+                                 f"{', '.join(sorted(map(named, self.skills)))}")
         return skill
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.skills)
+
+
+# A name is what callers send and what refusals quote: short and printable.
+NAME_CHARS = 64
+
+
+def bad_name(name: object) -> str | None:
+    """Why ``name`` cannot name a skill, or None."""
+    if not isinstance(name, str) or not name:
+        return "must be a non-empty str"
+    if len(name) > NAME_CHARS or name != name.strip() or not name.isprintable():
+        return f"must be at most {NAME_CHARS} printable characters, without spaces around them"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: a refusal quoting it could not be printed
+        return "must be valid text (a lone surrogate is not)"
+    return None
 
 
 BUILTIN = Registry.of(

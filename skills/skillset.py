@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 import attrs
 
-from bubblefree.core.values import (GREEDY, ImageRef, InvalidRequest, Request, SamplingParams, described, integer,
-                                   message)
+from bubblefree.core.values import (GREEDY, ImageRef, InvalidRequest, Request, SamplingParams, bad_prompt_values,
+                                   described, integer, message)
 from bubblefree.skills.base import Skill, SkillError, SkillState, StateFactory, invalid
 from bubblefree.skills.codec import LocationCodec, SpatialCodec
 from bubblefree.skills.registry import BUILTIN, Registry
@@ -52,6 +52,8 @@ class SkillSet:
     _text_ids: frozenset[int] | None = attrs.field(init=False, default=None)
     # Reentrant: a skill's compile may ask another skill's tables.
     _compiling: threading.RLock = attrs.field(init=False, factory=threading.RLock, repr=False, eq=False)
+    # Set by ``compile_all``: no mask is registered after it (``mask``).
+    _sealed: bool = attrs.field(init=False, default=False)
 
     # -- the CompileContext skills see ---------------------------------------
 
@@ -66,6 +68,13 @@ class SkillSet:
             raise SkillError("a skill state allows no token at all")
         mask_id = self._mask_ids.get(allowed)
         if mask_id is None:
+            if self._sealed:
+                # Once the engine serves, a new mask would be registered on a
+                # caller's or the decode thread mid-tick (on CUDA: a new table
+                # row, perhaps the sampling graphs captured again), and masks
+                # are never freed: one a request would grow without bound.
+                raise SkillError("a mask is registered only while the skills compile, before the engine "
+                                 "serves: build every allowed set in compile()")
             mask_id = self.register_mask(allowed)
             self._mask_ids[allowed] = mask_id
             self._allowed[mask_id] = allowed
@@ -106,14 +115,20 @@ class SkillSet:
         return tables
 
     def compile_all(self) -> SkillSet:
+        """Every skill served here compiled; no mask registered after."""
         for name in self.registry.names:
             if self.serves(name):
                 self.tables(name)
+        self._sealed = True
         return self
 
     def allowed(self, mask_id: int) -> frozenset[int]:
         """The set registered under ``mask_id`` (for tests and tools)."""
         return self._allowed[mask_id]
+
+    def registered(self) -> dict[int, frozenset[int]]:
+        """Every mask this set registered: its id, its allowed set."""
+        return dict(self._allowed)
 
     @property
     def num_masks(self) -> int:
@@ -148,10 +163,14 @@ class SkillSet:
             self.tokenizer, "image_turn", None) is not None else self.tokenizer
         vocab = len(self.tokenizer)
         prompt = _hook(name, "prompt", skill.prompt, about, parsed,
-                       check=functools.partial(_token_ids, name, "prompt", vocab))
-        values = _hook(name, "prompt_values", skill.prompt_values, self.tokenizer, parsed, check=tuple)
+                       check=functools.partial(_prompt_ids, name, vocab))
+        values = _hook(name, "prompt_values", skill.prompt_values, self.tokenizer, parsed,
+                       check=functools.partial(_prompt_values, name, len(prompt)))
         if values and image is None:  # the references are to an image, as in moondream's reference
-            raise invalid(name, "spatial_refs", "refer to an image: give one")
+            if "spatial_refs" in args:
+                raise invalid(name, "spatial_refs", "refer to an image: give one")
+            raise SkillError(f"skill {name!r}: prompt_values() returned values, which refer to an "
+                             f"image, for a request without one")
         templates = templates_of(self.tokenizer)
         if templates is not None and image is None:
             if templates.requires_image(name):
@@ -195,9 +214,13 @@ def _hook(name: str, call: str, fn: Callable[..., Any], *args: Any,
     try:
         answer = fn(*args)
         return answer if check is None else check(answer)
-    except (InvalidRequest, SkillError):
+    except (InvalidRequest, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as err:  # noqa: BLE001 - the skill's code: named, its error chained
+    except SkillError as err:
+        if message(err).startswith(f"skill {name!r}"):  # ours, naming the skill already
+            raise
+        raise SkillError(f"skill {name!r} raised SkillError in {call}: {message(err)}") from err
+    except BaseException as err:  # noqa: BLE001 - a sync hook's CancelledError is its own bug too
         raise SkillError(f"skill {name!r} raised {type(err).__name__} in {call}: {message(err)}") from err
 
 
@@ -212,6 +235,26 @@ def _token_ids(name: str, call: str, vocab: int, ids: Any) -> tuple[int, ...]:
     if bad:
         raise SkillError(f"skill {name!r}: {call}() returned {bad[0]!r:.40}, not a token id in [0, {vocab})")
     return ids
+
+
+def _prompt_ids(name: str, vocab: int, ids: Any) -> tuple[int, ...]:
+    """``prompt()``'s ids (``_token_ids``): at least one. Empty, it was
+    refused as the caller's prompt, naming no skill."""
+    ids = _token_ids(name, "prompt", vocab, ids)
+    if not ids:
+        raise SkillError(f"skill {name!r}: prompt() returned no token")
+    return ids
+
+
+def _prompt_values(name: str, prompt_len: int, values: Any) -> tuple:
+    """``prompt_values()``'s ``PromptValue``s, checked as the core checks
+    them (``bad_prompt_values``). Left to the core, a bad one was refused
+    as the caller's ``prompt_values``, a field no caller sends."""
+    values = tuple(values)
+    why = bad_prompt_values(values, prompt_len, values_ok=True)  # the region head: the core's to judge
+    if why is not None:
+        raise SkillError(f"skill {name!r}: prompt_values() returned a bad value: {why}")
+    return values
 
 
 def _count(name: str, call: str, answer: Any) -> int:
@@ -244,6 +287,11 @@ def _started(skill: Skill, tables: Any, parsed: Any, max_tokens: int) -> SkillSt
     if state.consumed != 0:
         raise SkillError(f"start() returned a state that has consumed {state.consumed!r:.40} tokens: "
                          f"each request needs a fresh state")
+    # Done before its first token, it would be sampled one anyway and then
+    # refuse it, named as a bug in advance.
+    if state.done:
+        raise SkillError("start() returned a state that is already done: a request samples at least "
+                         "one token")
     return state
 
 
@@ -288,7 +336,9 @@ def finish_request(skill: Skill, factory: StateFactory, tokens: tuple[int, ...],
     if state is None:
         try:
             state = factory()
-        except Exception:  # noqa: BLE001 - start's bug, named at admission if it got that far
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # noqa: BLE001 - start's bug (its CancelledError too), named at admission
             if tokens:
                 raise
             return None
@@ -297,6 +347,8 @@ def finish_request(skill: Skill, factory: StateFactory, tokens: tuple[int, ...],
             break
         try:
             state.advance(token, None)
-        except Exception:  # noqa: BLE001 - refused, or the skill's bug (which failed the request then)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # noqa: BLE001 - refused, or the skill's bug (which failed the request then)
             break
     return skill.finish(state)

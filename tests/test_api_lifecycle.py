@@ -301,7 +301,7 @@ def test_close_held_up_by_a_blocking_listener_warns_and_keeps_its_bound():
     assert entered.wait(WAIT)
     engine.loop.close_wait = 0.2
     try:
-        with pytest.warns(RuntimeWarning, match="decode thread is still running.*held by a listener"):
+        with pytest.warns(RuntimeWarning, match="decode thread is still running.*held by a step or a listener"):
             engine.close()
     finally:
         release.set()
@@ -338,3 +338,23 @@ def test_a_process_exiting_with_an_engine_nobody_closed_exits_cleanly(how, delay
                           timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert (done.returncode, done.stdout) == (0, "exiting\n"), done.stderr[-2000:]
     assert "terminate called" not in done.stderr
+
+
+def test_a_decode_thread_held_in_a_step_is_seen_as_stalled(gated, gate):
+    """A step that does not return (a hung kernel) left the thread alive and
+    every check passing: ``/health`` said ok while every request timed out.
+    ``stalled_for`` counts from the loop's last turn while requests wait,
+    and is 0 while the engine is idle or moving."""
+    assert gated.loop.stalled_for() == 0.0  # idle
+    gated.run("query", question="the cat", max_tokens=3)
+    time.sleep(0.05)
+    assert gated.loop.stalled_for() == 0.0  # idle again after work: not stalled
+    gate.arm()
+    handle = gated.submit("query", question=GATED, max_tokens=6)
+    gate.wait_reached()
+    time.sleep(0.2)
+    assert gated.loop.stalled_for() >= 0.2
+    gate.open()
+    assert handle.result(WAIT).status is Status.COMPLETED
+    time.sleep(0.05)
+    assert gated.loop.stalled_for() == 0.0

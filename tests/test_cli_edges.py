@@ -41,11 +41,12 @@ def test_the_bounds_keep_the_defaults_and_the_edges():
 def test_every_limit_given_reaches_the_server_settings():
     args = cli.parser().parse_args(["serve", "--max-json-values", "7", "--max-body-bytes", "9",
                                     "--max-image-pixels", "11", "--max-live", "3", "--timeout", "5",
-                                    "--body-timeout", "4", "--max-header-bytes", "999", "--header-timeout", "2"])
+                                    "--body-timeout", "4", "--max-header-bytes", "999", "--header-timeout", "2",
+                                    "--stall-timeout", "6"])
     settings = cli.settings_of(args)
     assert (settings.max_json_values, settings.max_body_bytes, settings.max_image_pixels, settings.max_live,
             settings.request_timeout_s, settings.body_timeout_s, settings.max_header_bytes,
-            settings.header_timeout_s) == (7, 9, 11, 3, 5, 4, 999, 2)
+            settings.header_timeout_s, settings.stall_s) == (7, 9, 11, 3, 5, 4, 999, 2, 6)
     assert cli.settings_of(cli.parser().parse_args(["serve"])) == cli.ServerSettings(
         model_name="smollm2-135m-instruct")
 
@@ -101,7 +102,9 @@ def test_a_port_in_use_or_a_foreign_host_is_one_line_before_any_model_loads(caps
     assert cli.main(["serve", "--random", "moondream-tiny", "--host", "192.0.2.1",  # TEST-NET: not ours
                      "--port", str(port), *replicas]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"bubblefree serve: error: --port {port} on 192.0.2.1: ") and "\n" not in err
+    # An address this machine does not have is the host's to change, not the port's.
+    assert err.startswith("bubblefree serve: error: --host '192.0.2.1': ") and "\n" not in err
+    assert "not an address of this machine" in err
 
 
 def test_a_free_port_and_port_0_pass_the_address_check():

@@ -137,3 +137,91 @@ def test_a_model_directory_named_like_a_gguf_file_loads_as_a_directory(tmp_path)
     path = tmp_path / "model.gguf"
     tiny_model("llama", seed=1).save_pretrained(path)
     assert load_model(path, device="cpu").source == str(path)
+
+
+def _edit_config(path, update) -> None:
+    import json
+    config = json.loads((path / "config.json").read_text())
+    update(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_a_custom_code_checkpoint_is_refused_before_transformers_asks(tmp_path, monkeypatch):
+    """transformers prompted on stdin and, answered "y", ran the checkpoint's
+    own Python files."""
+    import io
+
+    from bubblefree.cuda_backend.errors import ModelLoadError
+    from bubblefree.cuda_backend.tiny import tiny_model
+    from bubblefree.cuda_backend.vlm.load import load_vision_language
+    tiny_model("llama", seed=1).save_pretrained(tmp_path)
+    _edit_config(tmp_path, lambda c: c.update(model_type="mycustom", auto_map={
+        "AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyModel"}))
+    (tmp_path / "configuration_my.py").write_text("raise SystemExit('the checkpoint code ran')\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
+    for load in (load_model, load_vision_language):
+        with pytest.raises(ModelLoadError, match=f"^model directory {tmp_path}: its config.json has auto_map "
+                                                 r"\(the checkpoint's own Python code\); custom-code "
+                                                 "checkpoints are not supported$"):
+            load(tmp_path, device="cpu")
+
+
+def test_a_known_model_type_with_an_auto_map_left_over_loads_as_its_own(tmp_path, monkeypatch):
+    """Checkpoints of architectures transformers now has often keep the
+    ``auto_map`` of their custom-code days: they load as transformers' own,
+    their files never run, and nothing asks on stdin."""
+    import io
+
+    from bubblefree.cuda_backend.tiny import tiny_model
+    tiny_model("llama", seed=1).save_pretrained(tmp_path)
+    _edit_config(tmp_path, lambda c: c.update(auto_map={"AutoModelForCausalLM": "modeling_my.MyModel"}))
+    (tmp_path / "modeling_my.py").write_text("raise SystemExit('the checkpoint code ran')\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert load_model(tmp_path, device="cpu").model.config.model_type == "llama"
+
+
+def test_config_shapes_disagreeing_with_the_weights_are_refused_naming_them(tmp_path):
+    """transformers said "look at the above report" and the report was quiet."""
+    from bubblefree.cuda_backend.errors import ModelLoadError
+    from bubblefree.cuda_backend.tiny import tiny_model
+    tiny_model("llama", seed=1, hidden_size=64).save_pretrained(tmp_path)
+    _edit_config(tmp_path, lambda c: c.update(hidden_size=128))
+    with pytest.raises(ModelLoadError, match=r"config.json disagrees with the weights' shapes: "
+                                             r"lm_head.weight \(checkpoint \(\d+, 64\), "
+                                             r"model \(\d+, 128\)\), "
+                                             r".* and \d+ more; they would be random$"):
+        load_model(tmp_path, device="cpu")
+
+
+def test_weights_the_config_has_no_place_for_are_refused_naming_them(tmp_path):
+    """A config of one layer over two layers' weights loaded one, silently."""
+    from bubblefree.cuda_backend.errors import ModelLoadError
+    from bubblefree.cuda_backend.tiny import tiny_model
+    tiny_model("llama", seed=1).save_pretrained(tmp_path)
+    _edit_config(tmp_path, lambda c: c.update(num_hidden_layers=1))
+    with pytest.raises(ModelLoadError, match=r"has no place for the weights model\.layers\.1\..*; "
+                                             "they would be dropped$"):
+        load_model(tmp_path, device="cpu")
+
+
+def test_a_vision_language_config_disagreeing_with_its_weights_is_refused(tmp_path):
+    from bubblefree.cuda_backend.errors import ModelLoadError
+    from bubblefree.cuda_backend.vlm.load import load_vision_language
+    from tests.vlm_world import checkpoint
+    fewer, wider = checkpoint(tmp_path / "fewer"), checkpoint(tmp_path / "wider")
+    _edit_config(fewer, lambda c: c["text_config"].update(num_hidden_layers=1))
+    with pytest.raises(ModelLoadError, match=r"has no place for the weights .*layers\.1\."):
+        load_vision_language(fewer, device="cpu")
+    _edit_config(wider, lambda c: c["text_config"].update(
+        intermediate_size=2 * c["text_config"].get("intermediate_size", 64)))
+    with pytest.raises(ModelLoadError, match=r"disagrees with the weights' shapes: .*mlp.*\(checkpoint"):
+        load_vision_language(wider, device="cpu")
+
+
+def test_a_load_error_names_the_whole_path(tmp_path):
+    """It was cut to 80 characters, losing the file's name."""
+    from bubblefree.cuda_backend.errors import ModelLoadError
+    path = tmp_path / ("a" * 300)  # a name too long for the file system
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path, device="cpu")
+    assert str(err.value) == f"model path {path}: File name too long"

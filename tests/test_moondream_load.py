@@ -105,3 +105,21 @@ def test_bad_options_are_refused_before_anything_is_built(fake_build, call, fiel
         call()
     assert str(err.value).startswith(f"{field}:"), err.value
     assert fake_build.calls == []
+
+
+@pytest.mark.parametrize("vision,message", [
+    ({"crop_size": 380}, "vision.crop_size 380 must be a multiple of vision.patch_size 14"),
+    ({"overlap_margin": 14}, r"vision.overlap_margin 14: twice it must be under the 27 patches"),
+])
+def test_crop_geometry_the_tiling_cannot_cut_is_refused_naming_the_field(tmp_path, vision, message):
+    """It loaded, and the first image failed inside the crop tiling."""
+    from bubblefree.cuda_backend.moondream.config import MoondreamConfig
+    from bubblefree.cuda_backend.moondream.weights import CheckpointError, config_from_json
+    config = tiny_config()
+    with pytest.raises(ValueError, match=message):
+        MoondreamConfig(vision=attrs.evolve(config.vision, **vision), text=config.text,
+                        region=config.region, tokenizer=config.tokenizer)
+    with pytest.raises(CheckpointError, match=f"config.json: {message}"):
+        config_from_json({"vision": vision})
+    assert MoondreamConfig(vision=attrs.evolve(config.vision, overlap_margin=13), text=config.text,
+                           region=config.region, tokenizer=config.tokenizer).vision.overlap_margin == 13

@@ -207,6 +207,38 @@ def test_health_answers_503_naming_the_engine_once_the_engine_has_stopped():
         engine.close()
 
 
+def test_health_answers_503_while_a_step_hangs_and_ok_once_it_ends():
+    """A step that did not return (a hung kernel) kept the thread alive:
+    ``/health`` said ok while every request timed out with 504."""
+    hung, release = threading.Event(), threading.Event()
+    cat, vocab = TOKENIZER.encode("cat")[0], len(TOKENIZER)
+
+    def scores(prompt, position, prev):
+        if hung.is_set():
+            release.wait(20)
+        return [1.0 if t == cat else 0.0 for t in range(vocab)]
+
+    model = FakeModel(vocab_size=vocab, eos_id=TOKENIZER.eos_id, score_fn=scores)
+    core = CoreEngine(FakeBackend(model=model, images=False, values=False))
+    engine = Engine(core, SkillSet(TOKENIZER, core.register_mask, codec=None).compile_all())
+    try:
+        with serving(engine, stall_s=0.3) as url, httpx.Client(base_url=url, timeout=10) as client:
+            hung.set()
+            running = threading.Thread(target=client.post, args=("/v1/query",),
+                                       kwargs={"json": {"question": "a", "settings": {"max_tokens": 5}}})
+            running.start()
+            wait_for(lambda: client.get("/health").status_code == 503)
+            error = client.get("/health").json()["error"]
+            assert error["param"] == "engine" and "no decode step has ended in" in error["message"]
+            hung.clear()
+            release.set()
+            running.join(10)
+            assert client.get("/health").status_code == 200
+    finally:
+        release.set()
+        engine.close()
+
+
 def test_health_answers_503_once_the_engine_is_closed():
     engine = fake_engine()
     with serving(engine) as url:

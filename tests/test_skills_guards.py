@@ -253,17 +253,21 @@ def test_a_state_that_has_consumed_tokens_is_refused_as_not_fresh(pipelined):
         wait_idle(eng)
     finally:
         eng.close()
-    # Only consumed tokens mark a used state: one that starts done is fresh.
+    # One that starts done is refused too, for what it is: it would be
+    # sampled a token, then refuse it as a bug in advance.
     done = TextState(eng.skills.tables("query"), done=True)
-    assert _started(attrs.evolve(_SharedState(), states=[done]), None, None, 4) is done
+    with pytest.raises(SkillError, match="start\\(\\) returned a state that is already done"):
+        _started(attrs.evolve(_SharedState(), states=[done]), None, None, 4)
 
 
 @pytest.mark.parametrize("pipelined", MODES)
-def test_a_state_two_requests_get_before_either_commits_fails_the_second(pipelined):
+def test_a_state_two_requests_get_before_either_commits_fails_both(pipelined):
     """Admitted in one step, neither request had consumed a token, so the
     used-state check passed and both advanced the one state. The second
-    now fails at admission naming the skill and the holder; the first's
-    tokens and output are its own, as alone."""
+    now fails at admission naming the skill and the holder, and the holder
+    fails too, with no output: a skill that pools its states resets one in
+    ``start``, and the holder completed with the tokens it had lost
+    (``test_a_pooled_state_reset_in_start_fails_its_holder``)."""
     gate = Gate()
     eng = make_engine(registry=BUILTIN.with_skill(_SharedState()), pipelined=pipelined, gate=gate)
     try:
@@ -277,10 +281,53 @@ def test_a_state_two_requests_get_before_either_commits_fails_the_second(pipelin
         assert result.status is Status.FAILED and result.output is None and result.tokens == ()
         assert result.finish_reason == ("skill 'shared': decode_state returned the state request "
                                         f"{first.request_id} holds: each request needs a fresh state")
+        held = first.result(WAIT)
+        assert held.status is Status.FAILED and held.output is None
+        assert held.finish_reason == ("skill 'shared': decode_state returned this request's state to "
+                                      f"request {second.request_id} too: each request needs a fresh state")
         alone = eng.submit("query", question="the cat", max_tokens=5).result(WAIT)
-        assert first.result(WAIT).tokens == alone.tokens == reference("query", {"question": "the cat"}, None, 5)
-        assert first.result(WAIT).output == alone.output
+        assert alone.tokens == reference("query", {"question": "the cat"}, None, 5)  # serving on
         assert blocker.result(WAIT).status is Status.COMPLETED
+        wait_idle(eng)
+    finally:
+        gate.open()
+        eng.close()
+
+
+@attrs.frozen
+class _Pooled(Query):
+    """Pools one state and resets it in ``start``, as a skill recycling its
+    states would."""
+    name: str = "pooled"
+    states: list = attrs.field(factory=list, eq=False)
+
+    def start(self, tables, args, budget):
+        if not self.states:
+            self.states.append(TextState(tables))
+        state = self.states[0]
+        state.tokens.clear()  # the reset: what the holder had advanced is gone
+        state.consumed, state.done = 0, False
+        return state
+
+
+@pytest.mark.parametrize("pipelined", MODES)
+def test_a_pooled_state_reset_in_start_fails_its_holder(pipelined):
+    """The second request's ``start`` reset the state the first, still
+    running, held. The core failed the second and let the first complete:
+    its output was built from a state that had lost its first tokens, and
+    passed as whole. Fixed: the holder fails too, with no output."""
+    gate = Gate()
+    eng = make_engine(registry=BUILTIN.with_skill(_Pooled()), pipelined=pipelined, gate=gate)
+    try:
+        gate.arm(at=3)
+        first = eng.submit("pooled", question="the sky", max_tokens=6)
+        gate.wait_reached()  # it has committed tokens
+        second = eng.submit("pooled", question="the sky", max_tokens=6)
+        gate.open()
+        assert second.result(WAIT).status is Status.FAILED
+        held = first.result(WAIT)
+        assert held.status is Status.FAILED and held.output is None, (held.status, held.output)
+        assert "to request" in held.finish_reason and "too" in held.finish_reason, held.finish_reason
         wait_idle(eng)
     finally:
         gate.open()

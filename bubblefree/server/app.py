@@ -2,7 +2,9 @@
 
 ``create_app(engine, settings)`` builds it around any ``Engine`` (tests use
 one on the fake backend); ``bubblefree serve`` builds one around a loaded
-model. The app does not own the engine: closing it is the caller's.
+model. The app does not own the engine: closing it is the caller's. It
+has no start-up or shutdown handlers, and ``serve`` runs it with uvicorn's
+lifespan off: one added here needs ``cli.main`` to turn it back on.
 """
 
 from __future__ import annotations
@@ -60,11 +62,18 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 def _health(engine: Engine, settings: ServerSettings) -> Response:
     """Ok while the engine runs; once it has stopped (closed, or on an error
     it names) every request would get a 503 naming it, and so does the
-    probe, or a load balancer would go on sending it traffic."""
+    probe, or a load balancer would go on sending it traffic. So does a
+    decode thread that has held requests past ``stall_s`` without a step
+    ending (a hung kernel or listener): its thread is alive, and every
+    request would time out."""
     try:
         engine.loop.check_running()
     except EngineStopped as err:
         return error_json(503, f"engine: {err}", "engine")
+    stalled = engine.loop.stalled_for()
+    if stalled > settings.stall_s:
+        return error_json(503, f"engine: no decode step has ended in {stalled:.0f} s with requests waiting "
+                          f"(a step or a listener that does not return)", "engine")
     return JSONResponse({"status": "ok", "model": settings.model_name})
 
 

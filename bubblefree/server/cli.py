@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import os
 import signal
@@ -16,6 +17,12 @@ from bubblefree.server.settings import ServerSettings
 
 # --random: the shapes Engine.moondream_random builds, and the name the server gives each.
 RANDOM = {"moondream-tiny": "moondream2-random-tiny", "moondream-full": "moondream2-random-full"}
+# How long ``serve`` waits for the decode thread once it has stopped serving.
+# The loop's own default (60 s, then 10 s more at exit) suits a library
+# caller; a server whose decode thread hangs in a device call then took
+# 71 s to exit on SIGTERM, past an orchestrator's usual 30 s grace before
+# SIGKILL. A healthy thread ends in a few steps' time.
+SERVE_CLOSE_WAIT_S = 10.0
 
 
 def _bounded(kind: type, low: float, high: float | None = None, above: bool = False) -> Callable[[str], Any]:
@@ -72,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
                        help="seconds a request may run before it is cancelled (504)")
     serve.add_argument("--body-timeout", type=_bounded(float, 0, above=True), default=defaults.body_timeout_s,
                        help="seconds a request's whole body may take to arrive (408 past it)")
+    serve.add_argument("--stall-timeout", type=_bounded(float, 0, above=True), default=defaults.stall_s,
+                       help="seconds the decode thread may hold requests without a step ending before "
+                            f"/health answers 503 (a hung kernel or listener; default {defaults.stall_s:g})")
     serve.add_argument("--max-header-bytes", type=_bounded(int, 1), default=defaults.max_header_bytes,
                        help="bytes a request's line and headers may take together (431 past it, and the "
                             f"connection closed; default {defaults.max_header_bytes})")
@@ -123,14 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         # A bad path, checkpoint or option: the message says which; a traceback would not add to it.
         print(f"bubblefree serve: error: {err}", file=sys.stderr)
         return 2
+    engine.loop.close_wait = min(engine.loop.close_wait, SERVE_CLOSE_WAIT_S)
     # uvicorn shuts down gracefully on SIGINT and SIGTERM, restores the
     # handlers it found, then raises the signal again: SIGTERM's default
     # would end the process there, before the engine closed.
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         with engine:
+            # lifespan off: the app has no startup or shutdown handlers, and with
+            # uvicorn's lifespan task running a second Ctrl-C cancelled it mid-wait,
+            # logging its CancelledError traceback over a clean shutdown.
             uvicorn.run(create_app(engine, settings), host=settings.host, port=settings.port,
-                        http=http_protocol(settings), log_level=args.log_level, timeout_graceful_shutdown=5)
+                        http=http_protocol(settings), log_level=args.log_level, timeout_graceful_shutdown=5,
+                        lifespan="off")
     except (KeyboardInterrupt, Terminated):
         pass  # the server stopped on the signal; the engine closed on the way out
     finally:
@@ -151,6 +166,7 @@ def settings_of(args: argparse.Namespace) -> ServerSettings:
                           max_image_pixels=args.max_image_pixels, max_live=args.max_live,
                           request_timeout_s=args.timeout, body_timeout_s=args.body_timeout,
                           max_header_bytes=args.max_header_bytes, header_timeout_s=header_timeout,
+                          stall_s=args.stall_timeout,
                           model_name=RANDOM.get(args.random) or args.model or "smollm2-135m-instruct")
 
 
@@ -219,7 +235,18 @@ def address_refused(host: str, port: int) -> str | None:
         with socket.create_server(address, family=family):
             return None
     except OSError as err:
-        return f"--port {port} on {host}: {err.strerror or err}"
+        return _bind_refusal(host, port, err)
+
+
+def _bind_refusal(host: str, port: int, err: OSError) -> str:
+    """A failed bind, naming the flag to change: an address this machine
+    does not have is the host's fault whatever the port (the port was
+    named, and a user changed the wrong flag); a port taken or not allowed
+    is the port's."""
+    if err.errno == errno.EADDRNOTAVAIL:
+        # The bare reason: create_server's own names the port it tried, here beside the point.
+        return f"--host {host!r}: {os.strerror(err.errno)} (not an address of this machine)"
+    return f"--port {port} on {host}: {err.strerror or err}"
 
 
 def engine_maker(args: argparse.Namespace) -> Callable[[], Any]:

@@ -83,14 +83,20 @@ async def _skill(served: Served, request: Request, body: Fields, skill: str, arg
     body.done()
     if served.takes_images:  # a skill the model does not serve is named as such, not as a missing image
         served.engine.skills.tables(skill)
-    ref = await _image(served, skill, image)
-    if ref is not None:
-        args["image"] = ref
+    has_image = _has_image(served, skill, image)
+    names = dict(_names(served, skill, None))  # begin() renames for the image, once it is read
 
     async def begin() -> Run:
-        return await run_skill(served.engine, skill, **args)
+        # The image is read once admitted, as the OpenAI routes read theirs:
+        # past the live bound a request is refused at once, not after decoding
+        # (seconds, in the shared worker pool, for an image of tens of megapixels).
+        # A bad image raises here, and flow.start frees the admission slot.
+        if not has_image:
+            return await run_skill(served.engine, skill, **args)
+        ref = await read_image(served, image, "image_url")
+        names.update(_names(served, skill, ref))
+        return await run_skill(served.engine, skill, **args, image=ref)
 
-    names = _names(served, skill, ref)
     if stream:
         run, ticket = await flow.start(served, begin, names)
         return flow.stream(served, run, ticket, _chunks(run), lambda err: [_failure(err)])
@@ -103,19 +109,20 @@ async def _skill(served: Served, request: Request, body: Fields, skill: str, arg
                          "request_id": str(done.run.handle.request_id)})
 
 
-async def _image(served: Served, skill: str, image: Any) -> ImageRef | None:
-    """The request's image as the engine's ``ImageRef``, or None. A skill
-    that needs one is refused on a text model before the image is read:
-    the answer is the same whatever the image, and "ask without one" sent
-    the caller on to a second refusal."""
+def _has_image(served: Served, skill: str, image: Any) -> bool:
+    """Whether the request brings an image to read; the refusals that need
+    no decoding, made before admission. A skill that needs an image is
+    refused on a text model before the image is read: the answer is the same
+    whatever the image, and "ask without one" sent the caller on to a second
+    refusal."""
     if skill not in TEXT_SKILLS and not served.takes_images:
         raise ApiError(422, f"image_url: {skill} needs an image, and this model takes no images; "
                        "it answers query and caption as text", "image_url")
     if image is Fields.MISSING or image is None:
         if skill not in TEXT_SKILLS:
             raise ApiError(422, "image_url: is required", "image_url")
-        return None
-    return await read_image(served, image, "image_url")
+        return False
+    return True
 
 
 def _names(served: Served, skill: str, image: ImageRef | None) -> dict[str, str]:

@@ -36,9 +36,11 @@ and on uvicorn's internals (``on_response_complete``, the callback that
 ends a response; ``cycle.response_complete``, which its own ``shutdown``
 reads; ``cycle.disconnected`` and ``cycle.message_event``, which its own
 ``connection_lost`` sets; ``cycle.response_started``; ``send_400_response``,
-its answer to bytes the parser refuses, here in the JSON error shape);
-tests/test_server_headers.py and
-tests/test_server_protection.py fail if any moves.
+its answer to bytes the parser refuses, here in the JSON error shape;
+``self.url`` and ``self.headers``, which tell a URL too long for httptools,
+a 431 or 414); tests/test_server_headers.py,
+tests/test_server_protection.py and tests/test_server_lifecycle_fixes.py
+fail if any moves.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ logger = logging.getLogger("uvicorn.error")  # uvicorn's: --log-level applies
 # How often a connection that reads nothing (a request queued behind a
 # running one) is asked whether its client hung up.
 HANGUP_CHECK_S = 0.25
+# The longest URL httptools' parse_url takes (its offsets are 16-bit).
+MAX_URL_BYTES = 65535
 
 
 def http_protocol(settings: ServerSettings) -> Callable[..., asyncio.Protocol]:
@@ -161,9 +165,26 @@ class HeadBoundedProtocol(HttpToolsProtocol):
             return
         cycle = self.cycle
         if cycle is None or cycle.response_complete or not cycle.response_started:
-            wire.write(_raw_answer(400, "request: not valid HTTP/1.1 (its request line, a header or "
-                                        "its body's framing)", "request"))
+            status, message, param = self._long_url() or (
+                400, "request: not valid HTTP/1.1 (its request line, a header or its body's framing)", "request")
+            wire.write(_raw_answer(status, message, param))
         wire.close()
+
+    def _long_url(self) -> tuple[int, str, str] | None:
+        """The refusal of a URL longer than httptools parses, or None. Its
+        ``parse_url`` (which uvicorn calls once the head is in) refuses one
+        over ``MAX_URL_BYTES``, and uvicorn answered that as bytes not HTTP:
+        a head that came in few reads was over the size bound, but the
+        count of reads inside it had not passed it. Past the bound it is
+        the bound's 431; within a bound set higher, 414, the URL's own."""
+        url = getattr(self, "url", b"")  # uvicorn sets it at a message's first byte, not before
+        if len(url) <= MAX_URL_BYTES:
+            return None
+        line = len(url) + len("GET  HTTP/1.1\r\n")  # the shortest method: the head is at least this
+        if line + sum(len(name) + len(value) + 4 for name, value in self.headers) + 2 > self.max_header_bytes:
+            refused = head_too_large(self.max_header_bytes)
+            return refused.status, refused.message, "headers"
+        return 414, f"url: longer than {MAX_URL_BYTES} bytes, the most this server parses", "url"
 
     def _answering(self) -> bool:
         """A response is under way (uvicorn's ``shutdown`` asks the same)."""

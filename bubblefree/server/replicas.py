@@ -66,6 +66,7 @@ class EngineReplica:
     def __init__(self, make_engine: Callable[[], Engine], settings: ServerSettings):
         from bubblefree.server.app import create_app
         self.engine = make_engine()
+        self.settings = settings
         self.app = create_app(self.engine, settings)
         self.tag = (REPLICA_HEADER.encode(), replica_id().encode())
 
@@ -111,8 +112,12 @@ class EngineReplica:
     def check_health(self) -> None:
         """Ray Serve's periodic check: a replica whose engine has stopped
         (an error, or closed) raises, so Ray replaces it rather than keep
-        sending it requests that can only get a 503."""
+        sending it requests that can only get a 503; so does one whose decode
+        thread has held requests past ``stall_s`` without a step ending."""
         self.engine.loop.check_running()
+        stalled = self.engine.loop.stalled_for()
+        if stalled > self.settings.stall_s:
+            raise RuntimeError(f"engine: no decode step has ended in {stalled:.0f} s with requests waiting")
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

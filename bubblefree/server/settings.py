@@ -23,6 +23,9 @@ class ServerSettings:
     max_header_bytes: int = 64 * 1024  # a request's line and headers together (else 431)
     header_timeout_s: float = 10.0  # they must arrive within this of the connection or last answer (else 408)
     retry_after_s: int = 1  # the Retry-After a 429 suggests
+    # /health answers 503 once the decode thread has held requests this long
+    # without finishing a step: a hung kernel or listener, its thread alive.
+    stall_s: float = 60.0
     model_name: str = "bubblefree"  # what /v1/models lists and responses name
 
     def __attrs_post_init__(self) -> None:
@@ -36,7 +39,7 @@ class ServerSettings:
         if most is not None and self.max_image_pixels > most:
             raise ValueError(f"max_image_pixels must be at most {most}, the most pixels Pillow "
                              f"decodes, got {self.max_image_pixels}")
-        for name in ("request_timeout_s", "body_timeout_s", "header_timeout_s"):
+        for name in ("request_timeout_s", "body_timeout_s", "header_timeout_s", "stall_s"):
             value = getattr(self, name)
             if not (_is_a(value, numbers.Real) and value > 0):  # NaN fails ``> 0``
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")

@@ -119,6 +119,20 @@ class MoondreamConfig:
             raise ValueError("vision.proj_out_dim and region.dim must equal text.dim")
         if self.text.prefix_attn != 1 + self.vision.n_patches:
             raise ValueError("text.prefix_attn must be 1 + vision.n_patches")
+        self._check_crop_geometry()
+
+    def _check_crop_geometry(self):
+        # A crop is cut into whole patches, and neighbouring local crops share
+        # overlap_margin patches on each side: a crop whose margins meet or
+        # cross leaves nothing of its own, so tiling an image would fail at
+        # the first image rather than here, at load.
+        v = self.vision
+        if v.patch_size <= 0 or v.crop_size % v.patch_size:
+            raise ValueError(f"vision.crop_size {v.crop_size} must be a multiple of vision.patch_size "
+                             f"{v.patch_size}")
+        if not 0 <= 2 * v.overlap_margin < v.grid:
+            raise ValueError(f"vision.overlap_margin {v.overlap_margin}: twice it must be under the "
+                             f"{v.grid} patches of a crop's side (vision.crop_size / vision.patch_size)")
 
 
 MOONDREAM2 = MoondreamConfig()

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 from bubblefree.cuda_backend.errors import ModelLoadError, UnsupportedModel
-from bubblefree.cuda_backend.loader import default_device, default_dtype, load_weights
+from bubblefree.cuda_backend.loader import default_device, default_dtype, load_weights, refuse_custom_code
 from bubblefree.cuda_backend.quiet import quiet_transformers
 from bubblefree.cuda_backend.vlm.model import (MROPE, TEMPLATES, VisionLanguage, feature_count, supported,
                                                tile_features)
@@ -42,12 +42,14 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     try:  # the type first: another architecture's config may not even parse as its own
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        raw = json.loads((path / "config.json").read_text())
+        refuse_custom_code(path, raw)
+        model_type = raw.get("model_type")
         why = supported(str(model_type))
         if why:
             raise UnsupportedModel(f"{path}: {why}")
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except UnsupportedModel:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except ModelLoadError:  # UnsupportedModel too
         raise
     except Exception as ex:  # noqa: BLE001 - any failure here is a bad directory
         raise ModelLoadError(f"model directory {path}: cannot read config.json: {ex}") from ex
@@ -55,7 +57,7 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
     vlm.eval().to(device)
     with quiet_transformers():
         try:
-            processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+            processor = AutoProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         except Exception as ex:  # noqa: BLE001
             processor = _image_only(path, config, ex)
     tokenizer = getattr(processor, "tokenizer", None)
@@ -89,8 +91,8 @@ def _image_only(path: Path, config: Any, why: Exception) -> Any:
         raise ModelLoadError(f"model directory {path}: cannot load its processor (tokenizer and image "
                              f"processor): {why}") from why
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        images = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        images = AutoImageProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as ex:  # noqa: BLE001
         raise ModelLoadError(f"model directory {path}: cannot load its tokenizer and image processor: "
                              f"{ex}") from ex
