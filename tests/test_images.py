@@ -151,3 +151,24 @@ def test_over_max_pixels_is_refused_before_decoding(tmp_path):
     with pytest.raises(InvalidRequest, match=r"^image: 3x3 is 9 pixels, over the limit of 8"):
         load_image(Image.new("RGB", (3, 3)), max_pixels=8)
     assert load_image(Image.new("RGB", (3, 3)), max_pixels=9).size == (3, 3)
+
+
+def test_a_large_file_that_is_no_image_is_refused_from_its_header(tmp_path):
+    """It was read whole first: a 2 GiB file took 8 s and 2 GB of memory to
+    be told it is not an image. (A sparse file: no disk is written.)"""
+    import tracemalloc
+
+    path = tmp_path / "big.bin"
+    with open(path, "wb") as f:
+        f.truncate(256 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidRequest, match=r"^image: the file .* is not an image Pillow can read"):
+            load_image(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+    big = tmp_path / "big.png"  # an image's file is still read whole and decoded
+    Image.new("RGB", (5, 4), "red").save(big)
+    assert load_image(big).size == (5, 4)
