@@ -9,7 +9,8 @@ between processes and machines; a comparison holds only within one).
 
 A variant is ``base`` (the defaults measured for the GPU and the shape:
 ``KernelConfig.measured``) or ``+``-joined items: row counts of the config
-(``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``, ``early_norms=8``;
+(``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``, ``early_norms=8``,
+``norms_in=1``;
 ``sample_ahead=0``: the captured step without its tokens sampled ahead), counts of
 the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``) and ``K,N=TILE``
 entries that replace the dependent-launch step's tile for the GEMM of that
@@ -43,7 +44,7 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 
 # KernelConfig's row counts a variant may set (``o_combines=0``).
 ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms",
-              "early_attention")
+              "early_attention", "norms_in")
 # The attention dispatch's counts a variant may set (``split_warps=1``).
 DISPATCH_FIELDS = ("max_splits", "split_block", "split_warps")
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubblefree.cuda_backend import pdl_step, skinny_gemm
+from bubblefree.cuda_backend import normed_gemv, pdl_step, skinny_gemm
 from bubblefree.cuda_backend.attention import (CONTEXT_KWARG, PagedContext, decode_attention,
                                                prefill_attention, store_kv)
 from bubblefree.cuda_backend.add_norm import rms_norm
@@ -189,6 +189,9 @@ class Dims:
     # states, the split kernel lets it launch before it waits
     # (KernelConfig.early_attention).
     early_attention_rows: int = 0
+    # Buckets of at most this many rows run Llama's and Qwen2's layers
+    # without norm kernels (pdl_step.chained_layer; KernelConfig.norms_in).
+    norms_in_rows: int = 0
 
 
 # The layers' GEMMs: cuBLAS, or our decode-sized kernel where ``Dims.tiles``
@@ -357,6 +360,12 @@ class FusedDecoder:
                          state_rows=0 if parallel else min(pdl_rows, kernels.o_combines),
                          early_rows=min(pdl_rows, kernels.early_norms),
                          early_attention_rows=min(pdl_rows, kernels.early_attention))
+        chained = min(pdl_rows, kernels.norms_in)
+        # The layers without norm kernels hold 16-bit weights in registers,
+        # as many a thread as fit: where they cannot, the layers keep them.
+        if chained and self.dims.glu and self.lm_head.weight.dtype in normed_gemv.DTYPES \
+                and pdl_step.chainable(self.weights[0], self.dims, chained):
+            self.dims = attrs.evolve(self.dims, norms_in_rows=chained)
         self.pdl_layer = pdl_step.parallel_layer if parallel else pdl_step.sequential_layer
         # What the first dependent layer adds to the embeddings: nothing,
         # from one buffer rather than a fill kernel each step.
@@ -424,6 +433,8 @@ class FusedDecoder:
             if zero is None or zero.shape[1] < x.shape[0]:  # more rows than measured for
                 zero = x.new_zeros((1, *x.shape), dtype=torch.float32)
             layer, delta = self.pdl_layer, zero[:, :x.shape[0]]
+            if x.shape[0] <= self.dims.norms_in_rows:  # delta stays zero through these
+                layer = pdl_step.chained_layer
         else:
             layer, delta = self.step_layer if compiled else self.layer_fn, torch.zeros_like(x)
         for i, w in enumerate(self.weights):

@@ -360,15 +360,22 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # Then Llama-3.2-1B's split attention kernel releasing the output
 # projection early at one row (``KernelConfig.early_attention``; 0.791 ->
 # 0.777 ms a step, Qwen2-0.5B's within 0.004: docs/runs/early-attention-2026-12-03.txt).
-# (pdl_rows, pdl_tiles, last_combines, o_combines, early_norms, early_attention)
-PdlDefaults = tuple[int, TileTable, int, int, int, int]
+# Last, Llama-3.2-1B's and Qwen2-0.5B's one-row bucket without norm kernels
+# (``KernelConfig.norms_in``; 0.776 -> 0.770 and 0.550 -> 0.483 ms a step;
+# slower from two rows, 0.579 -> 0.710 for Qwen2: docs/runs/norms-in-2026-12-04.txt).
+# There the q, k, v, o and down GEMMs take ``normed_gemv.choose``'s launches
+# (the tiles below that cut K are what the bucket runs without it), gate
+# and up Qwen2's vector tile with K whole, and ``o_combines`` and
+# ``early_attention`` do not apply.
+# (pdl_rows, pdl_tiles, last_combines, o_combines, early_norms, early_attention, norms_in)
+PdlDefaults = tuple[int, TileTable, int, int, int, int, int]
 MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
         PHI_15: (8, TileTable({
             (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
             (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
-        }), 2, 0, 0, 0),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 0, 0, 0, 0),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         LLAMA_32_1B: (8, TileTable({
             # q, k, v, sums to attention; 8 warps, each slice's four steps read
             # before the wait (the norm before it releases it early)
@@ -378,7 +385,7 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (8192, 2048): ((8, Tile(64, 256, 8, 4, 3, 2)),),  # down, sums, two steps ahead
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        }), 2, 1, 8, 1),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 1, 8, 1, 1),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         QWEN2_05B: (8, TileTable({
             # q, k, v, sums to attention; at one and two rows the vector form
             # (0.588 -> 0.570 and 0.615 -> 0.600 ms a step; slower from four
@@ -406,7 +413,7 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             (4864, 896): ((1, Tile(64, 256, 19, 4, 1, vector=1, early=1)),
                           (8, Tile(32, 128, 8, 4, 3, 4, early=1))),
             (896, 151936): ((1, Tile(64, 128, 1, 4, 3)), (8, Tile(64, 128, 1, 4, 3, early=1))),  # head
-        }), 0, 1, 8, 0),
+        }), 0, 1, 8, 0, 1),
     }),
 })
 
@@ -465,6 +472,17 @@ class KernelConfig:
     weights, while the q, k, v projection before the attention still runs.
     0: none.
 
+    ``norms_in``: in that step's buckets of at most this many rows, a
+    Llama or Qwen2 layer with 16-bit weights and a gated MLP runs no norm
+    kernel: q, k, v and gate and up norm the residual stream themselves,
+    and o and down keep K whole and add their output to it
+    (``pdl_step.chained_layer``, ``normed_gemv``): four kernels a layer,
+    five with the split attention kernel's combine, where the step runs
+    six or seven. Their tiles are ``pdl_tiles``' where those are the vector
+    form with K whole, else ``normed_gemv.choose``'s; the split kernel's
+    states are combined by it or its own kernel (``last_combines``), not by
+    the projection (``o_combines`` does not apply). 0: none.
+
     ``sample_ahead``: decode buckets of at most this many rows sample
     greedily, unmasked, at the end of the forward's graph; a finalize whose
     rows are all greedy with no mask and no value keeps those tokens and
@@ -491,7 +509,9 @@ class KernelConfig:
     early_norms: int = attrs.field(default=0)
     early_attention: int = attrs.field(default=0)
     sample_ahead: int = attrs.field(default=SAMPLE_AHEAD)
+    norms_in: int = attrs.field(default=0)
 
+    @norms_in.validator
     @last_combines.validator
     @o_combines.validator
     @early_norms.validator
@@ -522,11 +542,11 @@ class KernelConfig:
         than a multiprocessor has (tests/test_gemm_compiles.py)."""
         if dtype not in MEASURED_DTYPES:
             return cls()
-        pdl_rows, pdl_tiles, combines, o_combines, early, early_attention = MEASURED_PDL.get(
-            name, {}).get(model_shape(config), (0, TileTable(), 0, 0, 0, 0))
+        pdl_rows, pdl_tiles, combines, o_combines, early, early_attention, norms_in = \
+            MEASURED_PDL.get(name, {}).get(model_shape(config), (0, TileTable(), 0, 0, 0, 0, 0))
         return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles,
                    last_combines=combines, o_combines=o_combines, early_norms=early,
-                   early_attention=early_attention)
+                   early_attention=early_attention, norms_in=norms_in)
 
     def __str__(self) -> str:
         where = ""
@@ -538,16 +558,20 @@ class KernelConfig:
             where += "; prefill's rotary and KV write in torch"
         if self.pdl_rows:
             where += f"; dependent launches up to {self.pdl_rows} rows"
-            if rows := min(self.o_combines, self.pdl_rows):
+            chained = min(self.norms_in, self.pdl_rows)  # o_combines, early_attention: past these
+            if (rows := min(self.o_combines, self.pdl_rows)) > chained:
                 where += (", the output projection combining split attention "
                           + ("at one row" if rows == 1 else f"up to {rows} rows"))
             if (rows := min(self.last_combines, self.pdl_rows)) > self.o_combines:
                 where += f", the split kernel's last programs combining up to {rows} rows"
             if rows := min(self.early_norms, self.pdl_rows):
                 where += f", the norms releasing the next kernel early up to {rows} rows"
-            if rows := min(self.early_attention, self.o_combines, self.pdl_rows):
+            if (rows := min(self.early_attention, self.o_combines, self.pdl_rows)) > chained:
                 where += (", the split attention kernel releasing the projection early "
                           + ("at one row" if rows == 1 else f"up to {rows} rows"))
+            if chained:
+                where += (", Llama's and Qwen2's layers without norm kernels "
+                          + ("at one row" if chained == 1 else f"up to {chained} rows"))
         if self.sample_ahead != SAMPLE_AHEAD:
             where += (f"; tokens sampled ahead in the forward up to {self.sample_ahead} rows"
                       if self.sample_ahead else "; no tokens sampled ahead in the forward")

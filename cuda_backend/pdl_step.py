@@ -21,7 +21,8 @@ each takes to get going. Here:
   combine its states, without a second kernel.
 
 A Phi layer is four kernels (five with the split attention kernel at few
-rows); a Llama or Qwen2 layer six (seven). The layer functions take and
+rows); a Llama or Qwen2 layer six (seven), or four (five) without norm
+kernels (``chained_layer``). The layer functions take and
 return the residual stream as ``(x, delta)``, ``delta`` being the last
 projection's float32 partial sums ``[S, M, N]`` (bias included).
 ``FusedDecoder`` runs them for decode buckets of at most
@@ -34,7 +35,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from bubblefree.cuda_backend import paged_decode, skinny_gemm
+from bubblefree.cuda_backend import normed_gemv, paged_decode, skinny_gemm
 from bubblefree.cuda_backend.add_norm import add_norm, torch_add
 from bubblefree.cuda_backend.kernel_config import step_tile
 from bubblefree.cuda_backend.rope_attention import rope_attend
@@ -194,6 +195,51 @@ def sequential_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
         return x, gemm(gemm(h, w_gu, b_gu, dims, glu=True), w_down, b_down, dims, partial=True)
     gate, up = gemm(h, w_gu, b_gu, dims).split(dims.inter, dim=-1)
     return x, gemm(act(gate) * up, w_down, b_down, dims, partial=True)
+
+
+def chained_layer(x, delta, cos, sin, kv, ctx, w, dims, act, window):
+    """Llama, Qwen2 with a gated MLP in the buckets of at most
+    ``dims.norms_in_rows`` rows: no norm kernels (``normed_gemv``). q, k, v
+    and gate and up norm the residual stream themselves; o and down keep K
+    whole and return the stream with their output added. ``delta`` is zero
+    sums (``FusedDecoder._layers`` runs these layers only from the first)
+    and comes back as it came, so ``final`` and ``combine`` take the
+    stream as they take any layer's."""
+    norm1, w_qkv, b_qkv, w_o, b_o, norm2, w_gu, b_gu, w_down, b_down = w
+    q, k, v = _normed(x, w_qkv, b_qkv, dims, norm=norm1).split(dims.split, dim=-1)
+    a = attend(q, k, v, cos, sin, kv, ctx, None, dims, window)
+    x = _normed(a, w_o, b_o, dims, residual=x)
+    return _normed(_normed(x, w_gu, b_gu, dims, norm=norm2, glu=True), w_down, b_down, dims,
+                   residual=x), delta
+
+
+def _normed(x, w, bias, dims, *, norm=None, residual=None, glu: bool = False) -> torch.Tensor:
+    """``normed_gemv.run`` launched dependent (``chain_launch``'s launch)."""
+    return normed_gemv.run(x, w, bias, chain_launch(x.shape[0], w, dims, glu), norm=norm,
+                           eps=dims.eps, residual=residual, glu=glu, pdl=True)
+
+
+def chain_launch(rows: int, w: torch.Tensor, dims, glu: bool) -> normed_gemv.Launch:
+    """The launch of ``chained_layer``'s GEMM of ``w`` at ``rows``: the
+    table's tile where it is one of the vector form with K whole (its
+    columns, warps and ``e``), else ``normed_gemv.choose``'s."""
+    k, n = w.shape[1], w.shape[0] // 2 if glu else w.shape[0]
+    tile = dims.pdl_tiles.tile_for(rows, k, w.shape[0])
+    if tile is not None and tile.vector and tile.split == 1:
+        return normed_gemv.Launch(tile.block_n, tile.warps, bool(tile.early))
+    return normed_gemv.choose(k, n, glu, dims.sms)
+
+
+def chainable(w, dims, rows: int) -> bool:
+    """Whether ``chained_layer`` can run a layer of weights ``w`` in buckets
+    of up to ``rows`` rows: every GEMM's share fits a thread's registers
+    (``normed_gemv.MAX_VALUES``; a model far wider than those measured may
+    not), and the rows are ones the kernel unrolls."""
+    _, w_qkv, _, w_o, _, _, w_gu, _, w_down, _ = w
+    gemms = ((w_qkv, False), (w_o, False), (w_gu, True), (w_down, False))
+    return rows <= normed_gemv.MAX_ROWS and all(
+        normed_gemv.values(m.shape[1], chain_launch(r, m, dims, glu), glu) <= normed_gemv.MAX_VALUES
+        for m, glu in gemms for r in range(1, rows + 1))
 
 
 def final(x, delta, weight, bias, eps, rms: bool, *,

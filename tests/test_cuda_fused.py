@@ -28,14 +28,15 @@ def backend(model, **kw):
     return CudaBackend(model, **args)
 
 
-def decode_logits(be: CudaBackend, decoder, ctx_lens: list[int]) -> torch.Tensor:
-    """Logits of one padded decode step over stale-but-fixed KV, from ``decoder``."""
+def decode_logits(be: CudaBackend, decoder, ctx_lens: list[int], padded: int = 8) -> torch.Tensor:
+    """Logits of one decode step over stale-but-fixed KV, from ``decoder``,
+    its rows padded to ``padded``."""
     r, cap = be._runner, be.capacity
     pages = scattered_pages(ctx_lens, cap.page_size, cap.num_pages, seed=3)
     rows = tuple(StepRow(seq_id=i, row_slot=i, tokens=(), position=n - 1, pages=pages[i])
                  for i, n in enumerate(ctx_lens))
     staging = np.zeros(staging_size(cap), dtype=np.int64)
-    b, p = 8, 16  # padded rows and pages past each row's own
+    b, p = padded, 16  # padded rows and pages past each row's own
     count = r.pack_decode(StepPlan(0, StepKind.DECODE, rows), staging, b, p)
     r.decode_meta[:count] = torch.from_numpy(staging[:count])
     r.last_token[:len(ctx_lens)] = torch.tensor([3, 17, 40, 99][:len(ctx_lens)])

@@ -224,7 +224,9 @@ def test_the_step_whose_attention_releases_the_projection_early_decodes_the_same
 def test_the_measured_one_row_tiles_are_read_in_whole_slices_as_measured():
     """Where ``o_combines`` is on by default (the H200's Llama-3.2-1B and
     Qwen2-0.5B shapes, one row), the output projection's tile in the table
-    is the one that runs: its slices are already whole steps of whole heads.
+    is the one that runs where the layers keep their norm kernels
+    (``norms_in`` 0; by default that row runs without them): its slices are
+    already whole steps of whole heads.
     Past the rows where it is on, Qwen2's tile (7 steps in 4 slices) could
     not be read so and would keep the split kernel's combining."""
     from bubblefree.bench.speed_setup import SHAPES

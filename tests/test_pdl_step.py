@@ -403,6 +403,10 @@ def test_the_measured_defaults_name_their_shape():
         # The split attention kernel releases the output projection early where
         # that was measured faster: Llama-3.2-1B at one row (Qwen2-0.5B even).
         assert h200.early_attention == (1 if name == "llama1b" else 0), name
+        # The layers run without norm kernels where that was measured faster:
+        # Llama-3.2-1B and Qwen2-0.5B at one row (Phi's layers are parallel).
+        assert h200.norms_in == (0 if name == "phi" else 1), name
+        assert KernelConfig.measured("cpu", config).norms_in == 0
         assert KernelConfig.measured("cpu", config).early_attention == 0
         assert KernelConfig.measured("cpu", config).early_norms == 0
         assert KernelConfig.measured("cpu", config).o_combines == 0
@@ -437,14 +441,17 @@ def _qkv_in_slices(model) -> TileTable:
     return TileTable({(d, qkv): ((64, Tile(16, 16, 2, 4, 3)),)})
 
 
-@pytest.mark.parametrize("arch,sliced", [("phi", False), ("llama", False), ("qwen2", False),
-                                         ("llama", True), ("qwen2", True)])
-def test_the_dependent_steps_layers_compute_the_usual_step(arch, sliced, monkeypatch):
+@pytest.mark.parametrize("arch,sliced,chained", [
+    ("phi", False, False), ("llama", False, False), ("qwen2", False, False),
+    ("llama", True, False), ("qwen2", True, False), ("llama", False, True),
+    ("qwen2", False, True)])
+def test_the_dependent_steps_layers_compute_the_usual_step(arch, sliced, chained, monkeypatch):
     """The layer functions themselves, on the CPU, where every kernel has
     its torch stand-in: the norms over partial sums, the fused GEMMs' splits,
     the gated MLP as one output and the final norm give the usual step's
     logits (the kernels are checked against torch on the GPU, above).
-    ``sliced``: q, k, v handed to attention as slices of sums."""
+    ``sliced``: q, k, v handed to attention as slices of sums; ``chained``:
+    the layers without norm kernels (``pdl_step.chained_layer``)."""
     from tests.test_cuda_fused import backend, decode_logits
     model = tiny_model(arch, seed=7)
     with torch.no_grad():  # norms and biases of their own, so that mixing them up shows
@@ -455,8 +462,11 @@ def test_the_dependent_steps_layers_compute_the_usual_step(arch, sliced, monkeyp
     be = backend(model)
     decoder = be._runner.decoder
     decoder.dims = attrs.evolve(decoder.dims, pdl_rows=64,  # as a Hopper GPU would run it
-                                pdl_tiles=_qkv_in_slices(model) if sliced else TileTable())
+                                pdl_tiles=_qkv_in_slices(model) if sliced else TileTable(),
+                                norms_in_rows=64 if chained else 0)
     from bubblefree.cuda_backend import pdl_step
+    chain, chained_seen = pdl_step.chained_layer, []
+    monkeypatch.setattr(pdl_step, "chained_layer", lambda *a: chained_seen.append(1) or chain(*a))
     attend, dims_seen = pdl_step.attend, []
     monkeypatch.setattr(pdl_step, "attend", lambda q, *a, **kw: dims_seen.append(q.dim())
                         or attend(q, *a, **kw))
@@ -469,6 +479,7 @@ def test_the_dependent_steps_layers_compute_the_usual_step(arch, sliced, monkeyp
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(be.cache.data, plain.cache.data)  # the same keys and values written
     assert set(dims_seen) == {3 if sliced else 2}  # slices [S, B, N] went to attention
+    assert len(chained_seen) == (model.config.num_hidden_layers if chained else 0)
 
 
 def _split_case(pages: int, seed: int):
