@@ -109,11 +109,8 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     word-level one, whose BOS/EOS and templates then replace the config's).
     The region head gives the spatial skills their values; the prompts are
     moondream's templates."""
-    import attrs
-
-    from bubblefree.checkpoints import moondream_tokenizer, placeholder_ids, text_templates, word_tokenizer
+    from bubblefree.checkpoints import moondream_tokenizer
     from bubblefree.cuda_backend.moondream.build import build
-    from bubblefree.cuda_backend.moondream.config import MoondreamConfig, TokenizerConfig
 
     if backend_options.pop("location_tokens", False):
         raise InvalidRequest("location_tokens: moondream2 points and detects through its region head; "
@@ -128,28 +125,44 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
         raise InvalidRequest(f"crops_on_device: must be True or False, got {crops_on_device!r}")
     check_max_pixels(max_image_pixels)
     check_backend_options(backend_options)
-    raw = tokenizer
-    if isinstance(source, MoondreamConfig):
-        raw = raw if raw is not None else word_tokenizer()
-        end = raw.token_to_id("<|endoftext|>")
-        if end is None:
-            raise InvalidRequest("tokenizer: must hold <|endoftext|> (moondream2's BOS and EOS)")
-        source = attrs.evolve(source, tokenizer=TokenizerConfig(bos_id=end, eos_id=end,
-                                                                templates=text_templates(raw),
-                                                                **placeholder_ids(raw)))
-        if raw.get_vocab_size(with_added_tokens=True) > source.text.vocab_size:
-            raise InvalidRequest(f"tokenizer: {raw.get_vocab_size()} tokens, more than the config's "
-                                 f"vocab_size {source.text.vocab_size}")
+    source, raw, config = _moondream_source(source, tokenizer)
+    skills_tokenizer = moondream_tokenizer(raw, config.tokenizer)
     backend_options["crops_on_device"] = crops_on_device
-    backend, info = build(source, device=device, dtype=dtype, seed=seed, **backend_options)
-    raw = raw if raw is not None else info.tokenizer
-    if raw is None:
-        raise ModelLoadError(f"{source}: has no tokenizer.json; the skills need one")
-    skills_tokenizer = moondream_tokenizer(raw, info.config.tokenizer)
+    backend, _ = build(source, device=device, dtype=dtype, seed=seed, **backend_options)
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)
     skills = SkillSet(skills_tokenizer, core.register_mask,
                       codec=RegionHeadCodec.for_tokenizer(skills_tokenizer), registry=registry)
     return cls(core, skills, backend=backend, max_image_pixels=max_image_pixels)
+
+
+def _moondream_source(source: Any, raw: Any) -> tuple[Any, Any, Any]:
+    """What ``build`` takes, the tokenizer the skills wrap, and the config
+    whose BOS, EOS and templates they use. A checkpoint directory is opened
+    here: its config.json and tokenizer.json are read and checked before
+    its weights, so a bad one costs no load of GBs onto the device."""
+    import attrs
+
+    from bubblefree.checkpoints import placeholder_ids, text_templates, word_tokenizer
+    from bubblefree.cuda_backend.moondream.config import MoondreamConfig, TokenizerConfig
+    from bubblefree.cuda_backend.moondream.weights import open_checkpoint
+
+    if not isinstance(source, MoondreamConfig):
+        checkpoint = open_checkpoint(source)
+        raw = raw if raw is not None else checkpoint.tokenizer
+        if raw is None:
+            raise ModelLoadError(f"{source}: has no tokenizer.json; the skills need one")
+        return checkpoint, raw, checkpoint.config
+    raw = raw if raw is not None else word_tokenizer()
+    end = raw.token_to_id("<|endoftext|>")
+    if end is None:
+        raise InvalidRequest("tokenizer: must hold <|endoftext|> (moondream2's BOS and EOS)")
+    config = attrs.evolve(source, tokenizer=TokenizerConfig(bos_id=end, eos_id=end,
+                                                            templates=text_templates(raw),
+                                                            **placeholder_ids(raw)))
+    if raw.get_vocab_size(with_added_tokens=True) > config.text.vocab_size:
+        raise InvalidRequest(f"tokenizer: {raw.get_vocab_size()} tokens, more than the config's "
+                             f"vocab_size {config.text.vocab_size}")
+    return config, raw, config
 
 
 # -- transformers vision-language models (cuda_backend/vlm) ---------------------------
@@ -165,7 +178,7 @@ def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str,
     model has never seen, so they are refused as on a text model."""
     from bubblefree.cuda_backend.errors import ModelLoadError
     from bubblefree.cuda_backend.vlm.backend import VlmBackend
-    from bubblefree.cuda_backend.vlm.load import load_vision_language
+    from bubblefree.cuda_backend.vlm.load import load_vision_language, open_vision_language
 
     if backend_options.pop("location_tokens", False):
         raise InvalidRequest("location_tokens: a vision-language checkpoint keeps its own vocabulary")
@@ -174,11 +187,14 @@ def build_vision_language(cls, path: str, *, device: Any, pipelined: bool | str,
     device, dtype = check_device(device), check_dtype(dtype)
     check_max_pixels(max_image_pixels)
     check_backend_options(backend_options)
-    loaded = load_vision_language(path, device=device, dtype=dtype)
+    # The tokenizer, processor and chat template are checked before the
+    # weights are read: a bad one costs no load of minutes and GBs.
+    checkpoint = open_vision_language(path)
     try:
-        tokenizer = HFTokenizer.wrap(loaded.tokenizer, image_token=loaded.image_token)
+        tokenizer = HFTokenizer.wrap(checkpoint.tokenizer, image_token=checkpoint.image_token)
     except ValueError as ex:
         raise ModelLoadError(f"{path}: {ex}") from ex
+    loaded = load_vision_language(checkpoint, device=device, dtype=dtype)
     turn = tokenizer.image_turn
     backend = VlmBackend(loaded.model, loaded.processor, turn.head, turn.token, **backend_options)
     core = CoreEngine(backend, pipelined=pipelined, trace_limit=100_000)

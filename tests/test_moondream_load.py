@@ -14,14 +14,21 @@ from PIL import Image
 from bubblefree import Engine, InvalidRequest
 from bubblefree.checkpoints import text_templates, word_tokenizer
 from bubblefree.cuda_backend.moondream import build as moondream_build
-from bubblefree.cuda_backend.moondream.config import TokenizerConfig, tiny_config
+from bubblefree.cuda_backend.moondream.config import tiny_config
+from bubblefree.cuda_backend.moondream.weights import MoondreamCheckpoint, config_to_json
 from bubblefree.fake_backend import FakeBackend, FakeModel
 from bubblefree.skills import RegionHeadCodec
 
 
-def checkpoint(folder, config: dict):
+def checkpoint(folder, model_type: str):
+    """A directory with the tiny config, the word tokenizer and its
+    templates, and no weights (the fake build reads none)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
+    raw = word_tokenizer()
+    config = config_to_json(tiny_config())
+    config["tokenizer"] = {"bos_id": 0, "eos_id": 0, "templates": text_templates(raw)}
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "config": config}))
+    raw.save(str(folder / "tokenizer.json"))
     (folder / "model.safetensors").write_bytes(b"")
     return folder
 
@@ -36,12 +43,11 @@ class FakeMoondream:
     def __call__(self, source, *, device, dtype, seed, **options):
         self.calls.append((source, device, dtype, seed, dict(options)))
         options.pop("crops_on_device")  # moondream's own option; the fake cuts no crops
-        raw = word_tokenizer()
-        config = source if not isinstance(source, str) else attrs.evolve(
-            tiny_config(), tokenizer=TokenizerConfig(bos_id=0, eos_id=0, templates=text_templates(raw)))
+        opened = isinstance(source, MoondreamCheckpoint)
+        config = source.config if opened else source
         backend = FakeBackend(model=FakeModel(vocab_size=config.text.vocab_size, eos_id=0),
                               num_pages=256, max_context=512, max_prefill_tokens=128, **options)
-        info = moondream_build.MoondreamInfo(config=config, tokenizer=raw if isinstance(source, str) else None)
+        info = moondream_build.MoondreamInfo(config=config, tokenizer=source.tokenizer if opened else None)
         return backend, info
 
 
@@ -53,11 +59,12 @@ def fake_build(monkeypatch):
 
 
 def test_from_pretrained_on_a_moondream_directory_builds_moondreams_engine(tmp_path, fake_build):
-    path = checkpoint(tmp_path / "md", {"model_type": "moondream1"})
+    path = checkpoint(tmp_path / "md", "moondream1")
     engine = Engine.from_pretrained(path, max_rows=4, device="cpu")
     try:
         options = {"max_rows": 4, "crops_on_device": True}  # the crops' default: on the device
-        assert fake_build.calls[0][0] == str(path) and fake_build.calls[0][4] == options
+        # The directory as load_checkpoint takes it: opened and checked, its weights not yet read.
+        assert fake_build.calls[0][0].directory == path and fake_build.calls[0][4] == options
         tok = engine.skills.tokenizer
         assert isinstance(engine.skills.codec, RegionHeadCodec) and engine.takes_images
         # moondream's prompts: template ids around the words, " " before the object.

@@ -22,7 +22,7 @@ import torch
 from bubblefree.cuda_backend.moondream.backend import MoondreamBackend
 from bubblefree.cuda_backend.moondream.config import MoondreamConfig
 from bubblefree.cuda_backend.moondream.model import Moondream
-from bubblefree.cuda_backend.moondream.weights import load_checkpoint, random_model
+from bubblefree.cuda_backend.moondream.weights import MoondreamCheckpoint, load_checkpoint, random_model
 
 
 @attrs.frozen
@@ -53,12 +53,13 @@ class MoondreamInfo:
         return self.config.tokenizer.template(skill, part)
 
 
-def build(source: str | os.PathLike | MoondreamConfig | Moondream, *,
+def build(source: str | os.PathLike | MoondreamCheckpoint | MoondreamConfig | Moondream, *,
           device: str | torch.device | None = None, dtype: torch.dtype | None = None,
           seed: int = 0, **options) -> tuple[MoondreamBackend, MoondreamInfo]:
     """A ``MoondreamBackend`` and its ``MoondreamInfo`` from a local checkpoint
-    directory (``weights.load_checkpoint``), a ``MoondreamConfig`` (random
-    weights from ``seed``) or a ``Moondream`` module (used as it is).
+    directory, or one ``weights.open_checkpoint`` has checked
+    (``weights.load_checkpoint``), a ``MoondreamConfig`` (random weights
+    from ``seed``) or a ``Moondream`` module (used as it is).
     ``options`` are ``CudaBackend``'s (page_size, max_rows, use_graphs, ...)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:

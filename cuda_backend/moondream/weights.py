@@ -18,6 +18,11 @@ name possibly with torch.compile's ``._orig_mod``) is renamed on reading
 ``config.json`` may override shapes under ``"config"``, in moondream's own
 field names (``enc_dim``, ``enc_n_layers``, ...), which ``config_to_json``
 also writes; the tokenizer's prompt templates too. Nothing is downloaded.
+
+The weights come last: ``open_checkpoint`` reads and checks every other
+part, so a bad config.json or tokenizer.json is refused before the model is
+allocated on its device or a tensor is read; ``load_checkpoint`` then
+allocates and reads.
 """
 
 from __future__ import annotations
@@ -278,12 +283,24 @@ class LoadedMoondream:
     tokenizer: object | None     # a ``tokenizers.Tokenizer`` where tokenizer.json exists
 
 
-def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float16,
-                    device: str | torch.device = "cpu") -> LoadedMoondream:
+@attrs.frozen
+class MoondreamCheckpoint:
+    """A checkpoint directory's every part but its weights, each checked."""
+
+    directory: Path
+    files: tuple[Path, ...]      # the safetensors, present; not yet read
+    config: MoondreamConfig
+    tokenizer: object | None     # as ``LoadedMoondream.tokenizer``
+
+
+def open_checkpoint(directory: str | Path) -> MoondreamCheckpoint:
+    """The tensor files' names, config.json and tokenizer.json, checked: a
+    bad one would otherwise be found only after the weights were allocated
+    and read (GBs of device memory). Reads no weight; allocates nothing."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory")
-    files = _tensor_files(directory)       # before allocating a model
+    files = tuple(_tensor_files(directory))
     config = MOONDREAM2
     config_file = directory / "config.json"
     if config_file.is_file():
@@ -291,18 +308,24 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float16,
             config = config_from_json(_read_json(config_file).get("config", {}))
         except CheckpointError as err:
             raise CheckpointError(f"checkpoint {directory}: {err}") from None
-    model = _meta_model(config, config_file)
+    return MoondreamCheckpoint(directory, files, config, _tokenizer(directory / "tokenizer.json"))
+
+
+def load_checkpoint(source: str | Path | MoondreamCheckpoint, dtype: torch.dtype = torch.float16,
+                    device: str | torch.device = "cpu") -> LoadedMoondream:
+    """``source``: a directory, or one ``open_checkpoint`` has checked; its
+    weights are allocated and read last."""
+    checkpoint = source if isinstance(source, MoondreamCheckpoint) else open_checkpoint(source)
+    model = _meta_model(checkpoint.config, checkpoint.directory / "config.json")
     # Allocated once, in the target dtype: a float32 copy of moondream2
     # would be 7.5 GB. The checkpoint's tensors are cast as they copy in.
     model = model.to_empty(device=device).to(dtype)
-    state = _read_state(files)
+    state = _read_state(list(checkpoint.files))
     try:
         load_state(model, state)
     except CheckpointError as err:  # which checkpoint, for a server's one-line report
-        raise CheckpointError(f"checkpoint {directory}: {err}") from None
-    tokenizer = _tokenizer(directory / "tokenizer.json")
-    return LoadedMoondream(model=model.eval(), config=config,
-                           tokenizer=tokenizer)
+        raise CheckpointError(f"checkpoint {checkpoint.directory}: {err}") from None
+    return LoadedMoondream(model=model.eval(), config=checkpoint.config, tokenizer=checkpoint.tokenizer)
 
 
 def _meta_model(config: MoondreamConfig, config_file: Path) -> Moondream:

@@ -5,6 +5,10 @@ safetensors, the tokenizer, the image processor's and the processor's
 configs, and a chat template (the tokenizer's, or the processor's
 ``chat_template.json`` / ``.jinja``). Every refusal is a ``ModelLoadError`` or ``UnsupportedModel``
 naming the directory and what is missing.
+
+The weights are read last: every part that can refuse the directory without
+them (``open_vision_language``) is loaded and checked first, so a broken
+tokenizer or processor costs no weight load and puts nothing on the device.
 """
 
 from __future__ import annotations
@@ -37,10 +41,54 @@ class LoadedVision:
         return self.processor.tokenizer
 
 
-def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = None) -> LoadedVision:
-    path = Path(path)
+@attrs.frozen
+class VisionCheckpoint:
+    """A checkpoint directory's every part but its weights, each checked."""
+
+    path: Path
+    config: Any
+    processor: Any  # as ``LoadedVision.processor``
+    image_token: tuple[int, str]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+
+def load_vision_language(source: str | Path | VisionCheckpoint, *, device: Any = None,
+                         dtype: Any = None) -> LoadedVision:
+    """``source``: a directory, or one ``open_vision_language`` has checked.
+    Its weights are read last; ``VisionLanguage.of`` then checks what only
+    the loaded module tells (its architecture as built, where its language
+    model sits)."""
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
+    checkpoint = source if isinstance(source, VisionCheckpoint) else open_vision_language(source)
+    vlm = load_weights(AutoModelForImageTextToText, checkpoint.path, config=checkpoint.config, dtype=dtype)
+    vlm.eval().to(device)
+    return LoadedVision(VisionLanguage.of(vlm), checkpoint.processor, checkpoint.image_token)
+
+
+def open_vision_language(path: str | Path) -> VisionCheckpoint:
+    """Everything that can refuse the directory without its weights: a bad
+    tokenizer or processor would otherwise be found only after a load of
+    minutes and GBs of device memory. Reads no weight; allocates nothing."""
+    path = Path(path)
+    config = _config(path)
+    processor = _processor(path, config)
+    tokenizer = processor.tokenizer
+    token_id = int(config.image_token_id)
+    if not 0 <= token_id < len(tokenizer):
+        raise ModelLoadError(f"model directory {path}: image_token_id {token_id} is not one of the "
+                             f"tokenizer's {len(tokenizer)} ids")
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    if config.model_type == "paligemma":  # the block: its placeholders, then the BOS it writes after them
+        processor = TokenRepeat(processor.image_processor, tokenizer, token_id,
+                                lambda _, n=processor.image_seq_length: n, after=(tokenizer.bos_token_id,))
+    return VisionCheckpoint(path, config, processor, (token_id, token))
+
+
+def _config(path: Path) -> Any:
     try:  # the type first: another architecture's config may not even parse as its own
         raw = json.loads((path / "config.json").read_text())
         refuse_custom_code(path, raw)
@@ -48,13 +96,15 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
         why = supported(str(model_type))
         if why:
             raise UnsupportedModel(f"{path}: {why}")
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except ModelLoadError:  # UnsupportedModel too
         raise
     except Exception as ex:  # noqa: BLE001 - any failure here is a bad directory
         raise ModelLoadError(f"model directory {path}: cannot read config.json: {ex}") from ex
-    vlm = load_weights(AutoModelForImageTextToText, path, config=config, dtype=dtype)
-    vlm.eval().to(device)
+
+
+def _processor(path: Path, config: Any) -> Any:
+    """The model's processor, with a tokenizer, an image processor and a chat template."""
     with quiet_transformers():
         try:
             processor = AutoProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
@@ -69,15 +119,7 @@ def load_vision_language(path: str | Path, *, device: Any = None, dtype: Any = N
     if not getattr(tokenizer, "chat_template", None):
         raise ModelLoadError(f"model directory {path}: has no chat template (the tokenizer's, or "
                              "chat_template.json); it places the image in the prompt")
-    token_id = int(config.image_token_id)
-    if not 0 <= token_id < len(tokenizer):
-        raise ModelLoadError(f"model directory {path}: image_token_id {token_id} is not one of the "
-                             f"tokenizer's {len(tokenizer)} ids")
-    token = tokenizer.convert_ids_to_tokens(token_id)
-    if config.model_type == "paligemma":  # the block: its placeholders, then the BOS it writes after them
-        processor = TokenRepeat(processor.image_processor, tokenizer, token_id,
-                                lambda _, n=processor.image_seq_length: n, after=(tokenizer.bos_token_id,))
-    return LoadedVision(VisionLanguage.of(vlm), processor, (token_id, token))
+    return processor
 
 
 def _image_only(path: Path, config: Any, why: Exception) -> Any:
