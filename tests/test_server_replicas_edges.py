@@ -4,9 +4,10 @@ bug, a missing key, a body past the limit, headers past theirs) gets the same st
 same JSON error through the relay; a body that stops arriving is a 408, a
 ``Content-Length`` past the limit a 413 at once; past ``max_live`` a 429,
 with health and stats still answered; a client that leaves frees its
-request; a shutdown with requests in flight answers them in the API's
-shape; a replica that cannot build its engine is one line and exit 2, as
-without Ray. Two replicas of the fake engine on one Ray cluster for the
+request; a shutdown refuses new requests in the API's shape until the
+port closes, and lets those in flight finish or answers them in it; a
+replica that cannot build its engine is one line and exit 2, as without
+Ray. Two replicas of the fake engine on one Ray cluster for the
 module, after the one test that runs the command."""
 
 from __future__ import annotations
@@ -267,14 +268,16 @@ def bug_in_replica():
 @pytest.mark.parametrize("err, status, param, says", [
     (bug_in_replica(), 500, "server", "server: an internal error (RuntimeError)"),
     (ray.exceptions.ActorDiedError(), 503, "replica", "replica: the replica serving this request stopped"),
+    (serve.exceptions.RequestCancelledError(), 503, "server", "server: shutting down; this request was"),
 ])
 def test_an_answer_that_breaks_off_names_a_bug_as_a_bug_and_a_dead_replica_as_gone(err, status,
                                                                                    param, says):
     """Mid-stream, a route's own exception was worded as the replica dying
-    (a 503 to retry); one server words a bug as its 500."""
+    (a 503 to retry); one server words a bug as its 500. A call the relay
+    cancelled while reading it was cut by its drain: the server's shutdown."""
     import asyncio
 
-    from bubblefree.server.replicas import _bodies, _whole
+    from bubblefree.server.relay import _bodies, _whole
     start = {"type": "http.response.start", "status": 200, "headers": []}
     piece = {"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True}
 
@@ -293,38 +296,98 @@ def test_an_answer_that_breaks_off_names_a_bug_as_a_bug_and_a_dead_replica_as_go
     assert (whole.headers.get("retry-after") == "1") == (status == 503)
 
 
-def test_a_shutdown_answers_the_requests_in_flight_in_the_apis_shape(url):
-    """``serve --replicas`` stops as ``stop()`` does. ``serve.shutdown``
-    alone killed Ray's proxy first: every open connection was cut without
-    an answer. Now each replica has its grace (1 s here), then what still
-    runs is answered: a 503 naming the replica, or a last error event.
-    Last in this module: it ends the application."""
-    got: dict = {}
+def _asked(url: str, tokens: int, stream: bool) -> tuple[int, str | None, list[str], float] | Exception:
+    """A query's status, Retry-After, non-empty lines and when it ended."""
+    try:
+        with httpx.Client(trust_env=False, timeout=30) as http, http.stream(
+                "POST", f"{url}/v1/query", headers=AUTH,
+                json={"question": "what", "stream": stream, "settings": {"max_tokens": tokens}}) as reply:
+            lines = [line for line in reply.iter_lines() if line]
+            return reply.status_code, reply.headers.get("retry-after"), lines, time.monotonic()
+    except httpx.HTTPError as err:
+        return err
 
-    def ask(stream: bool):
-        try:
-            with httpx.Client(trust_env=False, timeout=30) as http, http.stream(
-                    "POST", f"{url}/v1/query", headers=AUTH,
-                    json={"question": "what", "stream": stream, "settings": {"max_tokens": 250}}) as reply:
-                got[stream] = (reply.status_code, reply.headers.get("retry-after"),
-                               [line for line in reply.iter_lines() if line])
-        except httpx.HTTPError as err:
-            got[stream] = err
 
-    asking = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
-    for t in asking:
-        t.start()
-    time.sleep(1.0)  # both are decoding
+def _until_closed(url: str, begun: threading.Event, within_s: float = 30) -> list[tuple]:
+    """From ``begun`` until the port closes, ``/health`` asked again and
+    again: each answer's status, content type, Retry-After and body."""
+    answers: list[tuple] = []
+    begun.wait()
+    deadline = time.monotonic() + within_s
+    with httpx.Client(trust_env=False, timeout=10) as http:
+        while time.monotonic() < deadline:
+            try:
+                reply = http.get(f"{url}/health")
+            except httpx.ConnectError:  # the port is closed
+                return answers
+            except httpx.TransportError:  # the proxy stopped while it was asked
+                time.sleep(0.02)
+                continue
+            answers.append((reply.status_code, reply.headers.get("content-type"),
+                            reply.headers.get("retry-after"), reply.text))
+            time.sleep(0.02)
+    raise AssertionError(f"the port was still open after {within_s} s")
+
+
+def test_a_shutdown_refuses_new_requests_and_answers_those_in_flight_in_the_apis_shape(url):
+    """``serve --replicas`` stops as ``stop()`` does. From the moment it
+    begins until the port closes, every answer is the server's: once the
+    relays drain, each new request gets a JSON 503 naming the shutdown,
+    with Retry-After (``serve.delete`` first took the route off Ray's proxy
+    at once: for seconds every new request got its plain-text 404); a
+    request in flight that ends within the grace (2 s here) gets its whole
+    answer; one still running then gets the 503, or a stream's last error
+    event, that one server gives a request its shutdown cut
+    (``serve.shutdown`` alone killed the proxy first: every open
+    connection was cut without an answer). Last in this module: it ends
+    the application."""
+    asked: dict = {}
+
+    def ask(tokens: int, stream: bool):
+        asked[tokens, stream] = _asked(url, tokens, stream)
+
+    def sent(tokens: int) -> list[threading.Thread]:
+        threads = [threading.Thread(target=ask, args=(tokens, stream)) for stream in (False, True)]
+        for t in threads:
+            t.start()
+        return threads
+
+    begun, health = threading.Event(), []
+    hammer = threading.Thread(target=lambda: health.extend(_until_closed(url, begun)))
+    hammer.start()
+    # The short two first: a replica's pages hold one 250-token request at
+    # a time, and a short one queued behind it would still wait at the grace.
+    asking = sent(30)
+    with httpx.Client(base_url=url, trust_env=False, timeout=10) as http:
+        deadline = time.monotonic() + 5
+        while (sum(stats["live_requests"] for stats in _stats_of_each(http).values()) < 2
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+    asking += sent(250)
+    time.sleep(0.1)  # all four are in; 30 tokens take 0.6 s at least, 1.2 s at most
     started = time.monotonic()
-    stop()
-    for t in asking:
+    begun.set()
+    stop(grace_s=2.0)
+    for t in [*asking, hammer]:
         t.join(30)
     assert time.monotonic() - started < 15
-    assert not any(isinstance(answer, Exception) for answer in got.values()), got
-    status, retry_after, lines = got[False]
-    assert (status, retry_after) == (503, "1"), got
-    assert json.loads(lines[0])["error"]["param"] == "replica"
-    status, _, lines = got[True]
-    assert status == 200 and lines[-2] == "event: error", got
-    assert json.loads(lines[-1].removeprefix("data: "))["error"]["code"] == 503
-
+    # /health answers as ever until the drain reaches the relays, then the 503.
+    refused = [answer for answer in health if answer[0] != 200]
+    assert refused, f"none of {len(health)} asks was refused"
+    for status, kind, retry_after, body in refused:
+        assert (status, kind, retry_after) == (503, "application/json", "1"), (status, kind, body[:100])
+        assert json.loads(body)["error"] == {"message": "server: shutting down; not taking new requests",
+                                             "type": "server_error", "param": "server", "code": 503}
+    assert not any(isinstance(answer, Exception) for answer in asked.values()), asked
+    status, _, lines, ended = asked[30, False]
+    assert status == 200 and ended > started and json.loads(lines[0])["answer"], asked
+    status, _, lines, ended = asked[30, True]
+    assert status == 200 and ended > started and json.loads(lines[-1].removeprefix("data: "))["completed"], asked
+    status, retry_after, lines, _ = asked[250, False]
+    assert (status, retry_after) == (503, "1"), asked
+    assert json.loads(lines[0])["error"] == {"message": "server: shutting down; this request was cancelled "
+                                             "before its answer", "type": "server_error", "param": "server",
+                                             "code": 503}
+    status, _, lines, _ = asked[250, True]
+    assert status == 200 and lines[-2] == "event: error", asked
+    assert json.loads(lines[-1].removeprefix("data: "))["error"]["param"] == "server"

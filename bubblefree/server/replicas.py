@@ -21,22 +21,24 @@ request and frees its pages, as it would behind one server.
 
 Every answer a replica gives carries ``X-Bubblefree-Replica``, its id, so a
 client or a test can see how the load was spread and which replica failed.
+
+At shutdown (``stop``) the relays answer until Ray's proxy closes the port:
+each refuses every new request with a 503 naming the server's shutdown,
+lets the requests it holds finish within the grace, and cuts what still
+runs, answered as one server answers a request its shutdown cut. Only then
+does Ray Serve stop, its proxy first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, AsyncIterator, Callable
 
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
 from starlette.types import Message
 
 from bubblefree.engine import Engine
-from bubblefree.server.errors import ApiError, ErrorJSON, error_body, error_json, error_response
-from bubblefree.server.guard import limited, refusal
 from bubblefree.server.settings import ServerSettings
+from bubblefree.server.relay import CUT_S, Relay
 
 REPLICA_HEADER = "x-bubblefree-replica"
 APP = "bubblefree"
@@ -48,9 +50,10 @@ RELAY = "bubblefree-relay"
 # with its 429 at once, and /health and /v1/stats are not held behind the
 # live requests.
 HEADROOM = 32
-# What of an ASGI scope travels to a replica: plain values only.
-_SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path",
-               "query_string", "root_path", "headers", "server", "client")
+# How often a stopping replica looks for requests still running. Its first
+# look waits one loop: at Ray's 2 s, after ``stop``'s drain had left none
+# running, every replica idled 2 s before it stopped.
+WAIT_LOOP_S = 0.2
 
 
 def replica_id() -> str:
@@ -125,111 +128,6 @@ class EngineReplica:
             engine.close()
 
 
-class Relay:
-    """The HTTP ingress: one request, relayed to one replica."""
-
-    def __init__(self, replicas: Any, settings: ServerSettings):
-        self.replicas = replicas.options(stream=True)
-        self.settings = settings
-
-    async def __call__(self, request: Request) -> Response:
-        # The replica's guard would refuse these too; no need to carry them there.
-        refused = refusal(request.scope, self.settings)
-        if refused is not None:
-            return error_response(refused)
-        receive, body = limited(request.receive, self.settings), bytearray()
-        try:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":  # gone before its body was in: no replica had it
-                    return Response(status_code=499)
-                body += message.get("body", b"")
-                if not message.get("more_body", False):
-                    break
-        except ApiError as err:  # too large (413), or too slow to arrive (408)
-            return error_response(err)
-        scope = {k: request.scope[k] for k in _SCOPE_KEYS if k in request.scope}
-        messages = self.replicas.http.remote(scope, bytes(body))
-        try:
-            start = await messages.__anext__()
-        except StopAsyncIteration:
-            return unavailable("the replica ended the request without an answer")
-        except asyncio.CancelledError:
-            messages.cancel()
-            raise
-        except Exception as err:  # noqa: BLE001 - the replica died or could not be reached
-            return unavailable(f"the replica serving this request stopped ({type(err).__name__}); retry")
-        headers = dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", []))
-        if not headers.get("content-type", "").startswith("text/event-stream"):
-            return await _whole(messages, start)
-        response = StreamingResponse(_bodies(messages), status_code=start["status"])
-        response.raw_headers = [(k, v) for k, v in start.get("headers", [])
-                                if k.lower() != b"content-length"]
-        return response
-
-
-async def _whole(messages: Any, start: Message) -> Response:
-    """A JSON answer, gathered whole before anything is sent: complete, or a
-    503 naming the replica when it died part way (never a body cut short).
-    Sent as one plain response: a streamed one would also listen for the
-    client's disconnect on Ray Serve's receive channel, whose cancellation
-    at the end of the answer Ray logs as a traceback."""
-    body, done = bytearray(), False
-    try:
-        async for message in messages:
-            if message["type"] == "http.response.body":
-                body += message.get("body", b"")
-                done = not message.get("more_body", False)
-    except asyncio.CancelledError:  # the client left: the replica stops its request
-        messages.cancel()
-        raise
-    except Exception as err:  # noqa: BLE001 - the replica died or its code raised mid-answer
-        # An answer already whole stands: Starlette's error middleware sends
-        # a route's bug as the JSON 500, then raises it again.
-        if not done:
-            status, message, param = failure(err)
-            return error_json(status, message, param,
-                              {"Retry-After": "1"} if status == 503 else None)
-    response = Response(bytes(body), status_code=start["status"])
-    response.raw_headers = list(start.get("headers", []))
-    return response
-
-
-async def _bodies(messages: Any) -> AsyncIterator[bytes]:
-    """A streamed answer's events; an error event when the replica dies
-    part way."""
-    try:
-        async for message in messages:
-            if message["type"] == "http.response.body" and message.get("body"):
-                yield message["body"]
-    except asyncio.CancelledError:
-        raise
-    except Exception as err:  # noqa: BLE001 - the replica died or its code raised mid-answer
-        event = error_body(*failure(err))
-        yield f"event: error\ndata: {json.dumps(event)}\n\n".encode()
-    finally:
-        messages.cancel()  # a no-op once the answer is complete; else the client left
-
-
-def failure(err: Exception) -> tuple[int, str, str]:
-    """What to tell a client whose answer broke off with ``err``: its status,
-    message and field. The replica's own code raising (Ray hands it on as a
-    ``RayTaskError``) is a bug, a 500 as one server words it; anything else
-    (the actor died, or could not be reached) is the replica gone, a 503
-    worth a retry."""
-    from ray.exceptions import RayTaskError
-
-    if isinstance(err, RayTaskError):
-        cause = type(err.cause).__name__ if err.cause is not None else type(err).__name__
-        return 500, f"server: an internal error ({cause}); the request did not complete", "server"
-    return (503, f"replica: the replica serving this request stopped ({type(err).__name__}) "
-                 "before the end; retry", "replica")
-
-
-def unavailable(why: str) -> ErrorJSON:
-    return error_json(503, f"replica: {why}", "replica", {"Retry-After": "1"})
-
-
 def application(make_engine: Callable[[], Engine], settings: ServerSettings, replicas: int, *,
                 gpus: bool, health_check_period_s: float = 2.0, log_level: str = "info",
                 grace_s: float = 5.0) -> Any:
@@ -238,8 +136,9 @@ def application(make_engine: Callable[[], Engine], settings: ServerSettings, rep
     ``serve.run`` it; ``stop()`` ends it. ``log_level`` is the server's: Ray
     Serve's per-request access log (two lines a request, relay and replica)
     only at ``info`` or ``debug``, as uvicorn's. ``grace_s``: how long a
-    stopping replica lets its requests run on (as uvicorn's grace does
-    without replicas) before it is stopped."""
+    replica that Ray stops (one replaced, say) lets its requests run on
+    (as uvicorn's grace does without replicas) before it is stopped;
+    ``stop`` gives the requests in flight its own grace first."""
     from ray import serve
 
     logging = {"log_level": log_level.upper(), "enable_access_log": log_level in ("debug", "info")}
@@ -249,7 +148,7 @@ def application(make_engine: Callable[[], Engine], settings: ServerSettings, rep
                                max_ongoing_requests=settings.max_live + HEADROOM,
                                health_check_period_s=health_check_period_s,
                                health_check_timeout_s=max(10.0, 5 * health_check_period_s),
-                               graceful_shutdown_timeout_s=grace_s,
+                               graceful_shutdown_timeout_s=grace_s, graceful_shutdown_wait_loop_s=WAIT_LOOP_S,
                                logging_config=logging)
     # The relay only moves bytes: no CPU reserved, so it never waits for one.
     # One relay process per engine replica: a single relay's Python loop,
@@ -257,23 +156,45 @@ def application(make_engine: Callable[[], Engine], settings: ServerSettings, rep
     # replicas at ~1.1-1.6x one.
     relay = serve.deployment(Relay, name=RELAY, num_replicas=replicas, ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=max(1000, 4 * settings.max_live),
-                             logging_config=logging)
+                             graceful_shutdown_wait_loop_s=WAIT_LOOP_S, logging_config=logging)
     return relay.bind(engines.bind(make_engine, settings), settings)
 
 
-def stop(name: str = APP) -> None:
-    """End the application ``name``, then Ray Serve. ``serve.shutdown`` alone
-    kills Ray's HTTP proxy at once, cutting every open connection without
-    an answer. Deleting the application first keeps the proxy while each
-    replica finishes its requests, for up to its grace; a replica still busy
-    then is stopped, and the relay answers its requests in the server's
-    error shape (a 503 naming the replica, or a last error event)."""
+def stop(name: str = APP, grace_s: float = 5.0) -> None:
+    """End the application ``name``, then Ray Serve, answering every request
+    in the server's shape until the port closes. Every relay drains first
+    (``Relay.drain``): a new request gets a 503 naming the shutdown, with
+    ``Retry-After``; one in flight has ``grace_s`` to end (uvicorn's grace
+    without replicas), and what still runs then is cut and answered. Only
+    then ``serve.shutdown``, which stops Ray's proxy before anything else:
+    alone, it cut every open connection without an answer.
+
+    Not ``serve.delete`` first: it takes the application's route off the
+    proxy at once, and until ``serve.shutdown`` stopped the proxy (seconds,
+    while the replicas stopped) every new request got Ray's plain-text
+    ``404 Path not found``, which a client or a load balancer takes for a
+    missing route, not a server going away."""
     from ray import serve
 
     try:
-        serve.delete(name)
+        _drain(name, grace_s)
     finally:
         serve.shutdown()
+
+
+def _drain(name: str, grace_s: float) -> None:
+    """``Relay.drain`` on every relay of the application ``name``; until
+    all are drained, or past the longest a drain takes."""
+    from ray import serve
+    from ray.exceptions import RayError
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        relays = serve.get_deployment_handle(RELAY, name)
+        drained = relays.broadcast("drain", grace_s)
+        drained.results(timeout_s=grace_s + CUT_S + 5, return_exceptions=True)  # 5 s to find the relays
+    except (KeyError, RayServeException, RayError, TimeoutError):
+        pass  # no relay runs (the start failed, or was interrupted): none holds a request
 
 
 def deploy_failure() -> tuple[str, str] | None:
