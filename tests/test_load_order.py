@@ -105,6 +105,9 @@ VLM_FAULTS = {
         "qwen", lambda d: (d / "preprocessor_config.json").unlink(),
         "cannot load its tokenizer and image processor"),
     "llava without a chat template": ("llava", _no_chat_template, "has no chat template"),
+    "a tokenizer past the language model's embeddings": (
+        "llava", lambda d: _edit_json(d / "config.json", lambda c: c["text_config"].update(vocab_size=8)),
+        "its tokenizer has .* tokens and its language model 8 embeddings"),
     "an image token outside the vocabulary": (
         "llava", lambda d: _edit_json(d / "config.json", lambda c: c.update(image_token_index=999)),
         "image_token_id 999 is not one of the tokenizer's"),

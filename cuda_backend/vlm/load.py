@@ -77,6 +77,10 @@ def open_vision_language(path: str | Path) -> VisionCheckpoint:
     config = _config(path)
     processor = _processor(path, config)
     tokenizer = processor.tokenizer
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) > vocab:  # ids past the embeddings: as a text model
+        raise ModelLoadError(f"model directory {path}: its tokenizer has {len(tokenizer)} tokens and "
+                             f"its language model {vocab} embeddings: they are not one checkpoint's")
     token_id = int(config.image_token_id)
     if not 0 <= token_id < len(tokenizer):
         raise ModelLoadError(f"model directory {path}: image_token_id {token_id} is not one of the "
