@@ -175,6 +175,18 @@ def test_moondream_template_ids_outside_its_tokenizer_are_refused_before_the_wei
     assert moondream_weights_read == []
 
 
+def test_a_moondream_tensor_file_cut_short_is_refused_before_the_model_is_allocated(
+        moondream, tmp_path, moondream_weights_read):
+    """A download cut short: its header says more bytes than the file has,
+    found when the checkpoint is opened, not after the model's allocation."""
+    path = _copy(moondream, tmp_path)
+    file = next(path.glob("*.safetensors"))
+    file.write_bytes(file.read_bytes()[:-64])
+    with pytest.raises(CheckpointError, match="cannot read it as safetensors"):
+        load_checkpoint(path, dtype=torch.float32)
+    assert moondream_weights_read == []
+
+
 def test_a_good_moondream_directory_allocates_and_reads_its_weights_once(moondream, moondream_weights_read):
     loaded = load_checkpoint(moondream, dtype=torch.float32)
     assert moondream_weights_read == ["allocated", "read"]

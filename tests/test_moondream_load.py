@@ -10,6 +10,7 @@ import json
 import attrs
 import pytest
 from PIL import Image
+from safetensors.torch import save_file
 
 from bubblefree import Engine, InvalidRequest
 from bubblefree.checkpoints import text_templates, word_tokenizer
@@ -22,14 +23,15 @@ from bubblefree.skills import RegionHeadCodec
 
 def checkpoint(folder, model_type: str):
     """A directory with the tiny config, the word tokenizer and its
-    templates, and no weights (the fake build reads none)."""
+    templates, and a tensor file that holds none (the fake build reads no
+    weights; opening the checkpoint reads the file's header)."""
     folder.mkdir(parents=True, exist_ok=True)
     raw = word_tokenizer()
     config = config_to_json(tiny_config())
     config["tokenizer"] = {"bos_id": 0, "eos_id": 0, "templates": text_templates(raw)}
     (folder / "config.json").write_text(json.dumps({"model_type": model_type, "config": config}))
     raw.save(str(folder / "tokenizer.json"))
-    (folder / "model.safetensors").write_bytes(b"")
+    save_file({}, str(folder / "model.safetensors"))
     return folder
 
 

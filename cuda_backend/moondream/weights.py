@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -251,11 +252,21 @@ def _read_state(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def _read_file(file: Path) -> dict[str, torch.Tensor]:
+    return _opened(file, lambda f: {name: f.get_tensor(name) for name in f.keys()})
+
+
+def _header(file: Path) -> list[str]:
+    """The tensor names ``file``'s header lists; opening it checks that the
+    header parses and that the file is as long as it says (no tensor read)."""
+    return _opened(file, lambda f: list(f.keys()))
+
+
+def _opened(file: Path, read: Callable[[Any], Any]) -> Any:
     # safetensors raises its own SafetensorError (empty, truncated, bad
     # header), which names neither the file nor a load failure.
     try:
         with safe_open(str(file), framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}
+            return read(f)
     except Exception as err:  # noqa: BLE001 - any failure here is a bad file
         raise CheckpointError(f"{file}: cannot read it as safetensors: {err}") from err
 
@@ -301,6 +312,8 @@ def open_checkpoint(directory: str | Path) -> MoondreamCheckpoint:
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory")
     files = tuple(_tensor_files(directory))
+    for file in files:  # a file cut short is found from its header, not after the allocation
+        _header(file)
     config = MOONDREAM2
     config_file = directory / "config.json"
     if config_file.is_file():
