@@ -12,7 +12,8 @@ A variant is ``base`` (the defaults measured for the GPU and the shape:
 (``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``, ``early_norms=8``,
 ``norms_in=1``;
 ``sample_ahead=0``: the captured step without its tokens sampled ahead), counts of
-the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``) and ``K,N=TILE``
+the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``,
+``whole_rows=1``, ``whole_keys=256``) and ``K,N=TILE``
 entries that replace the dependent-launch step's tile for the GEMM of that
 weight shape (``KernelConfig.pdl_tiles``) in every bucket it runs; ``K,N:R=TILE``
 only in the buckets of more than R rows, the defaults' tiles kept up to R
@@ -46,7 +47,7 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms",
               "early_attention", "norms_in")
 # The attention dispatch's counts a variant may set (``split_warps=1``).
-DISPATCH_FIELDS = ("max_splits", "split_block", "split_warps")
+DISPATCH_FIELDS = ("max_splits", "split_block", "split_warps", "whole_rows", "whole_keys")
 
 
 def variant(default: KernelConfig, text: str) -> KernelConfig:

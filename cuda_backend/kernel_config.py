@@ -91,7 +91,15 @@ class Dispatch:
     kernel's programs per (row, head) at most (``split_chunk``); more keys
     per program past that. ``split_block``: the split kernel's keys per
     loop iteration (its first block is the one read before the wait), at
-    most a program's chunk; ``split_warps``: its warps per program."""
+    most a program's chunk; ``split_warps``: its warps per program.
+
+    ``whole_rows``: in buckets of at most this many rows and ``whole_keys``
+    keys that the split kernel runs, it runs as one program per (row,
+    head) over all the bucket's keys (``paged_decode.whole_attention``):
+    every key read before the wait, and the program finishes its own
+    attention, so no pass combines partial states and none goes through
+    memory. 0: none. Where the output projection combines the states
+    (``KernelConfig.o_combines``) the split kernel runs as that asks."""
     split_below: int = 512
     pipelined_below: int = 2048
     pipelined: Launch = Launch(stages=3)
@@ -100,6 +108,13 @@ class Dispatch:
     max_splits: int = attrs.field(default=64)
     split_block: int = attrs.field(default=32)
     split_warps: int = attrs.field(default=2)
+    whole_rows: int = attrs.field(default=0)
+    whole_keys: int = attrs.field(default=256)
+
+    @whole_rows.validator
+    def _rows(self, _, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"Dispatch.whole_rows is a row count (0: none), not {value!r}")
 
     @max_splits.validator
     def _positive(self, _, value: int) -> None:
@@ -108,8 +123,10 @@ class Dispatch:
 
     @split_block.validator
     @split_warps.validator
+    @whole_keys.validator
     def _power_of_two(self, field, value: int) -> None:
-        low, top = (16, 256) if field.name == "split_block" else (1, 8)
+        low, top = {"split_block": (16, 256), "split_warps": (1, 8),
+                    "whole_keys": (16, 512)}[field.name]
         if (not isinstance(value, int) or isinstance(value, bool) or value < low
                 or value & (value - 1) or value > top):
             raise ValueError(f"Dispatch.{field.name} must be a power of two from {low} to {top}, "
@@ -126,16 +143,21 @@ class Dispatch:
             return None
         return self.pipelined if programs < self.pipelined_below else self.plain
 
+    def whole(self, rows: int, length: int) -> bool:
+        """Whether a bucket the split kernel runs runs it whole
+        (``whole_rows``, ``whole_keys``)."""
+        return rows <= self.whole_rows and length <= self.whole_keys
+
     def scalars(self) -> list[int]:
         """The dispatch as the custom ops take it (``from_scalars``)."""
         return [self.split_below, self.pipelined_below, *attrs.astuple(self.pipelined),
                 *attrs.astuple(self.plain), int(self.prefetch), self.max_splits,
-                self.split_block, self.split_warps]
+                self.split_block, self.split_warps, self.whole_rows, self.whole_keys]
 
     @classmethod
     def from_scalars(cls, values: list[int]) -> "Dispatch":
-        if len(values) != 14:
-            raise ValueError(f"a dispatch is 14 integers, not {len(values)}")
+        if len(values) != 16:
+            raise ValueError(f"a dispatch is 16 integers, not {len(values)}")
         return cls(values[0], values[1], Launch(*values[2:6]), Launch(*values[6:10]),
                    bool(values[10]), *values[11:])
 
@@ -155,6 +177,9 @@ class Dispatch:
                                                     fields.split_warps.default):
             early += (f"; the split kernel {self.split_block} keys an iteration, "
                       f"{self.split_warps} warp{'s' if self.split_warps > 1 else ''}")
+        if self.whole_rows:
+            rows = "one row" if self.whole_rows == 1 else f"{self.whole_rows} rows"
+            early += f"; a (row, head) in one program up to {rows} and {self.whole_keys} keys"
         if self.pipelined == self.plain:
             return f"{split}one-pass {self.plain}{early}"
         return (f"{split}one-pass {self.pipelined} below {self.pipelined_below} "
@@ -367,15 +392,22 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # (the tiles below that cut K are what the bucket runs without it), gate
 # and up Qwen2's vector tile with K whole, and ``o_combines`` and
 # ``early_attention`` do not apply.
-# (pdl_rows, pdl_tiles, last_combines, o_combines, early_norms, early_attention, norms_in)
-PdlDefaults = tuple[int, TileTable, int, int, int, int, int]
+# Then the buckets whose split attention runs a (row, head) in one program
+# (``Dispatch.whole_rows``): Llama-3.2-1B's up to four rows (0.771 -> 0.735
+# ms a step at one row, 0.852 -> 0.831 at four; slower at eight, 0.878 ->
+# 0.910), Phi-1.5's up to eight (0.958 -> 0.930 at four, 1.015 -> 0.964 at
+# eight; 0.900 -> 0.909 at two); Qwen2-0.5B's none (even at one row, slower
+# from two): docs/runs/whole-attention-2026-12-04.txt.
+# (pdl_rows, pdl_tiles, last_combines, o_combines, early_norms, early_attention, norms_in,
+#  whole_rows)
+PdlDefaults = tuple[int, TileTable, int, int, int, int, int, int]
 MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
         PHI_15: (8, TileTable({
             (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
             (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
-        }), 2, 0, 0, 0, 0),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 0, 0, 0, 0, 8),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         LLAMA_32_1B: (8, TileTable({
             # q, k, v, sums to attention; 8 warps, each slice's four steps read
             # before the wait (the norm before it releases it early)
@@ -385,7 +417,7 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (8192, 2048): ((8, Tile(64, 256, 8, 4, 3, 2)),),  # down, sums, two steps ahead
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        }), 2, 1, 8, 1, 1),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 1, 8, 1, 1, 4),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         QWEN2_05B: (8, TileTable({
             # q, k, v, sums to attention; at one and two rows the vector form
             # (0.588 -> 0.570 and 0.615 -> 0.600 ms a step; slower from four
@@ -413,7 +445,7 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             (4864, 896): ((1, Tile(64, 256, 19, 4, 1, vector=1, early=1)),
                           (8, Tile(32, 128, 8, 4, 3, 4, early=1))),
             (896, 151936): ((1, Tile(64, 128, 1, 4, 3)), (8, Tile(64, 128, 1, 4, 3, early=1))),  # head
-        }), 0, 1, 8, 0, 1),
+        }), 0, 1, 8, 0, 1, 0),
     }),
 })
 
@@ -542,11 +574,13 @@ class KernelConfig:
         than a multiprocessor has (tests/test_gemm_compiles.py)."""
         if dtype not in MEASURED_DTYPES:
             return cls()
-        pdl_rows, pdl_tiles, combines, o_combines, early, early_attention, norms_in = \
-            MEASURED_PDL.get(name, {}).get(model_shape(config), (0, TileTable(), 0, 0, 0, 0, 0))
+        pdl_rows, pdl_tiles, combines, o_combines, early, early_attention, norms_in, whole = \
+            MEASURED_PDL.get(name, {}).get(model_shape(config),
+                                           (0, TileTable(), 0, 0, 0, 0, 0, 0))
         return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles,
                    last_combines=combines, o_combines=o_combines, early_norms=early,
-                   early_attention=early_attention, norms_in=norms_in)
+                   early_attention=early_attention, norms_in=norms_in,
+                   dispatch=Dispatch(whole_rows=whole))
 
     def __str__(self) -> str:
         where = ""

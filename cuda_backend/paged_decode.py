@@ -212,6 +212,32 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
     return out
 
 
+def whole_attention(q, keys, values, page_table, positions, page_size: int, scale: float,
+                    window: int, out: torch.Tensor, new: NewToken,
+                    act: Activation | None = None, pdl: bool = False, prefetch: bool = False,
+                    warps: int = 2) -> torch.Tensor:
+    """The split kernel with one program per (row, head) over the whole
+    bucket, in one block (``split_kernel``'s WHOLE;
+    ``Dispatch.whole_rows``): with ``pdl`` and ``prefetch`` every key is
+    read before the wait, and no pass combines. The block is held in
+    registers: at least ``warps`` warps, and as many more as keep a
+    thread's share of its keys to 64 values (as many of its values), at
+    most 8 (256 keys of 64 in 8). ``new``, ``act`` as in
+    ``split_attention``."""
+    b, h, d = q.shape
+    block = _next_power_of_2(page_table.shape[1] * page_size)
+    warps = min(8, max(warps, block * _next_power_of_2(d) // 2048))
+    kernels.split_kernel[(b, h, 1)](
+        q, keys, values, page_table, positions, q, q, q,
+        **_cache_args(q, keys, values), spt_b=page_table.stride(0), scale=scale, window=window,
+        chunk=block, splits=1, heads=h, **_rotary_args(new, q), cnt_ptr=q,
+        out_ptr=out, so_b=out.stride(0), so_h=out.stride(1), **_token_args(new, q),
+        **_act_args(act, q, h), BLOCK_S=1, GROUP=h // keys.shape[1], PS=page_size, D=d,
+        BLOCK_D=_next_power_of_2(d), BLOCK_N=block, num_warps=warps, PDL=pdl,
+        PREFETCH=pdl and prefetch, LAST_COMBINES=False, WHOLE=True, **launch_options(pdl))
+    return out
+
+
 @attrs.frozen
 class States:
     """A decode step's attention left as the split kernel's partial states,
@@ -268,14 +294,19 @@ def run(q, keys, values, page_table, positions, page_size: int, scale: float, wi
     """The kernel ``dispatch`` picks for these shapes, into ``out`` ``[B, H,
     Dv]`` (a new one by default); ``pdl``: launched dependent on the kernel
     before (``cuda_backend.pdl``); ``counters``: the split kernel's last
-    programs combine (``split_attention``)."""
+    programs combine (``split_attention``), unless the bucket runs it whole
+    (``whole_attention``: with ``new``, and the bucket within the dispatch's
+    ``whole_rows`` and ``whole_keys``)."""
     b, h, d = q.shape
     if out is None:
         out = torch.empty((b, h, values.shape[2]), dtype=out_dtype(q, new), device=q.device)
     length = page_table.shape[1] * page_size
     # A bucket's shapes are fixed at capture, so is this choice.
     launch = dispatch.choose(b, h, length)
-    if launch is None:
+    if launch is None and new is not None and dispatch.whole(b, length):
+        whole_attention(q, keys, values, page_table, positions, page_size, scale, window, out,
+                        new, act, pdl, dispatch.prefetch, dispatch.split_warps)
+    elif launch is None:
         split_attention(q, keys, values, page_table, positions, page_size, scale, window, out,
                         new, act, pdl, dispatch.prefetch, counters, dispatch.max_splits,
                         dispatch.split_block, dispatch.split_warps)

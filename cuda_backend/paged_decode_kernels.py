@@ -9,7 +9,9 @@ once, with an online softmax in float32:
 - ``split_kernel`` then ``combine_kernel`` (flash-decoding): each (row,
   head) is spread over programs of ``chunk`` keys, whose partial softmax
   states the second pass combines; or, with LAST_COMBINES, the last of
-  those programs to finish combines them (one launch fewer).
+  those programs to finish combines them (one launch fewer); or, with
+  WHOLE, a (row, head) is one program of one block, every key read before
+  the wait, that finishes itself (short buckets at few rows).
 
 With NEW (a compile-time flag) q arrives before its rotary embedding and the
 step's own key and value come raw: rotary, the KV write and attention run as
@@ -210,7 +212,8 @@ if triton is not None:
                       ROT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                       LAST_COMBINES: tl.constexpr, BLOCK_S: tl.constexpr, ACT: tl.constexpr,
                       BLOCK_F: tl.constexpr, SLICES: tl.constexpr, DT: tl.constexpr,
-                      OWN: tl.constexpr = False, EARLY: tl.constexpr = False):
+                      OWN: tl.constexpr = False, EARLY: tl.constexpr = False,
+                      WHOLE: tl.constexpr = False):
         """Keys ``s * chunk ..`` of one (row, head): the partial softmax state
         (max, sum, unnormalised output) for ``combine_kernel``. With NEW, q
         arrives before its rotary embedding and the step's own key (position
@@ -236,7 +239,13 @@ if triton is not None:
 
         EARLY (with PREFETCH): the next kernel may launch before this one
         waits (``pdl.release`` first, ``pdl.wait`` where ``enter`` would
-        be), as ``add_norm``'s EARLY."""
+        be), as ``add_norm``'s EARLY.
+
+        WHOLE (with NEW, one program per (row, head), its chunk the whole
+        bucket in one block): the program joins the step's own key as OWN
+        does, writes its attention output to ``out_ptr`` and applies ACT's
+        activation as ``_combine`` would; no states are stored. With
+        PREFETCH every key it reads is asked for before the wait."""
         if EARLY:
             release(PDL)
         if not PREFETCH:
@@ -251,7 +260,7 @@ if triton is not None:
         if not PREFETCH:
             q = _query(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
                        dmask, NEW, ROT, sp_s, SLICES, DT)
-            if OWN:  # split 0's: asked for beside q's loads
+            if OWN or WHOLE:  # split 0's: asked for beside q's loads
                 kn, vn = _new_token(b, h, kvh, d, dmask & (s == 0), k_ptr, v_ptr, sk_t, sk_h,
                                     sv_t, sv_h, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, skn_b,
                                     skn_h, svn_b, svn_h, scs_b, GROUP, ROT, sp_s, SLICES, DT)
@@ -284,7 +293,7 @@ if triton is not None:
                 enter(PDL)
             q = _query(q_ptr + b * sq_b + h * sq_h, d, cs_ptr + b * scs_b, sn_ptr + b * scs_b,
                        dmask, NEW, ROT, sp_s, SLICES, DT)
-            if OWN:
+            if OWN or WHOLE:
                 kn, vn = _new_token(b, h, kvh, d, dmask & (s == 0), k_ptr, v_ptr, sk_t, sk_h,
                                     sv_t, sv_h, kn_ptr, vn_ptr, cs_ptr, sn_ptr, slot_ptr, skn_b,
                                     skn_h, svn_b, svn_h, scs_b, GROUP, ROT, sp_s, SLICES, DT)
@@ -311,7 +320,7 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             acc = acc * alpha + tl.sum(p[:, None] * v, 0)
             m_i = m_new
-        if OWN:  # split 0 only (the others' kn and vn are zeros, their weight 0)
+        if OWN or WHOLE:  # split 0 only (the others' kn and vn are zeros, their weight 0)
             own = s == 0
             m_own = tl.where(own, tl.sum(kn * q, 0) * scale, -float("inf"))
             top = tl.where(own, tl.maximum(m_i, m_own), 0.0)  # finite where own
@@ -320,10 +329,16 @@ if triton is not None:
             l_i = l_i * alpha + w_own
             acc = acc * alpha + w_own * vn
             m_i = tl.where(own, top, m_i)
-        at = (b * heads + h) * splits + s
-        tl.store(m_ptr + at, m_i)
-        tl.store(l_ptr + at, l_i)
-        tl.store(acc_ptr + at * D + d, acc, mask=dmask)
+        if WHOLE:
+            tl.store(out_ptr + b * so_b + h * so_h + d,
+                     (acc / l_i).to(out_ptr.dtype.element_ty), mask=dmask)
+            if ACT != 0:
+                _activate(f_ptr + b * sf_b, fo_ptr + b * sfo_b, h, f_per, f_n, ACT, BLOCK_F)
+        else:
+            at = (b * heads + h) * splits + s
+            tl.store(m_ptr + at, m_i)
+            tl.store(l_ptr + at, l_i)
+            tl.store(acc_ptr + at * D + d, acc, mask=dmask)
         if LAST_COMBINES:
             tl.debug_barrier()  # the program's stores all made before it counts itself in
             arrived = tl.atomic_add(cnt_ptr + b * heads + h, 1, sem="acq_rel", scope="gpu")

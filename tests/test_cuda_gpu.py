@@ -284,28 +284,14 @@ def test_rotary_and_kv_write_in_the_kernel_match_the_portable_op(kv_heads, windo
     disjoint pages (I6), positions start a page (16), end one (15), and sit
     at 0 (the own key alone); a window of 1 sees only the own key; full and
     partial rotary; raw q/k/v as strided views of one projection output."""
-    from bubblefree.cuda_backend import paged_decode as pd
     from bubblefree.cuda_backend.kernel_config import Dispatch, Launch
-    from bubblefree.cuda_backend.kv_cache import PagedKVCache
     from bubblefree.cuda_backend.rope_attention import _portable, rope_attend
+    from tests.attention_case import DIM as dim
+    from tests.attention_case import PAGE as ps
+    from tests.attention_case import rope_case
     torch.manual_seed(kv_heads * 7 + rot)
-    rows, heads, dim, ps = 6, 4, 64, 16
-    total = rows * pages + 3
-    caches = [PagedKVCache(layers=1, kv_heads=kv_heads, head_dim=dim, num_pages=total,
-                           page_size=ps, dtype=dtype, device=torch.device("cuda"))
-              for _ in range(2)]
-    caches[0].data.normal_()
-    caches[1].data.copy_(caches[0].data)
-    table = torch.randperm(total, device="cuda")[:rows * pages].view(rows, pages)
-    positions = torch.tensor([0, 3, 15, 16, min(40, pages * ps - 2), pages * ps - 1],
-                             device="cuda")
-    slot = table.gather(1, (positions // ps)[:, None])[:, 0] * ps + positions % ps
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim + 8, device="cuda", dtype=dtype)
-    q, k, v = qkv[:, :-8].split((heads * dim, kv_heads * dim, kv_heads * dim), dim=1)
-    q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
-    theta = torch.rand(rows, rot // 2, device="cuda") * 6
-    cos, sin = torch.cat((theta, theta), 1).cos().to(dtype), torch.cat((theta, theta), 1).sin().to(dtype)
-    win = window or pd.NO_WINDOW
+    caches, table, positions, slot, q, k, v, cos, sin, win = rope_case(kv_heads, window, dtype,
+                                                                       pages, rot)
     want = _portable(q, k, v, cos, sin, caches[1].layer_kv(0), slot, table, positions, ps,
                      dim ** -0.5, win).float()
     dispatch = (Dispatch().forced(split_below=1 << 30) if kernel == "split"

@@ -383,7 +383,7 @@ def test_the_measured_defaults_name_their_shape():
     from transformers import LlamaConfig
 
     from bubblefree.bench.speed_setup import SHAPES
-    from bubblefree.cuda_backend.kernel_config import MEASURED_PDL, model_shape
+    from bubblefree.cuda_backend.kernel_config import MEASURED_PDL, Dispatch, model_shape
 
     assert set(MEASURED_PDL["NVIDIA H200"]) == {model_shape(s["config"]()) for s in SHAPES.values()}
     for name, spec in SHAPES.items():
@@ -406,6 +406,12 @@ def test_the_measured_defaults_name_their_shape():
         # The layers run without norm kernels where that was measured faster:
         # Llama-3.2-1B and Qwen2-0.5B at one row (Phi's layers are parallel).
         assert h200.norms_in == (0 if name == "phi" else 1), name
+        # A split bucket's (row, head) runs in one program where that was
+        # measured faster: Phi-1.5 up to 8 rows, Llama-3.2-1B up to 4 (slower
+        # at 8), not Qwen2-0.5B (even at one row, slower from two).
+        assert h200.dispatch.whole_rows == {"phi": 8, "llama1b": 4, "qwen05b": 0}[name], name
+        assert h200.dispatch == Dispatch(whole_rows=h200.dispatch.whole_rows), name
+        assert KernelConfig.measured("cpu", config).dispatch == Dispatch()
         assert KernelConfig.measured("cpu", config).norms_in == 0
         assert KernelConfig.measured("cpu", config).early_attention == 0
         assert KernelConfig.measured("cpu", config).early_norms == 0

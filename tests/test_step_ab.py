@@ -90,12 +90,14 @@ def test_a_variant_sets_a_row_count_and_nothing_else():
 
 def test_a_variant_sets_the_split_kernels_launch_and_nothing_else():
     default = h200()
-    got = variant(default, "split_warps=1+split_block=64+max_splits=4")
-    assert (got.dispatch.split_warps, got.dispatch.split_block, got.dispatch.max_splits) == (1, 64, 4)
+    got = variant(default, "split_warps=1+split_block=64+max_splits=4+whole_rows=2+whole_keys=128")
+    assert (got.dispatch.split_warps, got.dispatch.split_block, got.dispatch.max_splits,
+            got.dispatch.whole_rows, got.dispatch.whole_keys) == (1, 64, 4, 2, 128)
     assert attrs.evolve(got, dispatch=default.dispatch) == default
     for bad, says in [("split_warps=3", "Dispatch.split_warps must be a power of two"),
                       ("split_block=8", "Dispatch.split_block must be a power of two"),
                       ("max_splits=0", "Dispatch.max_splits must be a positive int"),
+                      ("whole_keys=48", "Dispatch.whole_keys must be a power of two"),
                       ("split_warps=x", "split_warps is a count")]:
         with pytest.raises(ValueError, match=re.escape(f"variant {bad!r}: {says}")):
             variant(default, bad)
