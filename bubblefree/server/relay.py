@@ -97,8 +97,8 @@ class Relay:
         headers = dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in start.get("headers", []))
         if not headers.get("content-type", "").startswith("text/event-stream"):
             return await _whole(messages, start)
-        response = StreamingResponse(_bodies(messages, functools.partial(self.live.discard, taken)),
-                                     status_code=start["status"])
+        response = _Relayed(messages, functools.partial(self.live.discard, taken),
+                            start["status"])
         response.raw_headers = [(k, v) for k, v in start.get("headers", [])
                                 if k.lower() != b"content-length"]
         return response
@@ -149,9 +149,34 @@ async def _whole(messages: Any, start: Message) -> Response:
     return response
 
 
-async def _bodies(messages: Any, ended: Callable[[], None] = lambda: None) -> AsyncIterator[bytes]:
+class _Relayed(StreamingResponse):
+    """A replica's streamed answer, relayed (``_bodies``). However its
+    sending ends, the replica's call is cancelled (a no-op once the answer
+    is complete), its events are closed and ``ended()`` runs: also when the
+    client leaves before the first event, where the events were never
+    started (their own ``finally`` never runs), or when a send to a client
+    gone raises and leaves them suspended until collected. Before, such a
+    request stayed counted until a drain's grace ran out, and the relay
+    never cancelled its replica's call."""
+
+    def __init__(self, messages: Any, ended: Callable[[], None], status_code: int):
+        self._events = _bodies(messages)
+        super().__init__(self._events, status_code=status_code)
+        self._messages, self._ended = messages, ended
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._messages.cancel()
+            self._ended()
+            await self._events.aclose()
+
+
+async def _bodies(messages: Any) -> AsyncIterator[bytes]:
     """A streamed answer's events; an error event when the replica dies
-    part way. ``ended()`` once they end, however they end."""
+    part way. The call is cancelled once they end, however they end
+    (``_Relayed`` does it too, where they never start)."""
     try:
         async for message in messages:
             if message["type"] == "http.response.body" and message.get("body"):
@@ -163,7 +188,6 @@ async def _bodies(messages: Any, ended: Callable[[], None] = lambda: None) -> As
         yield f"event: error\ndata: {json.dumps(event)}\n\n".encode()
     finally:
         messages.cancel()  # a no-op once the answer is complete; else the client left
-        ended()
 
 
 def failure(err: Exception) -> tuple[int, str, str]:
