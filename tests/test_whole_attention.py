@@ -63,7 +63,7 @@ def test_one_program_a_head_matches_the_portable_op(kv_heads, window, dtype, pag
     from bubblefree.cuda_backend.rope_attention import _portable
     torch.manual_seed(kv_heads * 7 + rot + pages)
     caches, table, positions, slot, q, k, v, cos, sin, win = rope_case(kv_heads, window, dtype,
-                                                                   pages, rot)
+                                                                       pages, rot)
     want = _portable(q, k, v, cos, sin, caches[1].layer_kv(0), slot, table, positions, 16,
                      0.125, win).float()
     kv = caches[0].layer_kv(0)
@@ -106,8 +106,8 @@ def test_the_dispatch_sends_a_bucket_whole_within_its_bounds(rows, pages, whole,
     kernel; same output either way."""
     from bubblefree.cuda_backend import paged_decode as pd
     torch.manual_seed(rows * pages)
-    caches, table, positions, slot, q, k, v, cos, sin, win = rope_case(2, None, torch.float32, pages,
-                                                                   64, rows)
+    caches, table, positions, slot, q, k, v, cos, sin, win = rope_case(2, None, torch.float32,
+                                                                       pages, 64, rows)
     called = []
     real = pd.whole_attention
     monkeypatch.setattr(pd, "whole_attention", lambda *a, **kw: called.append(1) or real(*a, **kw))
