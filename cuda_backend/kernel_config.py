@@ -392,22 +392,26 @@ QWEN2_05B = ("qwen2", 896, 4864, 14, 2, 151936)
 # (the tiles below that cut K are what the bucket runs without it), gate
 # and up Qwen2's vector tile with K whole, and ``o_combines`` and
 # ``early_attention`` do not apply.
-# Then the buckets whose split attention runs a (row, head) in one program
-# (``Dispatch.whole_rows``): Llama-3.2-1B's up to four rows (0.771 -> 0.735
+# Then the attention dispatch: the buckets whose split attention runs a
+# (row, head) in one program (``Dispatch.whole_rows``, ``whole_keys``).
+# At context 128 (256 keys): Llama-3.2-1B's up to four rows (0.771 -> 0.735
 # ms a step at one row, 0.852 -> 0.831 at four; slower at eight, 0.878 ->
 # 0.910), Phi-1.5's up to eight (0.958 -> 0.930 at four, 1.015 -> 0.964 at
-# eight; 0.900 -> 0.909 at two); Qwen2-0.5B's none (even at one row, slower
-# from two): docs/runs/whole-attention-2026-12-04.txt.
+# eight; 0.900 -> 0.909 at two), Qwen2-0.5B's even at one row and slower
+# from two. At context 384 (512 keys): Llama 0.781 -> 0.758 at one row,
+# 0.873 -> 0.859 at four; Qwen2 0.491 -> 0.470 at one row; Phi faster up
+# to four rows but slower at eight (1.152 -> 1.174), so Phi's stop at 256
+# keys: docs/runs/whole-attention-2026-12-04.txt.
 # (pdl_rows, pdl_tiles, last_combines, o_combines, early_norms, early_attention, norms_in,
-#  whole_rows)
-PdlDefaults = tuple[int, TileTable, int, int, int, int, int, int]
+#  dispatch)
+PdlDefaults = tuple[int, TileTable, int, int, int, int, int, Dispatch]
 MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType({
     "NVIDIA H200": types.MappingProxyType({
         PHI_15: (8, TileTable({
             (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
             (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
-        }), 2, 0, 0, 0, 0, 8),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 0, 0, 0, 0, Dispatch(whole_rows=8)),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         LLAMA_32_1B: (8, TileTable({
             # q, k, v, sums to attention; 8 warps, each slice's four steps read
             # before the wait (the norm before it releases it early)
@@ -417,7 +421,7 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (8192, 2048): ((8, Tile(64, 256, 8, 4, 3, 2)),),  # down, sums, two steps ahead
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        }), 2, 1, 8, 1, 1, 4),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 1, 8, 1, 1, Dispatch(whole_rows=4, whole_keys=512)),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
         QWEN2_05B: (8, TileTable({
             # q, k, v, sums to attention; at one and two rows the vector form
             # (0.588 -> 0.570 and 0.615 -> 0.600 ms a step; slower from four
@@ -445,7 +449,7 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             (4864, 896): ((1, Tile(64, 256, 19, 4, 1, vector=1, early=1)),
                           (8, Tile(32, 128, 8, 4, 3, 4, early=1))),
             (896, 151936): ((1, Tile(64, 128, 1, 4, 3)), (8, Tile(64, 128, 1, 4, 3, early=1))),  # head
-        }), 0, 1, 8, 0, 1, 0),
+        }), 0, 1, 8, 0, 1, Dispatch(whole_rows=1, whole_keys=512)),
     }),
 })
 
@@ -574,13 +578,12 @@ class KernelConfig:
         than a multiprocessor has (tests/test_gemm_compiles.py)."""
         if dtype not in MEASURED_DTYPES:
             return cls()
-        pdl_rows, pdl_tiles, combines, o_combines, early, early_attention, norms_in, whole = \
+        pdl_rows, pdl_tiles, combines, o_combines, early, early_attention, norms_in, dispatch = \
             MEASURED_PDL.get(name, {}).get(model_shape(config),
-                                           (0, TileTable(), 0, 0, 0, 0, 0, 0))
+                                           (0, TileTable(), 0, 0, 0, 0, 0, Dispatch()))
         return cls(tiles=MEASURED.get(name, TileTable()), pdl_rows=pdl_rows, pdl_tiles=pdl_tiles,
                    last_combines=combines, o_combines=o_combines, early_norms=early,
-                   early_attention=early_attention, norms_in=norms_in,
-                   dispatch=Dispatch(whole_rows=whole))
+                   early_attention=early_attention, norms_in=norms_in, dispatch=dispatch)
 
     def __str__(self) -> str:
         where = ""
