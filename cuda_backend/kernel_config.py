@@ -411,7 +411,8 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             (2048, 14336): ((8, Tile(64, 128, 1, 4, 3)),),  # fused q, k, v, fc1
             (10240, 2048): ((8, Tile(64, 256, 8, 4, 3)),),  # fused dense + fc2, sums
             (2048, 51200): ((8, Tile(128, 128, 1, 4, 3)),),  # head
-        }), 2, 0, 0, 0, 0, Dispatch(whole_rows=8)),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 0, 0, 0, 0, Dispatch(whole_rows=8)),
         LLAMA_32_1B: (8, TileTable({
             # q, k, v, sums to attention; 8 warps, each slice's four steps read
             # before the wait (the norm before it releases it early)
@@ -421,7 +422,8 @@ MEASURED_PDL: Mapping[str, Mapping[tuple, PdlDefaults]] = types.MappingProxyType
             (2048, 16384): ((8, Tile(32, 256, 1, 4, 3)),),  # gate and up, silu(gate) * up
             (8192, 2048): ((8, Tile(64, 256, 8, 4, 3, 2)),),  # down, sums, two steps ahead
             (2048, 128256): ((8, Tile(64, 128, 1, 4, 3)),),  # head
-        }), 2, 1, 8, 1, 1, Dispatch(whole_rows=4, whole_keys=512)),  # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        # last_combines: 1 and 2 rows (docs/runs/last-combines-2026-12-02.txt)
+        }), 2, 1, 8, 1, 1, Dispatch(whole_rows=4, whole_keys=512)),
         QWEN2_05B: (8, TileTable({
             # q, k, v, sums to attention; at one and two rows the vector form
             # (0.588 -> 0.570 and 0.615 -> 0.600 ms a step; slower from four

@@ -59,10 +59,10 @@ class Relay:
         streaming = False
         try:
             response = await self._relay(request, taken)
-            streaming = isinstance(response, StreamingResponse)
+            streaming = isinstance(response, _Relayed)
             return response
         finally:
-            if not streaming:  # a stream is answered once its events end: ``_bodies`` says when
+            if not streaming:  # a stream is answered once its sending ends: ``_Relayed`` says when
                 self.live.discard(taken)
 
     async def _relay(self, request: Request, taken: _Taken) -> Response:
