@@ -21,6 +21,13 @@ launch), as the vector form does. K is read in two loads whose widths are
 powers of two (the largest that fits K, then the rest rounded up), not one
 rounded up: K = 4,864 takes 5,120 values of registers, not 8,192.
 
+What a program does after its wait is on the step's path, each sum across
+its threads a round of shuffles and, past one warp, barriers. So the
+residual is asked for with x, not after the sums, and where K's two loads
+are as wide (K = 896) their products, and the norm's squares, are added
+before one reduction, not reduced apart (Qwen2-0.5B's one-row step 0.468
+-> 0.435 ms: docs/performance.md, "The sums after the wait").
+
 The sums are the norm kernel's and the GEMM's, rounded where they round:
 RMSNorm in float32, rounded to x's dtype, times the weight and rounded
 again; a projection's sums rounded to x's dtype before the residual add,
@@ -84,6 +91,17 @@ def choose(k: int, n: int, glu: bool, sms: int) -> Launch:
 if triton is not None:
 
     @triton.jit
+    def _dot(wa, wb, xa, xb, K1: tl.constexpr, K2: tl.constexpr):
+        """A program's sums of its columns' products over both loads of K:
+        summed before the reduction where the loads are as wide (one
+        reduction across the program's threads, not two; where the first
+        load is all of K the compiler drops the second's)."""
+        if K1 == K2:
+            return tl.sum(wa.to(tl.float32) * xa[None, :] + wb.to(tl.float32) * xb[None, :], 1)
+        return (tl.sum(wa.to(tl.float32) * xa[None, :], 1)
+                + tl.sum(wb.to(tl.float32) * xb[None, :], 1))
+
+    @triton.jit
     def _normed_gemv_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, out_ptr, N, eps, sx_m, sw_n,
                             sr_m, so_m, up_off, K: tl.constexpr, NORM: tl.constexpr,
                             RESID: tl.constexpr,
@@ -122,22 +140,25 @@ if triton is not None:
             enter(PDL)
         dtype = out_ptr.dtype.element_ty
         for r in tl.static_range(ROWS):
+            if RESID:  # asked for with x, so that its wait is not after the sums
+                res = tl.load(r_ptr + r * sr_m + rn, mask=n_ok, other=0.0).to(tl.float32)
             xa = tl.load(x_ptr + r * sx_m + ka).to(tl.float32)
             xb = tl.load(x_ptr + r * sx_m + kb, mask=b_ok, other=0.0).to(tl.float32)
             if NORM:  # RMSNorm as add_norm computes it
-                inv = tl.math.rsqrt((tl.sum(xa * xa, 0) + tl.sum(xb * xb, 0)) / K + eps)
+                if K1 == K2:  # one reduction across the program, not two
+                    squares = tl.sum(xa * xa + xb * xb, 0)
+                else:
+                    squares = tl.sum(xa * xa, 0) + tl.sum(xb * xb, 0)
+                inv = tl.math.rsqrt(squares / K + eps)
                 xa = ((xa * inv).to(dtype).to(tl.float32) * ga).to(dtype).to(tl.float32)
                 xb = ((xb * inv).to(dtype).to(tl.float32) * gb).to(dtype).to(tl.float32)
-            acc = (tl.sum(wa.to(tl.float32) * xa[None, :], 1)
-                   + tl.sum(wb.to(tl.float32) * xb[None, :], 1) + bias)
+            acc = _dot(wa, wb, xa, xb, K1, K2) + bias
             if GLU:
-                up = (tl.sum(ua.to(tl.float32) * xa[None, :], 1)
-                      + tl.sum(ub.to(tl.float32) * xb[None, :], 1) + bias_up)
+                up = _dot(ua, ub, xa, xb, K1, K2) + bias_up
                 g = acc.to(dtype).to(tl.float32)
                 a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
                 acc = a * up.to(dtype).to(tl.float32)
             if RESID:  # the sums rounded as the GEMM's output would be, then the add
-                res = tl.load(r_ptr + r * sr_m + rn, mask=n_ok, other=0.0).to(tl.float32)
                 acc = res + acc.to(dtype).to(tl.float32)
             tl.store(out_ptr + r * so_m + rn, acc.to(dtype), mask=n_ok)
 

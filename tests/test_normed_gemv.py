@@ -190,6 +190,21 @@ def test_every_weight_is_asked_for_before_the_wait(form, early):
     assert "st.global" not in before
 
 
+@pytest.mark.parametrize("k,launch", [(896, Launch(2, 1)), (896, Launch(8, 4)),
+                                      (4864, Launch(2, 4)), (8192, Launch(2, 8))])
+def test_the_residual_is_asked_for_before_any_sum(k, launch):
+    """After the wait an output projection asks for the residual it adds
+    (its 2-byte loads) before its first sum across threads, not behind the
+    sums: an L2 round trip off the step's path."""
+    k1, k2 = widths(k)
+    ptx = _compiled(dict(K=k, NORM=False, RESID=True, HAS_BIAS=False, GLU=False, PDL=True,
+                         BLOCK_N=launch.block_n, K1=k1, K2=k2, ROWS=1, EARLY=True),
+                    warps=launch.warps).asm["ptx"]
+    after = ptx[ptx.index("griddepcontrol.wait"):]
+    first_sum = min(after.index(op) for op in ("shfl.sync", "bar.sync") if op in after)
+    assert 0 <= after.index("ld.global.b16") < first_sum
+
+
 @pytest.mark.parametrize("shape", [QWEN2_05B, LLAMA_32_1B])
 def test_the_chosen_launches_of_the_measured_shapes_compile_without_spilling(shape):
     _, d, inter, heads, kv, _ = shape
@@ -197,7 +212,7 @@ def test_the_chosen_launches_of_the_measured_shapes_compile_without_spilling(sha
     for k, n, form in [(d, qkv, "norm"), (d, d, "resid"), (d, inter, "glu"), (inter, d, "resid")]:
         launch = choose(k, n, form == "glu", 132)
         k1, k2 = widths(k)
-        kernel = _compiled(dict(K=896, NORM=form != "resid", RESID=form == "resid", HAS_BIAS=True,
+        kernel = _compiled(dict(K=k, NORM=form != "resid", RESID=form == "resid", HAS_BIAS=True,
                                 GLU=form == "glu", PDL=True, BLOCK_N=launch.block_n, K1=k1,
                                 K2=k2, ROWS=1, EARLY=True), warps=launch.warps)
         assert "local" not in kernel.asm["ptx"].split("griddepcontrol.wait")[0], (k, n, launch)
