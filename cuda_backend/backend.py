@@ -293,9 +293,12 @@ class CudaBackend:
         r = self._runner
         logits = r.decode_forward(b, p)
         if b <= self.kernels.sample_ahead:
-            ahead = self._greedy.ahead if self._greedy is not None else torch_ahead
-            ahead(logits, r.meta_views(r.decode_meta, b, p)[0], r.meta_slot(r.decode_meta),
-                  self._sampled, self._undo, r.last_token, self._sample_clears())
+            args = (logits, r.meta_views(r.decode_meta, b, p)[0], r.meta_slot(r.decode_meta),
+                    self._sampled, self._undo, r.last_token, self._sample_clears())
+            if self._greedy is not None:
+                self._greedy.ahead(*args, pdl=r.decode_pdl(b))
+            else:
+                torch_ahead(*args)
         return logits
 
     def _defer(self, s: DecodeSlot, into: torch.Tensor, src: torch.Tensor) -> None:

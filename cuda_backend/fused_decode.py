@@ -413,11 +413,11 @@ class FusedDecoder:
         # sequence); the token rows of a prefill must see each other's
         # keys, so they write first and attend after (three steps).
         h, normed = self.hidden_normed(x, positions, ctx, one_op=self.rope_in_kernel, rope=rope)
-        return h, self.logits(normed, pdl=self.uses_pdl(x, self.rope_in_kernel))
+        return h, self.logits(normed, pdl=self.uses_pdl(x.shape[0], self.rope_in_kernel))
 
-    def uses_pdl(self, x: torch.Tensor, one_op: bool) -> bool:
-        """Whether a decode step over ``x``'s rows runs ``pdl_step``'s layers."""
-        return one_op and x.shape[0] <= self.dims.pdl_rows
+    def uses_pdl(self, rows: int, one_op: bool) -> bool:
+        """Whether a decode step over ``rows`` rows runs ``pdl_step``'s layers."""
+        return one_op and rows <= self.dims.pdl_rows
 
     def _layers(self, x, positions, ctx, one_op: bool, compiled: bool, rope=None):
         """The layers over input embeddings: ``(x, delta, pdl)``, the output
@@ -427,7 +427,7 @@ class FusedDecoder:
             cos, sin = cos[0], sin[0]
         else:
             cos, sin = rope
-        pdl = self.uses_pdl(x, one_op)
+        pdl = self.uses_pdl(x.shape[0], one_op)
         if pdl:
             zero = self.zero_delta
             if zero is None or zero.shape[1] < x.shape[0]:  # more rows than measured for

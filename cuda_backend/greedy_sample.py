@@ -23,13 +23,17 @@ logits, into the row of ``sampled`` of the slot the device's metadata
 names (one graph serves both slots). What ``last_token`` and the flags
 held at the rows' slots before is kept, so the backend can undo it in
 the one order where a later step must not see it (``CudaBackend``).
+After a forward of dependent launches (``pdl``) it is launched dependent
+too: each program reads what no kernel of the step writes (the row's
+slot, the step's slot, what ``last_token`` and the flag hold there) while
+the head still runs, then waits for the logits (``pdl.enter``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from bubblefree.cuda_backend.pdl import tl, triton
+from bubblefree.cuda_backend.pdl import enter, launch_options, tl, triton
 
 BLOCK = 4096  # logits a program reads: 16 KB of float32 and 4 KB of mask
 
@@ -40,9 +44,18 @@ if triton is not None:
     def _greedy_kernel(logits_ptr, table_ptr, slots_ptr, masks_ptr, out_ptr, at_slot_ptr, undo_ptr,
                        last_ptr, flag_ptr, best_ptr, at_ptr, cnt_ptr, V, sl_m, st_m, out_m, chunks,
                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, FLAG: tl.constexpr,
-                       MASKED: tl.constexpr, AHEAD: tl.constexpr):
+                       MASKED: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1)
+        # Before the wait: what no kernel of the step writes (the kernel's own
+        # stores to last_token and the flags come after every program's wait).
+        slot = tl.load(slots_ptr + row)
+        if AHEAD:
+            k = tl.load(at_slot_ptr)
+            held = tl.load(last_ptr + slot)
+            if FLAG:
+                held_flag = tl.load(flag_ptr + slot).to(tl.int64)
+        enter(PDL)
         cols = c * BLOCK + tl.arange(0, BLOCK)
         ok = cols < V
         x = tl.load(logits_ptr + row * sl_m + cols, mask=ok, other=-float("inf")).to(tl.float32)
@@ -67,15 +80,13 @@ if triton is not None:
             # Chunks hold ascending ids: the lowest id among the best chunks is the row's.
             token = tl.min(tl.where(there & (bests == top), ats, V), 0)
             token = tl.where(token == V, 0, token).to(tl.int64)  # unreachable unless V == 0
-            slot = tl.load(slots_ptr + row)
             out = out_ptr + row
             if AHEAD:  # the step's slot from the device; what the row slot held, kept to undo
-                k = tl.load(at_slot_ptr)
                 out = out_ptr + k * out_m + row
                 undo = undo_ptr + k * 2 * out_m + row
-                tl.store(undo, tl.load(last_ptr + slot))
+                tl.store(undo, held)
                 if FLAG:
-                    tl.store(undo + out_m, tl.load(flag_ptr + slot).to(tl.int64))
+                    tl.store(undo + out_m, held_flag)
             tl.store(out, token)
             tl.store(last_ptr + slot, token)
             if FLAG:
@@ -149,24 +160,26 @@ class GreedySampler:
 
     def ahead(self, logits: torch.Tensor, row_slots: torch.Tensor, at_slot: torch.Tensor,
               sampled: torch.Tensor, undo: torch.Tensor, last_token: torch.Tensor,
-              flags: torch.Tensor | None = None) -> None:
+              flags: torch.Tensor | None = None, pdl: bool = False) -> None:
         """``torch_ahead``'s contract, in one launch: logits of any float
-        dtype, read as they are (a bfloat16 forward's need no float32 copy)."""
+        dtype, read as they are (a bfloat16 forward's need no float32 copy).
+        ``pdl``: launched dependent on the head (the module's doc)."""
         if logits.stride(1) != 1 or not (sampled.is_contiguous() and undo.is_contiguous()) \
                 or undo.shape[1] != 2 * sampled.shape[1]:
             raise ValueError("greedy kernel ahead: logits with unit column stride, contiguous "
                              "sampled [slots, R] and undo [slots, 2R]")
         self._launch(row_slots.shape[0], logits, logits, row_slots, row_slots, sampled, at_slot,
-                     undo, last_token, flags, 0, sampled.shape[1], masked=False, ahead=True)
+                     undo, last_token, flags, 0, sampled.shape[1], masked=False, ahead=True,
+                     pdl=pdl)
 
     def _launch(self, b, logits, table8, slots, masks, out, at_slot, undo, last_token, flags,
-                st_m, out_m, *, masked, ahead):
+                st_m, out_m, *, masked, ahead, pdl=False):
         _greedy_kernel[(b, self.chunks)](
             logits, table8, slots, masks, out, at_slot, undo, last_token,
             flags.view(torch.uint8) if flags is not None else out,
             self.best, self.at, self.arrived, self.vocab_size, logits.stride(0), st_m, out_m,
             self.chunks, BLOCK=BLOCK, CHUNKS=self.width, FLAG=flags is not None,
-            MASKED=masked, AHEAD=ahead, num_warps=4)
+            MASKED=masked, AHEAD=ahead, PDL=pdl, num_warps=4, **launch_options(pdl))
 
 
 def make_sampler(max_rows: int, vocab_size: int, device: torch.device) -> GreedySampler | None:

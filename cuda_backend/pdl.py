@@ -18,7 +18,10 @@ written with an ``e``, ``Tile.early``), so the GEMM after a norm is
 placed, and reads its first weights, while the kernel before the norm
 still runs (three of the chain resident). That is safe for the same
 reason the rule below is: the next kernel's wait returns only once the
-norm has ended, which it does only after its own predecessor has.
+norm has ended, which it does only after its own predecessor has. The
+step's first kernel, which gathers the rows' inputs (``step_inputs``),
+releases the first layer as it starts and waits for nothing: it is its
+graph's first.
 
 The rule every kernel launched this way keeps (``enter`` is where):
 

@@ -165,10 +165,17 @@ class ModelRunner:
         rotary cos and sin."""
         row_slots, positions, page_table = self.meta_views(self.decode_meta, b, p)
         got = step_inputs(row_slots, positions, page_table, self.last_token,
-                          self.decoder.embed.weight, self.rope, self.cache.page_size, flags, values)
+                          self.decoder.embed.weight, self.rope, self.cache.page_size, flags, values,
+                          pdl=self.decode_pdl(b))
         ctx = decode_context(self.cache, positions, page_table, self.kernels.dispatch,
                              got.slot_mapping)
         return got.x, positions, ctx, (got.cos, got.sin)
+
+    def decode_pdl(self, b: int) -> bool:
+        """Whether the decode step at ``b`` rows runs dependent launches
+        (``pdl_step``'s layers and head): a kernel before its first may let
+        it launch early, and one after its head may be launched dependent."""
+        return self.rope is not None and self.decoder.uses_pdl(b, self.decoder.rope_in_kernel)
 
     def decode_forward(self, b: int, p: int) -> torch.Tensor:
         """The decode step; returns logits ``[b, V]``. Allocation-free to

@@ -12,6 +12,12 @@ row does all of it, reading cos and sin from tables the model's own rotary
 module computed once for every position (``RopeTable``), so they are its
 values bit for bit.
 
+Where the step's layers run as dependent launches (``pdl``), the kernel
+lets the first of them launch as it starts (``pdl.release``): that one
+reads its weights while the rows' inputs are gathered, and waits for them
+(``pdl.enter``) before it reads any. The kernel itself is a graph's first
+and waits for nothing.
+
 ``torch_step_inputs`` is the same in torch: the reference, and what runs
 where Triton does not.
 """
@@ -21,7 +27,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from bubblefree.cuda_backend.pdl import tl, triton
+from bubblefree.cuda_backend.pdl import release, tl, triton
 
 
 @attrs.frozen
@@ -58,7 +64,9 @@ if triton is not None:
     def _inputs_kernel(rows_ptr, pos_ptr, pt_ptr, last_ptr, emb_ptr, flag_ptr, val_ptr,
                        cos_t_ptr, sin_t_ptr, x_ptr, slot_ptr, cos_ptr, sin_ptr,
                        D, R, P, PS, se_v, sv_s, sx_b, sct_p, sc_b,
-                       VALUES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+                       VALUES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                       PDL: tl.constexpr):
+        release(PDL)
         r = tl.program_id(0)
         seq = tl.load(rows_ptr + r)
         pos = tl.load(pos_ptr + r)
@@ -99,8 +107,10 @@ def torch_step_inputs(row_slots: torch.Tensor, positions: torch.Tensor, page_tab
 def step_inputs(row_slots: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
                 last_token: torch.Tensor, embed: torch.Tensor, rope: RopeTable, page_size: int,
                 flags: torch.Tensor | None = None,
-                values: torch.Tensor | None = None) -> StepInputs:
-    """``torch_step_inputs``' contract, in one launch where Triton runs."""
+                values: torch.Tensor | None = None, pdl: bool = False) -> StepInputs:
+    """``torch_step_inputs``' contract, in one launch where Triton runs;
+    ``pdl``: the kernel after it is launched dependent and may launch as
+    this one starts (the module's doc)."""
     if triton is None or embed.device.type != "cuda":
         return torch_step_inputs(row_slots, positions, page_table, last_token, embed, rope,
                                  page_size, flags, values)
@@ -117,5 +127,5 @@ def step_inputs(row_slots: torch.Tensor, positions: torch.Tensor, page_table: to
         d, rot, page_table.stride(0), page_size, embed.stride(0),
         values.stride(0) if has_values else 0, x.stride(0), rope.cos.stride(0), cos.stride(0),
         VALUES=has_values, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=triton.next_power_of_2(rot),
-        num_warps=4)
+        PDL=pdl, num_warps=4)
     return StepInputs(x, slots, cos, sin)

@@ -203,3 +203,50 @@ def test_every_measured_vector_tile_compiles_and_holds_its_share():
                             BLOCK_N=t.block_n, BLOCK_K=t.block_k, SLICE=width, ROWS=rows,
                             EARLY=bool(t.early) and pdl), warps=t.warps)
         assert kernel.metadata.shared <= 4096, (what, str(t), rows, kernel.metadata.shared)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_step_inputs_kernel_releases_the_first_layer_as_it_starts(pdl):
+    """``step_inputs``' kernel, where the layers after it are launched
+    dependent: the release is its first instruction of the kind, before any
+    load, and it never waits (it is a graph's first kernel)."""
+    from bubblefree.cuda_backend import step_inputs
+    consts = dict(VALUES=True, BLOCK_D=1024, BLOCK_R=64, PDL=pdl)
+    signature = {"rows_ptr": "*i64", "pos_ptr": "*i64", "pt_ptr": "*i64", "last_ptr": "*i64",
+                 "emb_ptr": "*bf16", "flag_ptr": "*u8", "val_ptr": "*bf16", "cos_t_ptr": "*bf16",
+                 "sin_t_ptr": "*bf16", "x_ptr": "*bf16", "slot_ptr": "*i64", "cos_ptr": "*bf16",
+                 "sin_ptr": "*bf16", "D": "i32", "R": "i32", "P": "i32", "PS": "i32",
+                 "se_v": "i32", "sv_s": "i32", "sx_b": "i32", "sct_p": "i32", "sc_b": "i32",
+                 **dict.fromkeys(consts, "constexpr")}
+    source = ASTSource(fn=step_inputs._inputs_kernel, signature=signature, constexprs=consts)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4)).asm["ptx"]
+    assert "griddepcontrol.wait" not in ptx
+    assert ptx.count("griddepcontrol.launch_dependents") == int(pdl)
+    if pdl:
+        assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_greedy_sampling_ahead_reads_its_slots_before_the_wait(flag):
+    """``greedy_sample``'s kernel sampling ahead, launched dependent on the
+    head: the row's slot, the step's slot and what ``last_token`` (and the
+    flag) hold there are loaded before ``griddepcontrol.wait``; the logits,
+    every store and the arrival after it."""
+    from bubblefree.cuda_backend import greedy_sample
+    consts = dict(BLOCK=greedy_sample.BLOCK, CHUNKS=64, FLAG=flag, MASKED=False, AHEAD=True,
+                  PDL=True)
+    signature = {"logits_ptr": "*bf16", "table_ptr": "*bf16", "slots_ptr": "*i64",
+                 "masks_ptr": "*i64", "out_ptr": "*i64", "at_slot_ptr": "*i64",
+                 "undo_ptr": "*i64", "last_ptr": "*i64", "flag_ptr": "*u8", "best_ptr": "*fp32",
+                 "at_ptr": "*i32", "cnt_ptr": "*i32", "V": "i32", "sl_m": "i32", "st_m": "i32",
+                 "out_m": "i32", "chunks": "i32", **dict.fromkeys(consts, "constexpr")}
+    source = ASTSource(fn=greedy_sample._greedy_kernel, signature=signature, constexprs=consts)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4)).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    # slot, the step's slot, last_token there (the flag: one byte)
+    assert before.count("ld.global.b64") == 3 and ("ld.global.b8" in before) == flag
+    assert "ld.global.b16" not in before and "st.global" not in before and "atom" not in before
+    assert "ld.global" in after and "st.global" in after and "atom" in after

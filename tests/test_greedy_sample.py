@@ -15,6 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bubblefree.cuda_backend import normed_gemv, pdl
+from bubblefree.cuda_backend.graphs import GraphSet
 from bubblefree.cuda_backend.greedy_sample import BLOCK, make_sampler, torch_ahead, torch_greedy
 from bubblefree.cuda_backend.kernel_config import KernelConfig
 
@@ -205,11 +207,16 @@ def test_a_backend_gives_the_same_tokens_with_the_kernel_and_without():
     assert set(runs[0][1]) <= allowed
 
 
+PDL = pytest.mark.skipif(not torch.cuda.is_available() or not pdl.supported("cuda"),
+                         reason="needs a GPU with dependent launches (Hopper)")
+
+
 @CUDA
 @pytest.mark.parametrize("v", [64, BLOCK + 1, 128256, 151936])
 @pytest.mark.parametrize("b", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sampling_ahead_in_the_kernel_matches_the_torch_path(v, b, dtype):
+@pytest.mark.parametrize("launch_pdl", [False, pytest.param(True, marks=PDL)])
+def test_sampling_ahead_in_the_kernel_matches_the_torch_path(v, b, dtype, launch_pdl):
     logits, _, inputs, seqs = gpu_case(v, b, seed=2 * v + b)
     logits, row_slots = logits.to(dtype).cuda(), inputs[:b].cuda()
     sampler = make_sampler(8, v, torch.device("cuda"))
@@ -221,7 +228,9 @@ def test_sampling_ahead_in_the_kernel_matches_the_torch_path(v, b, dtype):
         for run, out in ((sampler.ahead, got), (torch_ahead, want)):
             sampled, undo = torch.full((2, 8), -1, device="cuda"), torch.full((2, 16), -1, device="cuda")
             last, flags = start_last.cuda(), start_flags.cuda()
-            run(logits, row_slots, torch.tensor([at], device="cuda"), sampled, undo, last, flags)
+            extra = {"pdl": launch_pdl} if run is sampler.ahead else {}
+            run(logits, row_slots, torch.tensor([at], device="cuda"), sampled, undo, last, flags,
+                **extra)
             out.append([t.cpu() for t in (sampled, undo, last, flags)])
         (g_s, g_u, g_l, g_f), (w_s, w_u, w_l, w_f) = got[0], want[0]
         assert torch.equal(g_f, w_f) and torch.equal(g_s[1 - at], w_s[1 - at])
@@ -230,4 +239,45 @@ def test_sampling_ahead_in_the_kernel_matches_the_torch_path(v, b, dtype):
         assert torch.equal(g_u[at, real], w_u[at, real])
         assert torch.equal(g_u[at, [8 + i for i in real]], w_u[at, [8 + i for i in real]])
         assert (g_u[1 - at] == -1).all()
+    assert int(sampler.arrived.sum()) == 0
+
+
+@PDL
+@pytest.mark.parametrize("b", [1, 3])
+def test_sampling_ahead_dependent_on_the_head_that_writes_its_logits(b):
+    """In the step's order: a dependent-launch GEMM writes the logits (as
+    the step's head does) and the kernel, launched dependent on it, reads
+    its slots before its wait and the logits after. Replayed in a graph on
+    new inputs, with ``last_token`` and the flags changed between replays
+    (what the kernel keeps to undo is read before its wait), it writes what
+    the torch path writes from the same logits."""
+    v, k, seqs = 151936, 256, 12
+    g = torch.Generator().manual_seed(b)
+    x = torch.randn(b, k, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(v, k, generator=g) / 16).to(torch.bfloat16).cuda()
+    row_slots = torch.randperm(seqs - 1, generator=g)[:b].cuda()
+    at = torch.tensor([1], device="cuda")
+    sampler = make_sampler(8, v, torch.device("cuda"))
+    sampled, undo = torch.full((2, 8), -1, device="cuda"), torch.full((2, 16), -1, device="cuda")
+    last = torch.zeros(seqs, dtype=torch.long, device="cuda")
+    flags = torch.zeros(seqs, dtype=torch.bool, device="cuda")
+    launch = normed_gemv.choose(k, v, False, 132)
+    out = {}
+
+    def step():
+        out["logits"] = normed_gemv.run(x, w, None, launch, pdl=True)
+        sampler.ahead(out["logits"], row_slots, at, sampled, undo, last, flags, pdl=True)
+
+    graphs = GraphSet(torch.device("cuda"), True)
+    graphs.capture("step", step)  # warmed up on a side stream, then recorded
+    for i in range(4):
+        x.copy_(torch.randn(b, k, generator=g))
+        last.copy_(torch.randint(0, 99, (seqs,), generator=g))
+        flags.copy_(torch.rand(seqs, generator=g) > 0.5)
+        w_last, w_flags = last.clone(), flags.clone()
+        w_sampled, w_undo = sampled.clone(), undo.clone()
+        graphs.run("step", step)
+        torch_ahead(out["logits"], row_slots, at, w_sampled, w_undo, w_last, w_flags)
+        for got, want in ((sampled, w_sampled), (undo, w_undo), (last, w_last), (flags, w_flags)):
+            assert torch.equal(got, want), i
     assert int(sampler.arrived.sum()) == 0

@@ -11,7 +11,9 @@ import attrs
 import pytest
 import torch
 
+from bubblefree.cuda_backend import normed_gemv, pdl
 from bubblefree.cuda_backend.attention import decode_context
+from bubblefree.cuda_backend.graphs import GraphSet
 from bubblefree.cuda_backend.kernel_config import Dispatch, KernelConfig
 from bubblefree.cuda_backend.step_inputs import RopeTable, step_inputs, torch_step_inputs
 from bubblefree.cuda_backend.tiny import tiny_model
@@ -100,10 +102,15 @@ def test_a_backend_decodes_the_same_with_gathered_inputs_and_without(arch):
 # -- the kernel, on the GPU -------------------------------------------------------------------
 
 
+PDL = pytest.mark.skipif(not torch.cuda.is_available() or not pdl.supported("cuda"),
+                         reason="needs a GPU with dependent launches (Hopper)")
+
+
 @CUDA
 @pytest.mark.parametrize("arch", ["llama", "phi"])
 @pytest.mark.parametrize("b", [1, 3, 8, 64])
-def test_the_kernel_matches_the_torch_path(arch, b):
+@pytest.mark.parametrize("release", [False, pytest.param(True, marks=PDL)])
+def test_the_kernel_matches_the_torch_path(arch, b, release):
     model = tiny_model(arch, seed=5, dtype=torch.bfloat16, device="cuda")
     embed = model.model.embed_tokens.weight
     page_size, pages = 16, 12
@@ -113,7 +120,7 @@ def test_the_kernel_matches_the_torch_path(arch, b):
     values = values.to(embed.dtype)
     for extra in ((), (flags, values)):
         got = step_inputs(row_slots, positions, page_table, last_token, embed, rope, page_size,
-                          *extra)
+                          *extra, pdl=release)
         want = torch_step_inputs(row_slots, positions, page_table, last_token, embed, rope,
                                  page_size, *extra)
         for name in ("x", "slot_mapping", "cos", "sin"):
@@ -146,3 +153,39 @@ def test_a_gpu_backend_gives_the_same_tokens_with_gathered_inputs_and_without(ar
         assert (backend._runner.rope is not None) == on
         runs.append(generate(backend, prompts, 12))
     assert runs[0] == runs[1]
+
+
+@PDL
+@pytest.mark.parametrize("b", [1, 8])
+def test_the_layer_launched_as_the_kernel_starts_reads_the_inputs_it_gathered(b):
+    """The first layer's GEMM, launched dependent on the kernel that lets
+    it launch as it starts, normed from the gathered embeddings: replayed
+    in a graph with new tokens each time, it equals the same GEMM over the
+    torch path's embeddings."""
+    model = tiny_model("llama", seed=7, dtype=torch.bfloat16, device="cuda")
+    embed = model.model.embed_tokens.weight
+    page_size, pages = 16, 4
+    rope = RopeTable.of(model.model.rotary_emb, pages * page_size, embed.dtype, embed.device)
+    row_slots, positions, page_table, last_token, _, _ = case(model, b, b + 3, pages, page_size,
+                                                              "cuda", seed=b)
+    d = embed.shape[1]
+    g = torch.Generator().manual_seed(b)
+    w = (torch.randn(3 * d, d, generator=g) / 8).to(torch.bfloat16).cuda()
+    norm = torch.rand(d, generator=g).to(torch.bfloat16).cuda()
+    launch = normed_gemv.choose(d, 3 * d, False, 132)
+    out = {}
+
+    def step():
+        got = step_inputs(row_slots, positions, page_table, last_token, embed, rope, page_size,
+                          pdl=True)
+        out["y"] = normed_gemv.run(got.x, w, None, launch, norm=norm, eps=1e-6, pdl=True)
+
+    graphs = GraphSet(torch.device("cuda"), True)
+    graphs.capture("step", step)  # warmed up on a side stream, then recorded
+    for i in range(4):
+        last_token.copy_(torch.randint(0, embed.shape[0], last_token.shape, generator=g))
+        graphs.run("step", step)
+        x = torch_step_inputs(row_slots, positions, page_table, last_token, embed, rope,
+                              page_size).x
+        want = normed_gemv.run(x, w, None, launch, norm=norm, eps=1e-6)
+        assert torch.equal(out["y"], want), i
