@@ -11,6 +11,11 @@ inside the forward's interval and its finalize's interval holds only the
 copy's event.
 
     python -m bubblefree.bench.request_intervals [--model phi|llama1b|qwen05b] [--sample-ahead ROWS]
+        [--trace]
+
+With ``--trace`` one more run at one stream is profiled (without the
+timing hook) and ``bench.step_gaps`` prints what the device ran between
+two decode forwards.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from bubblefree.bench import speed
 from bubblefree.bench.speed_cells import (FULL_TOKENS, TimedBackend, bin_masks, make_requests,
                                           run_closed_loop)
 from bubblefree.bench.speed_setup import SHAPES, build_model
+from bubblefree.bench.step_gaps import format_report, profiled
 from bubblefree.core import Engine
 
 REQUESTS = 4  # a stream's requests per run
@@ -50,6 +56,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--model", choices=list(SHAPES), default="llama1b")
     ap.add_argument("--sample-ahead", default=None, metavar="ROWS",
                     help="as bench.speed's (KernelConfig.sample_ahead; default: the config's)")
+    ap.add_argument("--trace", action="store_true",
+                    help="profile one more run at one stream: what runs between two forwards")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("the intervals are CUDA events: this needs a GPU")
@@ -79,6 +87,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {streams} | {s['wall_ms']:.4f} | {s['decode_ms']:.4f} | {s['sampling_ms']:.4f} | "
               f"{s['gaps_ms']:.4f} | {', '.join(f'{p:.3f}' for p in s['prefill_ms'])} | "
               f"{s['prefill_share_ms']:.4f} |", flush=True)
+    if args.trace:
+        reqs = make_requests("text", REQUESTS, FULL_TOKENS, mask_ids, backend.vocab_size, seed=1)
+        print(format_report(profiled(lambda: run_closed_loop(backend, reqs, 1, True, record=False))),
+              flush=True)
     return out
 
 

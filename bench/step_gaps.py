@@ -10,18 +10,23 @@ not across an image prefill), the gap and what ran in it.
 
     report = between_forwards(json.load(open(trace))["traceEvents"])
     print(format_report(report))
+
+or ``profiled(run)``: ``run()`` under torch's profiler, then the same.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import os
 import statistics
+import tempfile
 
 import attrs
 
 # The decode step's kernels (pdl_step, fused_decode): a forward is a run of these.
 FORWARD = frozenset({"_gemm_kernel", "split_kernel", "combine_kernel", "_add_norm_kernel",
-                     "one_pass_kernel", "_reduce_kernel"})
+                     "one_pass_kernel", "_reduce_kernel", "_normed_gemv_kernel", "_gemv_kernel"})
 DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -62,15 +67,22 @@ def forwards(events: list[dict], min_run: int) -> list[tuple[int, int]]:
 
 
 def between_forwards(trace: list[dict], min_run: int = 20, max_gap_us: float = 2000.0) -> Report:
+    """Forwards are runs on the streams the forward's kernels run on: a copy
+    on another stream that runs during a forward does not cut it in two.
+    What ran between two forwards is every device event, on any stream,
+    that started after the first's last kernel did and before the second."""
     events = device_events(trace)
-    runs = forwards(events, min_run)
-    spans = [(events[i]["ts"], max(e["ts"] + e["dur"] for e in events[i:j])) for i, j in runs]
+    streams = {e.get("tid") for e in events if e["name"] in FORWARD}
+    own = [e for e in events if e.get("tid") in streams]
+    runs = forwards(own, min_run)
+    spans = [(own[i]["ts"], max(e["ts"] + e["dur"] for e in own[i:j])) for i, j in runs]
     gaps = []
-    for (i0, j0), (i1, _), (_, end0), (start1, _) in zip(runs, runs[1:], spans, spans[1:]):
+    for (_, j0), (_, end0), (start1, _) in zip(runs, spans, spans[1:]):
         if start1 - end0 > max_gap_us:
             continue
+        after = own[j0 - 1]
         ops = tuple(Op(e["name"], e["ts"] - end0, e["dur"], str(e.get("tid", "")))
-                    for e in events[j0:i1])
+                    for e in events if after["ts"] <= e["ts"] < start1 and e is not after)
         gaps.append((start1 - end0, ops))
     return Report(forwards=len(runs), forward_us=[b - a for a, b in spans], gaps=gaps)
 
@@ -95,3 +107,22 @@ def format_report(r: Report, name_width: int = 60) -> str:
     for op in median_ops:
         lines.append(f"  {op.start:8.1f}  {op.dur:7.2f}  {op.stream:>10}  {op.name[:name_width]}")
     return "\n".join(lines)
+
+
+def profiled(run, activities=None) -> Report:
+    """``between_forwards`` over the trace of ``run()`` under torch's
+    profiler (``activities``: the device's alone by default; recording the
+    host's calls too slows the host that launches each step)."""
+    import torch  # the trace parsing above needs no torch
+    if activities is None:
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return between_forwards(json.load(f)["traceEvents"])
+    finally:
+        os.unlink(path)

@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import json
-import os
 import statistics
-import tempfile
 import threading
 import time
 
 import attrs
 import torch
 
-from bubblefree.bench.step_gaps import between_forwards, format_report
+from bubblefree.bench.step_gaps import format_report, profiled
 from bubblefree.bench.vlm_speed import WORKLOADS, images
 
 
@@ -111,16 +108,8 @@ def run(engine, workload: str, side: int, streams: int, count: int) -> float:
 
 def timeline(engine, args, streams: int, activities):
     """One profiled run's device trace, read by ``step_gaps``."""
-    with torch.profiler.profile(activities=activities) as prof:
-        run(engine, args.workload, args.side, streams, max(4, streams))
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return between_forwards(json.load(f)["traceEvents"])
-    finally:
-        os.unlink(path)
+    return profiled(lambda: run(engine, args.workload, args.side, streams, max(4, streams)),
+                    activities)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,3 +37,14 @@ def test_gaps_are_measured_between_consecutive_forwards_and_list_what_ran():
 
 def test_a_trace_without_two_close_forwards_says_so():
     assert "no two within" in format_report(between_forwards(forward(0, 30), min_run=20))
+
+
+def test_a_copy_on_another_stream_during_a_forward_does_not_cut_it():
+    """A step's next metadata copied in beside a forward (another stream)
+    is not one of the forward's kernels, and the forward stays one run."""
+    trace = (forward(0) + [kernel("Memcpy HtoD", 12, 1, "gpu_memcpy", 9)]
+             + [kernel("_greedy_kernel", 30, 5)] + forward(40))
+    r = between_forwards(trace, min_run=3, max_gap_us=1000)
+    assert r.forwards == 2 and r.forward_us == [28, 28]
+    gap, ops = r.gaps[0]
+    assert gap == 12 and [(o.name, o.start) for o in ops] == [("_greedy_kernel", 2)]
