@@ -97,9 +97,13 @@ def check_shortcut(engine: Engine) -> None:
     ahead and at most where behind."""
     sched, rates, t = engine.scheduler, engine.end_rates, engine.timings
     own = (t.bubble, t.forward or 0.0, engine.successors.rate, t.prefill_extra)
-    ends = outlook(sched, rates, 1.0)[1]
+    before = scheduler_state(sched)
+    looks = {1.0: outlook(sched, rates, 1.0)}  # by share: the whole outlook depends on no timing
+    ends = looks[1.0][1]
     for bubble, forward, share, extra in (own,) + SHORTCUT_GRID:
-        rows, zombies, may = outlook(sched, rates, share)
+        if share not in looks:
+            looks[share] = outlook(sched, rates, share)
+        rows, zombies, may = looks[share]
         weighed = bubble + (min(1.0, share * ends * (rows - 1) / rows) * extra * max(0.0, rows - ends) / rows
                             if rows else 0.0)
         exact = launch_ahead(rows, zombies, weighed, forward)
@@ -111,6 +115,8 @@ def check_shortcut(engine: Engine) -> None:
             raise InvariantViolation(f"the auto rule's shortcut gave {got}, the whole outlook "
                                      f"{(exact, may, rows, zombies, weighed)} (bubble {bubble}, forward "
                                      f"{forward}, share {share}, prefill extra {extra})")
+    if scheduler_state(sched) != before:
+        raise InvariantViolation("I8: the auto rule's shortcut changed the state it looked at")
 
 
 def scheduler_state(s) -> tuple:

@@ -11,6 +11,8 @@ test_invariant_breaks.py shows that a search this size catches a broken core.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from bubblefree.core import InvariantViolation, ahead
@@ -56,6 +58,18 @@ def test_exhaustive_search_finds_no_violation(name):
     elif name != "quick":
         assert RARE_PIPELINED <= reports[0].probes, RARE_PIPELINED - reports[0].probes
         assert {"queued_for_pages", "queued_for_adapters", "admitted_after_waiting"} <= reports[1].probes
+
+
+def test_a_snapshot_copies_a_random_generator_by_its_state_once():
+    # auto's tie-breaking draws (core/ahead.py): the twin draws what the
+    # original would have, whatever the original draws after, and one
+    # generator held twice is one twin.
+    rng = random.Random(7)
+    rng.random()
+    twins = Cloner().copy([rng, rng])
+    assert twins[0] is twins[1] and twins[0] is not rng
+    want = [rng.random() for _ in range(5)]
+    assert [twins[0].random() for _ in range(5)] == want
 
 
 def test_a_snapshot_runs_on_without_touching_its_original():
