@@ -11,6 +11,7 @@ test_invariant_breaks.py shows that a search this size catches a broken core.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -70,6 +71,18 @@ def test_a_snapshot_copies_a_random_generator_by_its_state_once():
     assert twins[0] is twins[1] and twins[0] is not rng
     want = [rng.random() for _ in range(5)]
     assert [twins[0].random() for _ in range(5)] == want
+
+
+def test_a_snapshot_copies_a_counter_where_it_stands_once():
+    # The engine's request ids and the clock's order: the twin counts on from
+    # where the original stood, by its step, without copy.deepcopy (which
+    # Python 3.14 no longer does for itertools objects).
+    ids, steps = itertools.count(), itertools.count(5, 3)
+    next(ids), next(ids), next(steps)
+    twins = Cloner().copy([ids, steps, ids])
+    assert twins[0] is twins[2] and twins[0] is not ids
+    assert [next(ids), next(ids)] == [next(twins[0]), next(twins[0])] == [2, 3]
+    assert [next(steps), next(twins[1])] == [8, 8]
 
 
 def test_a_snapshot_runs_on_without_touching_its_original():
