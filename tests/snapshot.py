@@ -12,9 +12,9 @@ slotted ``attrs`` classes, and its per-object overhead dominated the search.
   ``copy.deepcopy`` went through its 625-word state element by element, a
   third of the search's time), an ``itertools.count`` (the engine's
   request ids, the clock's order) by where it stands (Python deprecated
-  copying itertools objects in 3.12 and removed it in 3.14); anything else falls back to
-  ``copy.deepcopy`` with the same memo, so shared structure stays shared
-  exactly once.
+  copying itertools objects in 3.12 and removed it in 3.14); anything
+  else falls back to ``copy.deepcopy`` with the same memo, so shared
+  structure stays shared exactly once.
 
 One hazard: the fake backend schedules a copy's landing as a closure over
 its slot, and a deep copy shares functions. A closure is therefore rebuilt
