@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m bubblefree.demo
 
+# One worker a core, at most four: each imports torch and the server tests
+# start processes of their own. Plain `pytest` runs the suite in one process.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses 4
 
 mutation: $(STAMP)
 	$(PY) -m bubblefree.bench.mutation
