@@ -13,7 +13,7 @@
 forms: in a worker thread). ``stream=True`` gives ``{"answer": iterator}``
 (``{"caption": ...}``) of text pieces. ``settings`` is moondream's:
 ``temperature``, ``top_p``, ``max_tokens``, ``max_objects`` (point,
-detect), and our ``seed``; the engine's own keywords (``max_tokens``,
+detect), and our ``top_k``, ``min_p`` and ``seed``; the engine's own keywords (``max_tokens``,
 ``sampling``, ``max_objects``, ``listener``) are accepted too. Coordinates
 are normalized to the image, origin top left; so are ``spatial_refs``,
 points ``[x, y]`` and boxes ``[x_min, y_min, x_max, y_max]`` a question
@@ -31,12 +31,12 @@ import asyncio
 from typing import Any, Mapping
 
 from bubblefree.core import ImageRef, InvalidRequest, SamplingParams
-from bubblefree.core.values import named
+from bubblefree.core.values import SAMPLING_FIELDS, named
 from bubblefree.encoded import EncodedImage
 from bubblefree.skills.text import CAPTION_LENGTHS
 
-SETTINGS = ("temperature", "top_p", "seed", "max_tokens", "max_objects")
-SAMPLING = ("temperature", "top_p", "seed")
+SAMPLING = SAMPLING_FIELDS
+SETTINGS = (*SAMPLING, "max_tokens", "max_objects")
 OBJECT_SKILLS = ("point", "detect")
 
 

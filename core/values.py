@@ -151,6 +151,17 @@ def too_big(value: Any) -> str:
     return f"an integer of {digits} digits"
 
 
+MAX_TOP_K = (1 << 31) - 1  # past any vocabulary; a device column holds it as it is
+
+
+def _top_k(value: Any) -> int:
+    value = integer(value)  # numpy's integers too
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_K:
+        shown = too_big(value) if type(value) is int and value.bit_length() > 256 else repr(value)
+        raise InvalidRequest(f"sampling.top_k: must be an int in [0, 2**31 - 1] (0: no limit), got {shown}")
+    return value
+
+
 def _seed(value):
     value = integer(value)  # numpy's integers are seeds too
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
@@ -165,6 +176,13 @@ class SamplingParams:
     """Greedy when ``temperature == 0``. Seeded per request and position, so a
     row's token never depends on who shares its batch (I8 with sampling on).
 
+    With a temperature the draw is from ``softmax(logits / temperature)``
+    over the allowed tokens, cut in this order (as vLLM and transformers
+    cut it): the ``top_k`` most likely (0: no limit), then the top-p
+    nucleus of what is left, renormalized (1: no cut), then every token
+    under ``min_p`` times the most likely one's probability (0: no cut).
+    The most likely token always stays. Greedy ignores all three.
+
     Values are checked and normalized here, where they enter: a backend
     computes in float32, so an infinite, NaN or denormal-small temperature
     (or top_p) would turn into inf, NaN or 0 on the device and sample
@@ -175,6 +193,8 @@ class SamplingParams:
                                      converter=partial(_checked_number, "temperature", 1e-5, 100.0, True))
     top_p: float = attrs.field(default=1.0, converter=partial(_checked_number, "top_p", 1e-5, 1.0, False))
     seed: int = attrs.field(default=0, converter=_seed)
+    top_k: int = attrs.field(default=0, converter=_top_k)
+    min_p: float = attrs.field(default=0.0, converter=partial(_checked_number, "min_p", 1e-5, 1.0, True))
 
     @classmethod
     def of(cls, value: Any) -> "SamplingParams":
@@ -185,15 +205,16 @@ class SamplingParams:
         if isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
-            unknown = sorted(map(named, set(value) - {"temperature", "top_p", "seed"}))
+            unknown = sorted(map(named, set(value) - set(SAMPLING_FIELDS)))
             if unknown:
                 raise InvalidRequest(f"sampling: unknown field(s) {', '.join(unknown)}; "
-                                     "expected temperature, top_p, seed")
+                                     f"expected {', '.join(SAMPLING_FIELDS)}")
             return cls(**value)
         raise InvalidRequest(f"sampling: must be SamplingParams or a mapping, got {type(value).__name__}")
 
 
 GREEDY = SamplingParams()
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")  # as a mapping names them
 
 
 @attrs.frozen

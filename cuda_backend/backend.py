@@ -51,7 +51,7 @@ from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.loader import LoadedModel, use_paged_attention
 from bubblefree.cuda_backend.options import check_backend_options
 from bubblefree.cuda_backend.runner import ModelRunner, staging_size
-from bubblefree.cuda_backend.sampling import MaskTable, pack_sampling, sample_inputs, vocab_hash
+from bubblefree.cuda_backend.sampling import PARTS, MaskTable, pack_sampling, sample_inputs, vocab_hash
 from bubblefree.cuda_backend.sizing import ModelDims, context_length, num_pages_for
 from bubblefree.cuda_backend.slots import DecodeSlot, SlotState, make_slot
 
@@ -224,7 +224,7 @@ class CudaBackend:
                     s.pending.clear()
                 else:
                     self._flush(s)
-                    s.sample_inputs[:7 * b].copy_(s.sample_staging[:7 * b], non_blocking=True)
+                    s.sample_inputs[:PARTS * b].copy_(s.sample_staging[:PARTS * b], non_blocking=True)
                     self._sample_graphs.run((slot, b, greedy), lambda: self._sample(s, b, greedy))
                 s.ahead = False
                 self._after_sampling(s, sample, b, greedy)

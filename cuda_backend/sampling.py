@@ -1,4 +1,4 @@
-"""Sampling on the device: skill masks, greedy, temperature, top-p.
+"""Sampling on the device: skill masks, greedy, temperature, top-k, top-p, min-p.
 
 Randomness is a pure function of (request seed, position, token id): a
 counter-based hash turns it into a uniform, and Gumbel-max picks the token.
@@ -15,6 +15,8 @@ seed's lesson: one stray host copy here erases the whole pipelining gain).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -23,6 +25,10 @@ from bubblefree.core.values import StepRow
 
 M32 = 0xFFFFFFFF
 UNCONSTRAINED = 0  # mask id of the all-true row
+# ``pack_sampling``'s layout, a part of ``b`` int64 words each: row slot,
+# mask id, seed's low and high halves, position, top_k, then temperature,
+# top_p and min_p as float64 bits.
+PARTS = 9
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -64,26 +70,49 @@ def unit(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
-def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Tensor,
-                  temperature: torch.Tensor, top_p: torch.Tensor, seed_lo: torch.Tensor,
-                  seed_hi: torch.Tensor, position: torch.Tensor, token_salt: torch.Tensor,
-                  greedy_only: bool) -> torch.Tensor:
+class Draws(NamedTuple):
+    """Each row's sampling values on the device, ``[B]`` each: float32
+    ``temperature``, ``top_p``, ``min_p``; int64 ``top_k``, the seed's
+    32-bit halves and the sampled token's ``position``."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    seed_lo: torch.Tensor
+    seed_hi: torch.Tensor
+    position: torch.Tensor
+
+
+def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Tensor, draws: Draws,
+                  token_salt: torch.Tensor, greedy_only: bool) -> torch.Tensor:
     """One token per row ``[B]`` from ``logits`` ``[B, V]`` (float32). A row
-    with ``temperature == 0`` takes the argmax; others draw from the top-p
-    nucleus of ``softmax(logits / temperature)``; disallowed tokens never win."""
+    with ``temperature == 0`` takes the argmax; others draw from
+    ``softmax(logits / temperature)`` cut as ``SamplingParams`` says: the
+    ``top_k`` most likely, the ``top_p`` nucleus of those renormalized,
+    then what is under ``min_p`` of the best's probability. Disallowed
+    tokens never win."""
     banned = ~table.index_select(0, mask_ids)  # [B, V]
     logits = logits.masked_fill(banned, float("-inf"))
     greedy = logits.argmax(dim=-1)  # [B]
     if greedy_only:
         return greedy
+    temperature = draws.temperature
     scaled = logits / temperature.clamp_min(1e-5).unsqueeze(1)  # [B, V]
     ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    probs = torch.softmax(ordered, dim=-1)
+    # Ranks past a row's top_k (0: none) leave before the softmax, which
+    # renormalizes what stays for top_p, as vLLM and transformers cut.
+    ranks = torch.arange(ordered.shape[1], device=ordered.device)  # [V]
+    k = draws.top_k.unsqueeze(1)  # [B, 1]
+    past_k = (ranks >= k) & (k > 0)  # [B, V]
+    probs = torch.softmax(ordered.masked_fill(past_k, float("-inf")), dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
-    p = top_p.unsqueeze(1)
-    drop_sorted = (before >= p) & (p < 1.0)  # top_p == 1 keeps all (no rounding losses)
+    p = draws.top_p.unsqueeze(1)
+    drop_sorted = past_k | ((before >= p) & (p < 1.0))  # top_p == 1 keeps all (no rounding losses)
+    # min_p against the best's probability: a ratio, the same before or after top_p renormalizes.
+    drop_sorted |= probs < draws.min_p.unsqueeze(1) * probs[:, :1]
     drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocab order [B, V]
-    noise = -torch.log(-torch.log(uniforms(seed_lo, seed_hi, position, token_salt)))
+    noise = -torch.log(-torch.log(uniforms(draws.seed_lo, draws.seed_hi, draws.position, token_salt)))
     # Masked and dropped tokens out after the noise is added, so no sum of
     # infinities can bring one back.
     drawn = (scaled + noise).masked_fill(drop | banned, float("-inf")).argmax(dim=-1)  # [B]
@@ -92,10 +121,10 @@ def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Ten
 
 def pack_sampling(a: np.ndarray, rows: tuple[StepRow, ...], mask_ids: tuple[int | None, ...],
                   b: int, scratch_row: int) -> bool:
-    """Write a step's sampling inputs for bucket ``b`` into host staging ``a``:
-    ``[row_slot | mask_id | seed_lo | seed_hi | position | temperature | top_p]``,
-    ``b`` each, floats as float64 bits. Padded rows sample into the scratch
-    row, unconstrained and greedy. Returns whether every row is greedy."""
+    """Write a step's sampling inputs for bucket ``b`` into host staging ``a``
+    (``PARTS`` parts of ``b``, the module's layout). Padded rows sample into
+    the scratch row, unconstrained and greedy. Returns whether every row is
+    greedy."""
     # Each part a column at once: a host-bound step at 64 rows spent 40-70
     # us here writing numpy's elements one at a time. Floats are written
     # through a float64 view of the same buffer (their bits, as the device
@@ -107,38 +136,37 @@ def pack_sampling(a: np.ndarray, rows: tuple[StepRow, ...], mask_ids: tuple[int 
     seeds = [s.seed for s in samplings]
     temperatures = [s.temperature for s in samplings]
     floats = a.view(np.float64)
-    a[:7 * b] = 0
+    a[:PARTS * b] = 0  # padding: top_k and min_p 0 (no cut)
     a[:n] = [r.row_slot for r in rows]
     a[n:b] = scratch_row
     a[b:b + n] = [UNCONSTRAINED if m is None else m for m in mask_ids]
     a[2 * b:2 * b + n] = [seed & M32 for seed in seeds]
     a[3 * b:3 * b + n] = [seed >> 32 for seed in seeds]
     a[4 * b:4 * b + n] = [r.position + r.num_tokens for r in rows]  # the sampled token's position
-    floats[5 * b:5 * b + n] = temperatures
-    floats[6 * b:6 * b + n] = [s.top_p for s in samplings]
-    floats[6 * b + n:7 * b] = 1.0
+    if any(temperatures):  # the cuts matter to a drawn row only: greedy steps skip them
+        a[5 * b:5 * b + n] = [s.top_k for s in samplings]
+        floats[8 * b:8 * b + n] = [s.min_p for s in samplings]
+    floats[6 * b:6 * b + n] = temperatures
+    floats[7 * b:7 * b + n] = [s.top_p for s in samplings]
+    floats[7 * b + n:8 * b] = 1.0
     return not any(temperatures)
 
 
-def unpack_sampling(inputs: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:
-    """``pack_sampling``'s layout on the device, bucket ``b``: row slots, mask
-    ids, seed halves, positions (int64 ``[b]`` each), temperature and top-p
-    (float32 ``[b]`` each)."""
-    row_slots, mask_ids, seed_lo, seed_hi, position = (inputs[i * b:(i + 1) * b] for i in range(5))
-    temperature = inputs[5 * b:6 * b].view(torch.float64).float()  # [b]
-    top_p = inputs[6 * b:7 * b].view(torch.float64).float()  # [b]
-    return row_slots, mask_ids, seed_lo, seed_hi, position, temperature, top_p
+def unpack_sampling(inputs: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, Draws]:
+    """``pack_sampling``'s layout on the device, bucket ``b``: the row slots
+    and mask ids (int64 ``[b]`` each) and the rows' ``Draws``."""
+    row_slots, mask_ids, seed_lo, seed_hi, position, top_k = (inputs[i * b:(i + 1) * b] for i in range(6))
+    temperature, top_p, min_p = (inputs[i * b:(i + 1) * b].view(torch.float64).float()
+                                 for i in range(6, PARTS))  # [b] each
+    return row_slots, mask_ids, Draws(temperature, top_p, top_k, min_p, seed_lo, seed_hi, position)
 
 
 def sample_inputs(inputs: torch.Tensor, logits: torch.Tensor, table: torch.Tensor,
                   token_salt: torch.Tensor, b: int, greedy: bool):
     """Unpack ``pack_sampling``'s layout on the device and sample: returns the
     rows' row slots ``[b]`` and tokens ``[b]``."""
-    row_slots, mask_ids, seed_lo, seed_hi, position, temperature, top_p = \
-        unpack_sampling(inputs, b)
-    tokens = sample_tokens(logits[:b], table, mask_ids, temperature, top_p, seed_lo, seed_hi,
-                           position, token_salt, greedy)
-    return row_slots, tokens
+    row_slots, mask_ids, draws = unpack_sampling(inputs, b)
+    return row_slots, sample_tokens(logits[:b], table, mask_ids, draws, token_salt, greedy)
 
 
 class MaskTable:

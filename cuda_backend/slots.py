@@ -28,6 +28,7 @@ import torch
 
 from bubblefree.core.protocol import SlotState, slot_call
 from bubblefree.core.values import StepPlan
+from bubblefree.cuda_backend.sampling import PARTS
 
 __all__ = ["DecodeSlot", "SlotState", "make_slot"]
 
@@ -37,9 +38,9 @@ class DecodeSlot:
     index: int
     staging: torch.Tensor  # [staging_size] int64 host (pinned on CUDA): launch metadata
     staging_np: np.ndarray  # numpy view of ``staging``: packing without torch per-element calls
-    sample_staging: torch.Tensor  # [7 * max_rows] int64 host (pinned): sampling inputs
+    sample_staging: torch.Tensor  # [PARTS * max_rows] int64 host (pinned): sampling inputs
     sample_np: np.ndarray
-    sample_inputs: torch.Tensor  # [7 * max_rows] int64 device: the sampling graphs' input
+    sample_inputs: torch.Tensor  # [PARTS * max_rows] int64 device: the sampling graphs' input
     logits: torch.Tensor  # [max_rows, V] float32 device
     sampled: torch.Tensor  # [max_rows] int64 device
     landing: torch.Tensor  # [max_rows] int64 host (pinned): where the copy lands
@@ -73,12 +74,12 @@ def make_slot(index: int, *, staging_size: int, max_rows: int, vocab_size: int,
     def host(n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.long, pin_memory=cuda)
 
-    staging, sample_staging = host(staging_size), host(7 * max_rows)
+    staging, sample_staging = host(staging_size), host(PARTS * max_rows)
     return DecodeSlot(
         index=index,
         staging=staging, staging_np=staging.numpy(),
         sample_staging=sample_staging, sample_np=sample_staging.numpy(),
-        sample_inputs=torch.zeros(7 * max_rows, dtype=torch.long, device=device),
+        sample_inputs=torch.zeros(PARTS * max_rows, dtype=torch.long, device=device),
         logits=torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device),
         sampled=torch.zeros(max_rows, dtype=torch.long, device=device) if sampled is None
         else sampled,

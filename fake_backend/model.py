@@ -68,25 +68,37 @@ def sample(scores: Sequence[float], allowed: Iterable[int] | None,
            sampling: SamplingParams, position: int) -> int:
     """Pick one token among ``allowed`` (all when None); ties go to the lowest id.
 
-    Greedy takes the best score. With temperature, Gumbel-max over the top-p
-    nucleus of the allowed tokens: ``argmax(score / T + g(seed, position, token))``
-    draws exactly from the softmax, deterministically.
+    Greedy takes the best score. With temperature, Gumbel-max over the allowed
+    tokens left by ``top_k``, then the ``top_p`` nucleus of those, then
+    ``min_p`` (``SamplingParams``' order): ``argmax(score / T + g(seed,
+    position, token))`` draws exactly from the softmax, deterministically.
     """
     candidates = range(len(scores)) if allowed is None else sorted(allowed)
     if sampling.temperature == 0.0:
         return min(candidates, key=lambda v: (-scores[v], v))
     temp = sampling.temperature
     ranked = sorted(candidates, key=lambda v: (-scores[v], v))
+    if sampling.top_k:
+        ranked = ranked[:sampling.top_k]
+    if sampling.top_p == 1.0 and not sampling.min_p:
+        return _drawn(ranked, scores, sampling, position)
+    top = scores[ranked[0]] / temp
+    weights = [math.exp(scores[v] / temp - top) for v in ranked]  # the best's is 1
     if sampling.top_p < 1.0:
-        top = scores[ranked[0]] / temp
-        weights = [math.exp(scores[v] / temp - top) for v in ranked]
         budget, acc, kept = sampling.top_p * sum(weights), 0.0, 0
         for w in weights:
             kept += 1
             acc += w
             if acc >= budget:
                 break
-        ranked = ranked[:kept]
+        ranked, weights = ranked[:kept], weights[:kept]
+    if sampling.min_p:  # a share of the best's probability: the same before or after renormalizing
+        ranked = [v for v, w in zip(ranked, weights) if w >= sampling.min_p]
+    return _drawn(ranked, scores, sampling, position)
+
+
+def _drawn(ranked: list[int], scores: Sequence[float], sampling: SamplingParams, position: int) -> int:
+    temp = sampling.temperature
     return max(ranked, key=lambda v: (scores[v] / temp + gumbel(sampling.seed, position, v), -v))
 
 

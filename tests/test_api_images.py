@@ -22,7 +22,7 @@ from tests.serving_world import WAIT, Gate, wait_idle, wait_until
 from tests.test_images import BAD
 
 PICTURES = [picture(seed, 40 + 8 * seed, 30 + 4 * seed) for seed in range(3)]
-SAMPLINGS = [None, {"temperature": 0.8, "seed": 7}]
+SAMPLINGS = [None, {"temperature": 0.8, "seed": 7}, {"temperature": 1.3, "top_k": 3, "min_p": 0.05, "seed": 2}]
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +322,8 @@ BAD_CALLS = {
                              "settings.temperature"),
     "nan top_p": (lambda e: e.caption(PICTURES[0], settings={"top_p": float("nan")}), "settings.top_p"),
     "string seed": (lambda e: e.caption(PICTURES[0], settings={"seed": "7"}), "settings.seed"),
+    "negative top_k": (lambda e: e.point(PICTURES[0], "cat", settings={"top_k": -1}), "settings.top_k"),
+    "min_p over 1": (lambda e: e.query(PICTURES[0], "what", settings={"min_p": 2}), "settings.min_p"),
     "zero max_tokens": (lambda e: e.query(PICTURES[0], "what", settings={"max_tokens": 0}), "max_tokens"),
     "max_tokens twice": (lambda e: e.query(PICTURES[0], "what", settings={"max_tokens": 3}, max_tokens=3),
                          "settings.max_tokens"),

@@ -5,6 +5,7 @@ meet a test of the core itself."""
 
 import math
 
+import numpy as np
 import pytest
 
 from bubblefree.core import Engine, InvalidRequest, Request, SamplingParams, Status
@@ -147,6 +148,38 @@ def test_seeds_outside_are_refused(seed):
         SamplingParams(seed=seed)
 
 
+@pytest.mark.parametrize("value", [0, 1, 50, 2**31 - 1, np.int64(7), np.uint8(3)])
+def test_top_k_in_range_is_taken_as_an_int(value):
+    k = SamplingParams(top_k=value).top_k
+    assert k == int(value) and type(k) is int
+
+
+@pytest.mark.parametrize("value,shown", [(-1, "-1"), (2**31, "2147483648"), (True, "True"), (1.0, "1.0"),
+                                         ("5", "'5'"), (None, "None"), (10**400, "an integer of 401 digits")])
+def test_top_k_outside_is_refused_naming_the_range(value, shown):
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(top_k=value)
+    assert str(err.value) == f"sampling.top_k: must be an int in [0, 2**31 - 1] (0: no limit), got {shown}"
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 1e-5, 0.05, 1, 1.0])
+def test_min_p_zero_or_in_range_is_taken_as_a_float(value):
+    m = SamplingParams(min_p=value).min_p
+    assert m == float(value) and type(m) is float
+
+
+@pytest.mark.parametrize("value", [-0.1, 9.99e-6, 1.0001, math.nan, math.inf, True, "0.1", None])
+def test_min_p_outside_is_refused_naming_it(value):
+    with pytest.raises(InvalidRequest, match=r"^sampling\.min_p: must be (0 or in \[1e-05, 1\]|a number), got "):
+        SamplingParams(min_p=value)
+
+
+def test_the_cuts_are_mapping_fields_and_keep_the_positional_order():
+    assert SamplingParams.of({"temperature": 0.7, "top_k": 20, "min_p": 0.05}) == \
+        SamplingParams(0.7, 1.0, 0, top_k=20, min_p=0.05)
+    assert SamplingParams(0.5, 0.9, 3) == SamplingParams(temperature=0.5, top_p=0.9, seed=3)
+
+
 def test_of_none_is_greedy_and_of_params_is_themselves():
     assert SamplingParams.of(None) is GREEDY
     params = SamplingParams(temperature=0.5, seed=3)
@@ -162,7 +195,7 @@ def test_of_a_mapping_builds_and_checks():
 
 def test_of_unknown_fields_are_named_sorted():
     with pytest.raises(InvalidRequest, match=r"^sampling: unknown field\(s\) max, temp; "
-                                             r"expected temperature, top_p, seed$"):
+                                             r"expected temperature, top_p, top_k, min_p, seed$"):
         SamplingParams.of({"temp": 1, "max": 2, "seed": 1})
 
 

@@ -18,7 +18,7 @@ from bubblefree.cuda_backend.graphs import batch_buckets, bucket, page_buckets
 from bubblefree.cuda_backend.kernel_config import Dispatch, KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.runner import META_HEAD, ModelRunner, staging_size
-from bubblefree.cuda_backend.sampling import UNCONSTRAINED, pack_sampling, unpack_sampling
+from bubblefree.cuda_backend.sampling import PARTS, UNCONSTRAINED, pack_sampling, unpack_sampling
 from bubblefree.cuda_backend.token_prefill import TokenPrefill
 
 CAP = Capacity(num_pages=40, page_size=4, max_rows=6, max_seqs=8, max_prefill_tokens=48,
@@ -125,7 +125,8 @@ def sampled_rows(draw):
     """Decode rows with any sampling a request may ask for, and their mask ids."""
     plan_rows = draw(rows(prefill=False))
     params = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.0, 0.7, 1e-5, 100.0]),
-                       top_p=st.sampled_from([1.0, 0.9, 1e-5]), seed=st.integers(0, 2**64 - 1))
+                       top_p=st.sampled_from([1.0, 0.9, 1e-5]), seed=st.integers(0, 2**64 - 1),
+                       top_k=st.sampled_from([0, 1, 40, 2**31 - 1]), min_p=st.sampled_from([0.0, 0.05, 1.0]))
     plan_rows = tuple(attrs.evolve(r, sampling=draw(params)) for r in plan_rows)
     masks = tuple(draw(st.lists(st.one_of(st.none(), st.integers(1, 9)),
                                 min_size=len(plan_rows), max_size=len(plan_rows))))
@@ -137,10 +138,11 @@ def test_sampling_inputs_sit_in_their_columns_and_pad_to_greedy_scratch_rows(dra
     plan_rows, masks = drawn
     n = len(plan_rows)
     b = n + extra
-    a = np.full(7 * b + 8, -7, dtype=np.int64)
+    a = np.full(PARTS * b + 8, -7, dtype=np.int64)
     greedy = pack_sampling(a, plan_rows, masks, b, RUNNER.scratch_row)
-    slots, mask_ids, seed_lo, seed_hi, position, temperature, top_p = (
-        t.tolist() for t in unpack_sampling(torch.from_numpy(a.copy()), b))
+    slots, mask_ids, draws = unpack_sampling(torch.from_numpy(a.copy()), b)
+    slots, mask_ids = slots.tolist(), mask_ids.tolist()
+    temperature, top_p, top_k, min_p, seed_lo, seed_hi, position = (t.tolist() for t in draws)
     assert slots == [r.row_slot for r in plan_rows] + [RUNNER.scratch_row] * extra
     assert mask_ids == [UNCONSTRAINED if m is None else m for m in masks] + [UNCONSTRAINED] * extra
     seeds = [lo | hi << 32 for lo, hi in zip(seed_lo, seed_hi)]
@@ -149,7 +151,12 @@ def test_sampling_inputs_sit_in_their_columns_and_pad_to_greedy_scratch_rows(dra
     assert temperature == [np.float32(r.sampling.temperature) for r in plan_rows] + [0.0] * extra
     assert top_p == [np.float32(r.sampling.top_p) for r in plan_rows] + [1.0] * extra
     assert greedy is all(r.sampling.temperature == 0 for r in plan_rows)
-    assert (a[7 * b:] == -7).all()  # nothing past the bucket's columns
+    if not greedy:  # a greedy step's rows take no cut: not written
+        assert top_k == [r.sampling.top_k for r in plan_rows] + [0] * extra
+        assert min_p == [np.float32(r.sampling.min_p) for r in plan_rows] + [0.0] * extra
+    else:
+        assert top_k == [0] * b and min_p == [0.0] * b
+    assert (a[PARTS * b:] == -7).all()  # nothing past the bucket's columns
 
 
 def test_a_row_slot_s_new_pages_replace_the_ones_packed_before():

@@ -4,6 +4,8 @@ and masks are exact (I9)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,6 +107,30 @@ def test_sampling_ties_and_top_p():
     # Equal scores, top_p 0.5: the nucleus is the two lowest ids.
     drawn = {sample([0.0] * 4, None, SamplingParams(1.0, 0.5, s), 4) for s in range(40)}
     assert drawn == {0, 1}
+
+
+def _drawn(scores, **cuts):
+    return {sample(scores, None, SamplingParams(1.0, seed=s, **cuts), p) for s in range(10) for p in range(50)}
+
+
+def test_sampling_cuts_top_k_then_top_p_renormalized_then_min_p():
+    scores = [math.log(p) for p in (0.1, 0.4, 0.05, 0.3, 0.15)]
+    assert _drawn(scores) == {0, 1, 2, 3, 4}
+    assert _drawn(scores, top_k=2) == {1, 3}
+    assert _drawn(scores, top_k=1) == {1}
+    assert _drawn(scores, top_k=9) == {0, 1, 2, 3, 4}
+    # Renormalized over 0.4 and 0.3 the best holds 0.57: top_p 0.55 keeps it alone,
+    # where over all five (0.4 of 1) it needs the second too.
+    assert _drawn(scores, top_k=2, top_p=0.55) == {1}
+    assert _drawn(scores, top_p=0.55) == {1, 3}
+    assert _drawn(scores, min_p=0.3) == {1, 3, 4}  # 0.15 of 0.4 is 0.375; 0.1 is 0.25
+    assert _drawn(scores, min_p=1.0) == {1}
+    assert _drawn(scores, top_k=2, min_p=0.8) == {1}  # 0.3 is 0.75 of 0.4
+
+
+def test_sampling_top_k_among_allowed_ties_to_the_lowest_ids():
+    assert {sample([0.0] * 6, {1, 3, 4, 5}, SamplingParams(1.0, seed=s, top_k=2), 0)
+            for s in range(40)} == {1, 3}
 
 
 def test_satisfies_the_backend_protocol_with_its_capacity():

@@ -19,6 +19,7 @@ from bubblefree.cuda_backend import normed_gemv, pdl
 from bubblefree.cuda_backend.graphs import GraphSet
 from bubblefree.cuda_backend.greedy_sample import BLOCK, make_sampler, torch_ahead, torch_greedy
 from bubblefree.cuda_backend.kernel_config import KernelConfig
+from bubblefree.cuda_backend.sampling import PARTS
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a Triton kernel")
 INF = float("inf")
@@ -35,7 +36,7 @@ def by_definition(row: list[float], allowed: list[bool]) -> int:
 
 def inputs_for(row_slots: list[int], mask_ids: list[int], b: int) -> torch.Tensor:
     """``pack_sampling``'s first two parts for bucket ``b`` (the rest unused here)."""
-    inputs = torch.zeros(7 * b, dtype=torch.long)
+    inputs = torch.zeros(PARTS * b, dtype=torch.long)
     inputs[:b] = torch.tensor(row_slots)
     inputs[b:2 * b] = torch.tensor(mask_ids)
     return inputs

@@ -68,6 +68,19 @@ def test_sampled_values_are_seeded_per_request(backend):
     assert once(1) != once(2)  # 6 steps of tokens and bins: a collision is negligible
 
 
+def test_top_k_of_one_draws_the_greedy_tokens_and_values_at_any_temperature(backend):
+    """The cuts reach the region head's draws too: with one token (bin)
+    left, a drawn request is the greedy one, whatever its seed."""
+    image = picture(320, 480, 4)
+
+    def once(sampling):
+        return run(backend, [request(backend.image_ref(image), [3, 4], DETECT, sampling)])
+    greedy = once(SamplingParams())
+    assert once(SamplingParams(1.5, 1.0, 1, top_k=1)) == once(SamplingParams(1.5, 1.0, 2, top_k=1)) == greedy
+    assert once(SamplingParams(1.5, 1.0, 3, min_p=1.0)) == greedy
+    assert once(SamplingParams(1.5, 1.0, 1)) != greedy  # without the cut, the draw is not greedy's
+
+
 def test_images_batched_in_one_step_equal_one_at_a_time(backend, monkeypatch):
     images = [picture(260, 300, 5), picture(800, 600, 6), picture(400, 1200, 7)]
     reqs = [request(backend.image_ref(im), [11, 12 + i], kinds)

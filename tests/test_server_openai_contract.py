@@ -330,3 +330,27 @@ def test_a_refusal_of_max_completion_tokens_names_it(url, route):
     assert error["message"].startswith("max_completion_tokens: 1000000 after a "), error
     reply = httpx.post(url + route, json={**body, "max_tokens": 10**6}, timeout=20)
     assert reply.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_top_k_and_min_p_from_the_clients_extra_body_reach_the_draw(url, route):
+    """vLLM's sampling extras, as the OpenAI client sends them: one token
+    left (top_k 1, or min_p 1) is the greedy answer at any temperature and
+    seed; top_k -1 is no limit, as vLLM spells it."""
+    oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=20)
+
+    def text(**extra) -> str:
+        if route == "/v1/chat/completions":
+            reply = oa.chat.completions.create(model="m", messages=CHAT["messages"], max_tokens=8, **extra)
+            return reply.choices[0].message.content
+        return oa.completions.create(model="m", prompt="a", max_tokens=8, **extra).choices[0].text
+    greedy = text()
+    drawn = {text(temperature=2.0, seed=s, extra_body={"top_k": -1}) for s in range(4)}
+    assert drawn - {greedy}  # unlimited, the draws leave the greedy answer
+    for s in range(4):
+        assert text(temperature=2.0, seed=s, extra_body={"top_k": 1}) == greedy
+        assert text(temperature=2.0, seed=s, extra_body={"min_p": 1.0, "top_k": 0}) == greedy
+    # moondream's settings take them too
+    answer = httpx.post(f"{url}/v1/query", json={"question": "what", "settings": {
+        "temperature": 2.0, "seed": 3, "top_k": 1}}, timeout=20).json()["answer"]
+    assert answer == httpx.post(f"{url}/v1/query", json={"question": "what"}, timeout=20).json()["answer"]

@@ -35,7 +35,8 @@ from tests.serving_world import TOK, WAIT, Ends, make_engine, reference, wait_id
 
 QUESTIONS = ("the cat", "a dog sits", "red car", "what colour is the mat")
 GOOD_SAMPLING = st.sampled_from([None, {"temperature": 0.7, "seed": 1}, {"temperature": 1, "top_p": 0.9},
-                                 SamplingParams(temperature=0.5, seed=9)])
+                                 SamplingParams(temperature=0.5, seed=9),
+                                 {"temperature": 1.2, "top_k": 5, "min_p": 0.02, "seed": 4}])
 BAD = st.sampled_from([
     dict(sampling={"temperature": float("nan")}), dict(sampling={"temperature": "hot"}),
     dict(sampling={"seed": 1.5}), dict(sampling={"bogus": 1}), dict(sampling="greedy"),

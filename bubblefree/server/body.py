@@ -171,6 +171,20 @@ def kind_of(value: Any) -> str:
             list: "an array", dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
 
 
+def sampling_values(fields: Fields) -> dict[str, Any]:
+    """The sampling fields ``fields`` has, as ``SamplingParams.of`` takes
+    them (its range checks are the engine's): ``temperature``, ``top_p``,
+    ``min_p`` (numbers), ``top_k`` and ``seed`` (integers). A ``top_k`` of
+    -1 is no limit, as vLLM spells it, so its clients' requests are taken
+    unchanged."""
+    values = {k: v for k in ("temperature", "top_p", "min_p") if (v := fields.number(k)) is not None}
+    for key, low in (("top_k", -1), ("seed", 0)):
+        value = fields.integer(key, low)
+        if value is not None:
+            values[key] = 0 if key == "top_k" and value == -1 else value
+    return values
+
+
 def sampling_params(values: dict[str, Any], prefix: str) -> SamplingParams:
     """``SamplingParams`` with the engine's range checks, the field named as
     the client spelled it (``settings.temperature``, ``temperature``)."""

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from bubblefree.core import ImageRef
 from bubblefree.engine import RequestFailed
 from bubblefree.server import flow
-from bubblefree.server.body import Fields, read_json, sampling_params
+from bubblefree.server.body import Fields, read_json, sampling_params, sampling_values
 from bubblefree.server.errors import ApiError, error_body
 from bubblefree.server.flow import ClientGone, Served, fills_context
 from bubblefree.server.images import read_image
@@ -158,10 +158,7 @@ def _settings(body: Fields, spatial: bool) -> dict[str, Any]:
     settings = body.nested("settings")
     if settings is None:
         return {}
-    values = {k: v for k in ("temperature", "top_p") if (v := settings.number(k)) is not None}
-    seed = settings.integer("seed", 0)
-    if seed is not None:
-        values["seed"] = seed
+    values = sampling_values(settings)
     out: dict[str, Any] = {"max_tokens": settings.integer("max_tokens", 1)}
     if spatial:
         out["max_objects"] = settings.integer("max_objects", 1)

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from bubblefree.core import ImageRef, InvalidRequest
 from bubblefree.engine import RequestFailed
 from bubblefree.server import flow
-from bubblefree.server.body import Fields, each_object, read_json, sampling_params, valid_text
+from bubblefree.server.body import Fields, each_object, read_json, sampling_params, sampling_values, valid_text
 from bubblefree.server.errors import ApiError, error_body, field_of
 from bubblefree.server.flow import ClientGone, Served, fills_context
 from bubblefree.server.images import read_image
@@ -174,10 +174,7 @@ def _ask(body: Fields, prompt: list[int]) -> Ask:
     n = body.integer("n", 1, 1)
     if n != 1:
         raise body.refuse("n", f"this server gives one choice a request, got {n}")
-    values = {k: v for k in ("temperature", "top_p") if (v := body.number(k)) is not None}
-    seed = body.integer("seed", 0)
-    if seed is not None:
-        values["seed"] = seed
+    values = sampling_values(body)  # top_k and min_p as vLLM's server takes them
     stops = _stops(body)
     _neutral(body)
     stream = body.flag("stream")

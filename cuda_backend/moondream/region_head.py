@@ -49,13 +49,12 @@ class RegionHead:
         coordinate in column 0; a size as (width, height)) and the rows'
         next input embeddings ``[b, D]`` (rows of no kind get a coordinate's:
         unused, their flag is off)."""
-        _, _, seed_lo, seed_hi, position, temperature, top_p = unpack_sampling(inputs, b)
+        _, _, draws = unpack_sampling(inputs, b)
         zeros = self._zeros[:b]
 
         def pick(logits: torch.Tensor, head: str) -> torch.Tensor:  # [b, n] -> [b]
             table = self._tables[logits.shape[-1]]
-            return sample_tokens(logits.float(), table, zeros, temperature, top_p, seed_lo,
-                                 seed_hi, position, self._salts[head], greedy)
+            return sample_tokens(logits.float(), table, zeros, draws, self._salts[head], greedy)
 
         coord_logits = self.region.decode_coordinate(hidden)  # [b, coord bins]
         size_logits = self.region.decode_size(hidden)  # [b, 2, size bins]
