@@ -1,6 +1,7 @@
 """Peers timed in the same run as the engine: plain transformers on the same
 model shape and the same text workload (32-token random prompts, a fixed
-number of new tokens, greedy, no stop token).
+number of new tokens, greedy or drawn with the same ``sampling``, no stop
+token).
 
     generate, static cache      ``model.generate(cache_implementation="static")``:
                                 the fastest of transformers' own loops (it
@@ -50,11 +51,12 @@ class Peers:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def generate(self, streams: int, prompt: int, new_tokens: int) -> dict:
+    def generate(self, streams: int, prompt: int, new_tokens: int, sampling: dict | None = None) -> dict:
+        """``sampling``: ``temperature`` and ``top_p`` to draw with (None: greedy)."""
         ids = self._prompts(streams, prompt, 1).to(self.device)  # [N, P]
         args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                    eos_token_id=None, cache_implementation="static")
+                    min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None,
+                    cache_implementation="static", **_drawing(sampling))
         with torch.no_grad():
             self.model.generate(ids, **args)  # warm-up: same shapes, compiles here
             self._sync()
@@ -66,13 +68,13 @@ class Peers:
         return _figures(streams, made, wall, new_tokens, "one batch, compiled decode step",
                         latency=True)
 
-    def cb(self, streams: int, prompt: int, new_tokens: int) -> dict:
+    def cb(self, streams: int, prompt: int, new_tokens: int, sampling: dict | None = None) -> dict:
         from transformers import GenerationConfig
 
         model = self.model
         inputs = self._prompts(streams, prompt, 2).tolist()
-        gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
-                               pad_token_id=0)
+        gen = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=-1, pad_token_id=0,
+                               **_drawing(sampling))
         params = inspect.signature(model.generate_batch).parameters
         kwargs, note = {}, "default config"
         config_cls = _cb_config_class()
@@ -104,6 +106,11 @@ class Peers:
         self._model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _drawing(sampling: dict | None) -> dict:
+    """generate's sampling arguments: greedy, or drawn with ``sampling``."""
+    return dict(do_sample=False) if sampling is None else dict(do_sample=True, top_k=0, **sampling)
 
 
 def _drop_manager(model) -> None:

@@ -3,7 +3,7 @@ in one process on one GPU, on one model shape: moondream2's text decoder
 (Phi-1.5), Llama-3.2-1B or Qwen2-0.5B, with random bf16 weights.
 
     python -m bubblefree.bench.speed [--model phi|llama1b|qwen05b] [--tiny] [--quick] [--streams 1,8,32,64]
-                          [--workloads text,detect,point,mix] [--decode fused+compile]
+                          [--workloads text,detect,point,mix[,sampled]] [--decode fused+compile]
                           [--split-below PROGRAMS] [--attention 4x32w4s1] [--gemm cublas]
                           [--variant 896,1152=32n128k2s4w3p+sample_ahead=0]
                           [--out docs/benchmarks.md] [--plot docs/benchmarks.png]
@@ -42,8 +42,9 @@ import transformers
 
 from bubblefree.bench import speed_report as report
 from bubblefree.bench.peers import NAMES as PEER_NAMES, Peers
-from bubblefree.bench.speed_cells import (FULL_TOKENS, PROMPT, QUICK_TOKENS, WORKLOADS, TimedBackend,
-                               bin_masks, make_requests, request_count, run_closed_loop)
+from bubblefree.bench.speed_cells import (DEFAULT_WORKLOADS, FULL_TOKENS, PROMPT, QUICK_TOKENS, SAMPLED,
+                                          WORKLOADS, TimedBackend, bin_masks, make_requests,
+                                          request_count, run_closed_loop)
 from bubblefree.bench.speed_setup import (DECODE_PATHS, SHAPES, Clock, TimeLimit, build_model,
                                           read_bandwidth, time_limit, weight_bytes)
 from bubblefree.core import Engine
@@ -62,8 +63,9 @@ def parse(argv):
     ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and runs")
     ap.add_argument("--streams", default=None, help="concurrency levels (default 1,8,32,64; "
                     "1,8 with --quick)")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--peer-streams", default="1,32", help="peers run the text workload at these")
+    ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                    help=f"of {','.join(WORKLOADS)} (sampled: the text drawn at {SAMPLED})")
+    ap.add_argument("--peer-streams", default="1,32", help="peers run the text (and sampled) workload at these")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs per mode and cell, the last with the timing hook (default 3; 2 quick)")
     ap.add_argument("--budget", type=float, default=300.0,
@@ -171,36 +173,47 @@ def engine_cells(backend, args, mask_ids) -> list[dict]:
 
 
 def peer_cells(args, device) -> list[dict]:
-    if "text" not in args.workloads:
+    """The peers on the text workload and the sampled one (the same text,
+    drawn as ``SAMPLED`` says), where the run has them."""
+    kinds = [k for k in ("text", "sampled") if k in args.workloads]
+    if not kinds:
         return []
-    new_tokens = args.tokens["text"]
     peers = (Peers(lambda: build_model(args.tiny, seed=1, shape=args.model)[0], device)
              if device.type == "cuda" else None)
     rows = []
-    for streams in args.peer_streams:
-        for key, name in PEER_NAMES.items():
-            row = dict(workload="text", streams=streams, mode=name)
-            limit = min(args.peer_timeout, args.deadline - args.clock.elapsed())
-            if peers is None:
-                row["error"] = "n/a: needs CUDA"
-            elif limit < 15:
-                row["error"] = "skipped: time budget"
-            else:
-                args.clock.say(f"peer {name} x{streams} ...")
-                try:
-                    with time_limit(limit):
-                        row.update(getattr(peers, key)(streams, PROMPT, new_tokens))
-                    args.clock.say(f"peer {name} x{streams}: {row['tok_s']:,.0f} tok/s")
-                except BaseException as ex:  # noqa: BLE001 - a peer's failure is a table row
-                    if isinstance(ex, KeyboardInterrupt):
-                        raise
-                    args.clock.say(f"peer {name} x{streams} FAILED: {ex!r}")
-                    row["error"] = f"error: {ex!r}"[:200]
-            report.emit(row)
-            rows.append(row)
+    for kind in kinds:
+        for streams in args.peer_streams:
+            for key, name in PEER_NAMES.items():
+                row = peer_cell(peers, args, kind, streams, key, name)
+                report.emit(row)
+                rows.append(row)
     if peers is not None:
         peers.close()
     return rows
+
+
+def peer_cell(peers, args, kind: str, streams: int, key: str, name: str) -> dict:
+    """One peer's row: its figures, or why it has none."""
+    row = dict(workload=kind, streams=streams, mode=name)
+    limit = min(args.peer_timeout, args.deadline - args.clock.elapsed())
+    if peers is None:
+        row["error"] = "n/a: needs CUDA"
+    elif limit < 15:
+        row["error"] = "skipped: time budget"
+    else:
+        label = f"peer {name} {kind} x{streams}"
+        args.clock.say(f"{label} ...")
+        try:
+            with time_limit(limit):
+                row.update(getattr(peers, key)(streams, PROMPT, args.tokens["text"],
+                                               SAMPLED if kind == "sampled" else None))
+            args.clock.say(f"{label}: {row['tok_s']:,.0f} tok/s")
+        except BaseException as ex:  # noqa: BLE001 - a peer's failure is a table row
+            if isinstance(ex, KeyboardInterrupt):
+                raise
+            args.clock.say(f"{label} FAILED: {ex!r}")
+            row["error"] = f"error: {ex!r}"[:200]
+    return row
 
 
 def warm_up(backend, args, mask_ids) -> None:

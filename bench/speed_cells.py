@@ -1,8 +1,11 @@
 """The speed benchmark's pieces: workloads, a timed backend, one closed-loop run.
 
-Workloads (every prompt is 32 random token ids; greedy sampling):
+Workloads (every prompt is 32 random token ids; greedy unless said):
 
     text    110 new tokens, no stop token (the peers' workload)
+    sampled text drawn at temperature 0.7 and top_p 0.9 (``SAMPLED``,
+            common chat settings; the peers draw with the same); not in the
+            default grid
     detect  a constrained cycle over three disjoint token-id ranges standing
             in for x, y and size bins, 150 tokens; the state says "done" after
             the 150th, two short of the cap, so the engine learns of the end
@@ -33,14 +36,16 @@ import attrs
 import torch
 
 from bubblefree.bench.speed_report import behind_summary, timings_summary
-from bubblefree.core import Engine, Request, SamplePlan, Status, StepFailed
+from bubblefree.core import Engine, Request, SamplePlan, SamplingParams, Status, StepFailed
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.slots import SlotState
 
 PROMPT = 32
 FULL_TOKENS = {"text": 110, "detect": 150, "point": 3}
 QUICK_TOKENS = {"text": 12, "detect": 15, "point": 3}
-WORKLOADS = ("text", "detect", "point", "mix")
+WORKLOADS = ("text", "detect", "point", "mix", "sampled")
+DEFAULT_WORKLOADS = WORKLOADS[:4]
+SAMPLED = {"temperature": 0.7, "top_p": 0.9}  # the sampled workload's, its peers' too (speed_report.notes words it)
 
 
 @attrs.define
@@ -77,6 +82,10 @@ def make_requests(kind: str, count: int, tokens: dict[str, int], mask_ids: tuple
     for i in range(count):
         what = ("text", "detect", "point")[i % 3] if kind == "mix" else kind
         prompt = tuple(rng.randrange(vocab) for _ in range(PROMPT))
+        if what == "sampled":
+            out.append(Request(prompt=prompt, max_tokens=tokens["text"], stop_ids=frozenset(),
+                               sampling=SamplingParams(**SAMPLED, seed=i)))
+            continue
         n = tokens[what]
         if what == "text":
             out.append(Request(prompt=prompt, max_tokens=n, stop_ids=frozenset()))

@@ -27,16 +27,17 @@ def notes(tokens: dict[str, int], repeats: int) -> str:
               "Each mode runs once per cell, with the timing hook")
     return (
         "Closed loop: each cell keeps *streams* requests in flight until its requests are done. "
-        f"Prompts are 32 random token ids, greedy. *text*: {t} new tokens, no stop token. "
+        f"Prompts are 32 random token ids, greedy but in *sampled*. *text*: {t} new tokens, no stop token. "
         f"*detect*: {d} tokens constrained to a cycle of three disjoint token-id ranges (x, y, "
         f"size bins); the end is known only at commit (cap {d + 2}). *point*: {p} constrained "
-        f"tokens, cap {p + 1}. *mix*: the three interleaved. {timing}: CUDA events around each "
+        f"tokens, cap {p + 1}. *mix*: the three interleaved. *sampled* (where run): the text "
+        f"drawn at temperature 0.7, top_p 0.9, the peers drawing alike. {timing}: CUDA events around each "
         "forward and each sampling on the compute stream, the gaps between them summed "
         "(*GPU idle/step*), host clocks around launch and wait. *ms/step* is wall time per "
         "launched step (prefills included); *÷ read floor* divides it by the read floor, the "
         "weight bytes ÷ the read bandwidth measured at the start of the same run (a batch-1 step "
         "reads every weight once; the KV cache and activations are left out, so the floor is a "
-        "minimum). Peers submit all their requests at once (text only).")
+        "minimum). Peers submit all their requests at once (text and sampled only).")
 
 
 # Each run's figures kept in its mode's row, in the order run: throughput,

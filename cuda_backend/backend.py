@@ -51,7 +51,7 @@ from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.loader import LoadedModel, use_paged_attention
 from bubblefree.cuda_backend.options import check_backend_options
 from bubblefree.cuda_backend.runner import ModelRunner, staging_size
-from bubblefree.cuda_backend.sampling import PARTS, MaskTable, pack_sampling, sample_inputs, vocab_hash
+from bubblefree.cuda_backend.sampling import PARTS, Draw, MaskTable, pack_sampling, sample_inputs, vocab_hash
 from bubblefree.cuda_backend.sizing import ModelDims, context_length, num_pages_for
 from bubblefree.cuda_backend.slots import DecodeSlot, SlotState, make_slot
 
@@ -215,8 +215,8 @@ class CudaBackend:
         self._check_sample(sample, plan)
         kept = s.ahead and not sample.values and all(m is None for m in sample.mask_ids) \
             and not any(r.sampling.temperature for r in plan.rows)
-        greedy = kept or pack_sampling(s.sample_np, plan.rows, sample.mask_ids, b,
-                                       self._runner.scratch_row)
+        draw = Draw.GREEDY if kept else pack_sampling(s.sample_np, plan.rows, sample.mask_ids, b,
+                                                      self._runner.scratch_row)
         n = len(plan.rows)
         try:
             with self._on(self._compute):
@@ -225,9 +225,9 @@ class CudaBackend:
                 else:
                     self._flush(s)
                     s.sample_inputs[:PARTS * b].copy_(s.sample_staging[:PARTS * b], non_blocking=True)
-                    self._sample_graphs.run((slot, b, greedy), lambda: self._sample(s, b, greedy))
+                    self._sample_graphs.run((slot, b, draw), lambda: self._sample(s, b, draw))
                 s.ahead = False
-                self._after_sampling(s, sample, b, greedy)
+                self._after_sampling(s, sample, b, draw is Draw.GREEDY)
                 if self._copy is not None:
                     s.sampled_event.record(self._compute)
                     self._copy.wait_event(s.sampled_event)  # this step's outputs, nothing later
@@ -388,18 +388,18 @@ class CudaBackend:
         with contextlib.suppress(Exception):
             self._sync()
 
-    def _sample(self, s: DecodeSlot, b: int, greedy: bool) -> torch.Tensor:
+    def _sample(self, s: DecodeSlot, b: int, draw: Draw) -> torch.Tensor:
         """Sampling of slot ``s`` at bucket ``b`` (what the sampling graphs
-        record): each row's token into ``s.sampled`` and ``last_token`` at
-        its row slot (padded rows: the scratch row), and ``_sample_clears``
-        cleared there."""
+        record, one a ``Draw``): each row's token into ``s.sampled`` and
+        ``last_token`` at its row slot (padded rows: the scratch row), and
+        ``_sample_clears`` cleared there."""
         last, clears = self._runner.last_token, self._sample_clears()
-        if greedy:
+        if draw is Draw.GREEDY:
             sample = self._greedy or torch_greedy
             sample(s.logits, self._masks.table, s.sample_inputs, b, s.sampled, last, clears)
             return s.sampled
         row_slots, tokens = sample_inputs(s.sample_inputs, s.logits, self._masks.table,
-                                          self._salt, b, greedy)  # [b], [b]
+                                          self._salt, b, draw)  # [b], [b]
         s.sampled[:b].copy_(tokens)
         last.index_copy_(0, row_slots, tokens)
         if clears is not None:
@@ -435,22 +435,23 @@ class CudaBackend:
             self._sync()
 
     def _capture_sampling(self) -> None:
-        self._capture_per_slot(self._sample_graphs, lambda s, b, g: self._sample(s, b, g))
+        self._capture_per_slot(self._sample_graphs, self._sample, tuple(Draw))
 
-    def _capture_per_slot(self, graphs: GraphSet, fn, reset=None) -> None:
-        """A graph of ``fn(slot, b, greedy)`` per slot, row bucket and greedy
-        flag (finalize-phase work: it reads the slot's sampling inputs, which
-        hold padded rows only while capturing; ``reset(slot)`` clears more)."""
+    def _capture_per_slot(self, graphs: GraphSet, fn, kinds=(True, False), reset=None) -> None:
+        """A graph of ``fn(slot, b, kind)`` per slot, row bucket and kind of
+        sampling (``kinds``: the greedy flag, or each ``Draw``; finalize-phase
+        work: it reads the slot's sampling inputs, which hold padded rows
+        only while capturing; ``reset(slot)`` clears more)."""
         def items():
             for s in self._slots:
                 for b in reversed(self._rows):
-                    for greedy in (True, False):
+                    for kind in kinds:
                         def prepare(s=s, b=b):
                             s.sample_inputs.zero_()
                             s.sample_inputs[:b].fill_(self._runner.scratch_row)
                             if reset is not None:
                                 reset(s)
-                        yield (s.index, b, greedy), prepare, (lambda s=s, b=b, g=greedy: fn(s, b, g))
+                        yield (s.index, b, kind), prepare, (lambda s=s, b=b, k=kind: fn(s, b, k))
         with self._on(self._compute):
             graphs.capture_all(items())
         self._sync()

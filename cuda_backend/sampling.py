@@ -15,6 +15,7 @@ seed's lesson: one stray host copy here erases the whole pipelining gain).
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import numpy as np
@@ -70,6 +71,17 @@ def unit(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
+class Draw(enum.Enum):
+    """What a step's sampling has to do (``pack_sampling`` says; a graph
+    each): every row greedy; a row drawn, none cut (Gumbel-max over the
+    scaled logits: no sort of the vocabulary); a row drawn and cut (the
+    sort, for top_k, top_p or min_p)."""
+
+    GREEDY = "greedy"
+    PLAIN = "plain"
+    CUT = "cut"
+
+
 class Draws(NamedTuple):
     """Each row's sampling values on the device, ``[B]`` each: float32
     ``temperature``, ``top_p``, ``min_p``; int64 ``top_k``, the seed's
@@ -85,20 +97,24 @@ class Draws(NamedTuple):
 
 
 def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Tensor, draws: Draws,
-                  token_salt: torch.Tensor, greedy_only: bool) -> torch.Tensor:
+                  token_salt: torch.Tensor, draw: Draw) -> torch.Tensor:
     """One token per row ``[B]`` from ``logits`` ``[B, V]`` (float32). A row
     with ``temperature == 0`` takes the argmax; others draw from
     ``softmax(logits / temperature)`` cut as ``SamplingParams`` says: the
     ``top_k`` most likely, the ``top_p`` nucleus of those renormalized,
     then what is under ``min_p`` of the best's probability. Disallowed
-    tokens never win."""
+    tokens never win. ``draw``: what the rows need (``Draw``); ``PLAIN``
+    draws what ``CUT`` draws for rows without a cut."""
     banned = ~table.index_select(0, mask_ids)  # [B, V]
     logits = logits.masked_fill(banned, float("-inf"))
     greedy = logits.argmax(dim=-1)  # [B]
-    if greedy_only:
+    if draw is Draw.GREEDY:
         return greedy
     temperature = draws.temperature
     scaled = logits / temperature.clamp_min(1e-5).unsqueeze(1)  # [B, V]
+    noise = -torch.log(-torch.log(uniforms(draws.seed_lo, draws.seed_hi, draws.position, token_salt)))
+    if draw is Draw.PLAIN:  # nothing dropped: banned tokens are -inf already
+        return torch.where(temperature > 0, (scaled + noise).argmax(dim=-1), greedy)
     ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     # Ranks past a row's top_k (0: none) leave before the softmax, which
     # renormalizes what stays for top_p, as vLLM and transformers cut.
@@ -112,7 +128,6 @@ def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Ten
     # min_p against the best's probability: a ratio, the same before or after top_p renormalizes.
     drop_sorted |= probs < draws.min_p.unsqueeze(1) * probs[:, :1]
     drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocab order [B, V]
-    noise = -torch.log(-torch.log(uniforms(draws.seed_lo, draws.seed_hi, draws.position, token_salt)))
     # Masked and dropped tokens out after the noise is added, so no sum of
     # infinities can bring one back.
     drawn = (scaled + noise).masked_fill(drop | banned, float("-inf")).argmax(dim=-1)  # [B]
@@ -120,11 +135,11 @@ def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Ten
 
 
 def pack_sampling(a: np.ndarray, rows: tuple[StepRow, ...], mask_ids: tuple[int | None, ...],
-                  b: int, scratch_row: int) -> bool:
+                  b: int, scratch_row: int) -> Draw:
     """Write a step's sampling inputs for bucket ``b`` into host staging ``a``
     (``PARTS`` parts of ``b``, the module's layout). Padded rows sample into
-    the scratch row, unconstrained and greedy. Returns whether every row is
-    greedy."""
+    the scratch row, unconstrained and greedy. Returns what the rows need
+    (``Draw``)."""
     # Each part a column at once: a host-bound step at 64 rows spent 40-70
     # us here writing numpy's elements one at a time. Floats are written
     # through a float64 view of the same buffer (their bits, as the device
@@ -143,13 +158,18 @@ def pack_sampling(a: np.ndarray, rows: tuple[StepRow, ...], mask_ids: tuple[int 
     a[2 * b:2 * b + n] = [seed & M32 for seed in seeds]
     a[3 * b:3 * b + n] = [seed >> 32 for seed in seeds]
     a[4 * b:4 * b + n] = [r.position + r.num_tokens for r in rows]  # the sampled token's position
-    if any(temperatures):  # the cuts matter to a drawn row only: greedy steps skip them
-        a[5 * b:5 * b + n] = [s.top_k for s in samplings]
-        floats[8 * b:8 * b + n] = [s.min_p for s in samplings]
+    top_p = [s.top_p for s in samplings]
     floats[6 * b:6 * b + n] = temperatures
-    floats[7 * b:7 * b + n] = [s.top_p for s in samplings]
+    floats[7 * b:7 * b + n] = top_p
     floats[7 * b + n:8 * b] = 1.0
-    return not any(temperatures)
+    if not any(temperatures):  # the cuts matter to a drawn row only
+        return Draw.GREEDY
+    top_k, min_p = [s.top_k for s in samplings], [s.min_p for s in samplings]
+    a[5 * b:5 * b + n] = top_k
+    floats[8 * b:8 * b + n] = min_p
+    # A greedy row's cuts are never read (it takes the argmax): only drawn rows count.
+    cut = any(t and (p < 1.0 or k or m) for t, p, k, m in zip(temperatures, top_p, top_k, min_p))
+    return Draw.CUT if cut else Draw.PLAIN
 
 
 def unpack_sampling(inputs: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, Draws]:
@@ -162,11 +182,11 @@ def unpack_sampling(inputs: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.T
 
 
 def sample_inputs(inputs: torch.Tensor, logits: torch.Tensor, table: torch.Tensor,
-                  token_salt: torch.Tensor, b: int, greedy: bool):
+                  token_salt: torch.Tensor, b: int, draw: Draw):
     """Unpack ``pack_sampling``'s layout on the device and sample: returns the
     rows' row slots ``[b]`` and tokens ``[b]``."""
     row_slots, mask_ids, draws = unpack_sampling(inputs, b)
-    return row_slots, sample_tokens(logits[:b], table, mask_ids, draws, token_salt, greedy)
+    return row_slots, sample_tokens(logits[:b], table, mask_ids, draws, token_salt, draw)
 
 
 class MaskTable:

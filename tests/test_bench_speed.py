@@ -88,6 +88,32 @@ def test_speed_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
         assert 0 <= timed["follow"] <= 1
 
 
+def test_the_sampled_workload_draws_the_same_tokens_in_every_mode_and_beside_its_peers(tmp_path, monkeypatch):
+    """Not in the default grid; asked for, it runs the text drawn at
+    ``SAMPLED`` (the same tokens pipelined, blocking and auto: I8 with
+    sampling on, seeded per request), and its peers are listed beside it."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    table = speed.main(["--tiny", "--quick", "--streams", "1,4", "--workloads", "text,sampled",
+                        "--out", "", "--plot", ""])
+    lines = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    cells = [r for r in lines if r.get("mode") in ("pipelined", "blocking", "auto")]
+    assert {r["workload"] for r in cells} == {"text", "sampled"}
+    for streams in (1, 4):
+        drawn = {r["mode"]: r["tokens_hash"] for r in cells if r["workload"] == "sampled" and r["streams"] == streams}
+        greedy = {r["tokens_hash"] for r in cells if r["workload"] == "text" and r["streams"] == streams}
+        assert len(drawn) == 3 and len(set(drawn.values())) == 1 and set(drawn.values()) != greedy
+    for peer in ("hf generate (static cache)", "hf continuous batching"):
+        assert f"| sampled | 1 | {peer} |" in table
+    assert "sampled" not in speed.parse([]).workloads
+
+
+def test_the_peers_draw_with_the_workloads_settings_and_no_top_k_of_their_own():
+    from bubblefree.bench.peers import _drawing
+    from bubblefree.bench.speed_cells import SAMPLED
+    assert _drawing(None) == {"do_sample": False}
+    assert _drawing(SAMPLED) == {"do_sample": True, "top_k": 0, "temperature": 0.7, "top_p": 0.9}
+
+
 def test_cycle_walks_three_disjoint_masks():
     masks = bin_masks(512)
     assert all(len(m) == 64 for m in masks) and not (masks[0] & masks[1] or masks[1] & masks[2])

@@ -15,6 +15,7 @@ from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepPla
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.drive import generate, scattered_pages
 from bubblefree.cuda_backend.errors import CacheTooSmall
+from bubblefree.cuda_backend.sampling import Draw
 from bubblefree.cuda_backend.tiny import phi15_config, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -61,7 +62,7 @@ def test_slots_use_pinned_buffers_events_and_two_streams():
         assert s.logits.device.type == "cuda"
     assert be._compute != be._copy != torch.cuda.default_stream()
     assert len(be._decode_graphs) == len(be._rows) * len(be._pages)
-    assert len(be._sample_graphs) == 2 * 2 * len(be._rows)
+    assert len(be._sample_graphs) == 2 * len(Draw) * len(be._rows)  # per slot, kind of draw and bucket
 
 
 def test_captures_wait_for_the_set_up_on_the_default_stream(monkeypatch):

@@ -18,7 +18,7 @@ from bubblefree.cuda_backend.graphs import batch_buckets, bucket, page_buckets
 from bubblefree.cuda_backend.kernel_config import Dispatch, KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.runner import META_HEAD, ModelRunner, staging_size
-from bubblefree.cuda_backend.sampling import PARTS, UNCONSTRAINED, pack_sampling, unpack_sampling
+from bubblefree.cuda_backend.sampling import PARTS, UNCONSTRAINED, Draw, pack_sampling, unpack_sampling
 from bubblefree.cuda_backend.token_prefill import TokenPrefill
 
 CAP = Capacity(num_pages=40, page_size=4, max_rows=6, max_seqs=8, max_prefill_tokens=48,
@@ -139,7 +139,7 @@ def test_sampling_inputs_sit_in_their_columns_and_pad_to_greedy_scratch_rows(dra
     n = len(plan_rows)
     b = n + extra
     a = np.full(PARTS * b + 8, -7, dtype=np.int64)
-    greedy = pack_sampling(a, plan_rows, masks, b, RUNNER.scratch_row)
+    kind = pack_sampling(a, plan_rows, masks, b, RUNNER.scratch_row)
     slots, mask_ids, draws = unpack_sampling(torch.from_numpy(a.copy()), b)
     slots, mask_ids = slots.tolist(), mask_ids.tolist()
     temperature, top_p, top_k, min_p, seed_lo, seed_hi, position = (t.tolist() for t in draws)
@@ -150,11 +150,13 @@ def test_sampling_inputs_sit_in_their_columns_and_pad_to_greedy_scratch_rows(dra
     assert position == [r.position + 1 for r in plan_rows] + [0] * extra  # a decode row samples the next
     assert temperature == [np.float32(r.sampling.temperature) for r in plan_rows] + [0.0] * extra
     assert top_p == [np.float32(r.sampling.top_p) for r in plan_rows] + [1.0] * extra
-    assert greedy is all(r.sampling.temperature == 0 for r in plan_rows)
-    if not greedy:  # a greedy step's rows take no cut: not written
+    drawn = [r.sampling for r in plan_rows if r.sampling.temperature]
+    cut = any(p.top_p < 1 or p.top_k or p.min_p for p in drawn)
+    assert kind is (Draw.CUT if cut else Draw.PLAIN if drawn else Draw.GREEDY)
+    if drawn:
         assert top_k == [r.sampling.top_k for r in plan_rows] + [0] * extra
         assert min_p == [np.float32(r.sampling.min_p) for r in plan_rows] + [0.0] * extra
-    else:
+    else:  # a greedy step's rows take no cut: not written
         assert top_k == [0] * b and min_p == [0.0] * b
     assert (a[PARTS * b:] == -7).all()  # nothing past the bucket's columns
 

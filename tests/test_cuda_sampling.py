@@ -4,6 +4,7 @@ never violated (I9's device half)."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -12,8 +13,8 @@ from hypothesis import strategies as st
 from bubblefree.core.values import SamplingParams
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.drive import generate
-from bubblefree.cuda_backend.sampling import (Draws, MaskTable, mix32, sample_tokens, uniforms,
-                                               unit, vocab_hash)
+from bubblefree.cuda_backend.sampling import (Draw, Draws, MaskTable, mix32, sample_tokens,
+                                               uniforms, unit, vocab_hash)
 from bubblefree.cuda_backend.tiny import tiny_model
 
 V = 64
@@ -21,9 +22,10 @@ SALT = vocab_hash(V, torch.device("cpu"))
 
 
 def draw(logits, *, temperature, top_p=1.0, top_k=0, min_p=0.0, seed=0, position=0, mask_ids=None,
-         table=None, greedy_only=False):
+         table=None, greedy_only=False, kind=None):
     """``sample_tokens`` with per-row values given as scalars or lists; seeds
-    are split into 32-bit halves as the backend does on the host."""
+    are split into 32-bit halves as the backend does on the host. ``kind``:
+    the ``Draw`` (default: ``CUT``, which every row may take)."""
     b = logits.shape[0]
 
     def rows(x, dtype):
@@ -33,8 +35,9 @@ def draw(logits, *, temperature, top_p=1.0, top_k=0, min_p=0.0, seed=0, position
     draws = Draws(rows(temperature, torch.float32), rows(top_p, torch.float32), rows(top_k, torch.long),
                   rows(min_p, torch.float32), rows([s & 0xFFFFFFFF for s in seeds], torch.long),
                   rows([s >> 32 for s in seeds], torch.long), rows(position, torch.long))
+    kind = Draw.GREEDY if greedy_only else kind or Draw.CUT
     return sample_tokens(logits, table, rows(0, torch.long) if mask_ids is None else mask_ids, draws,
-                         SALT, greedy_only)
+                         SALT, kind)
 
 
 def test_mix32_matches_the_reference_hash():
@@ -84,7 +87,7 @@ def test_a_draw_where_a_tokens_hash_is_at_its_largest_keeps_to_the_mask():
     b = len(hits)
     zero = torch.zeros(b, dtype=torch.long)
     args = (Draws(torch.ones(b), torch.ones(b), zero, torch.zeros(b), torch.tensor(hits), zero,
-                  torch.full((b,), position)), salt, False)
+                  torch.full((b,), position)), salt, Draw.CUT)
     masked = sample_tokens(logits, table, torch.ones(b, dtype=torch.long), *args)
     assert set(masked.tolist()) <= {0, 1, 2}
     assert sample_tokens(logits, table, zero, *args).tolist() == [0] * b
@@ -204,6 +207,23 @@ def test_frequencies_inside_the_cuts_follow_the_renormalized_distribution():
     assert torch.allclose(freq, torch.tensor([4 / 9, 3 / 9, 2 / 9]), atol=0.03)
 
 
+@given(st.integers(0, 2**32), st.integers(1, 6), st.floats(1e-5, 100), st.booleans())
+def test_a_plain_draw_takes_the_tokens_the_cut_one_takes_without_a_cut(seed, b, temperature, masked):
+    """``Draw.PLAIN`` (no sort) for rows with no cut: what ``Draw.CUT`` draws,
+    greedy rows beside them included, masks kept."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, V, generator=gen) * 4
+    table = torch.ones(2, V, dtype=torch.bool)
+    table[1, ::3] = False
+    mask_ids = torch.tensor([int(masked and i % 2 == 0) for i in range(b)])
+    temps = [0.0 if i % 3 == 2 else temperature for i in range(b)]
+    seeds = [seed + i for i in range(b)]
+    plain, cut = (draw(logits, temperature=temps, seed=seeds, position=seed % 97, mask_ids=mask_ids,
+                       table=table, kind=kind) for kind in (Draw.PLAIN, Draw.CUT))
+    assert plain.tolist() == cut.tolist()
+    assert all(table[m, t] for m, t in zip(mask_ids.tolist(), plain.tolist()))
+
+
 def test_greedy_rows_ignore_the_cuts():
     logits = torch.randn(4, V)
     out = draw(logits, temperature=[0.0, 0.0, 1.0, 0.0], top_k=[2, 0, 1, 5], min_p=[0.9, 0.0, 0.0, 1.0],
@@ -294,3 +314,8 @@ def test_backend_sampling_is_reproducible_and_masked():
            for s in (1, 2, 3)]
     assert generate(be, prompts, 8, sampling=one, mask_ids=[None, mask, None]) == greedy
     assert generate(be, prompts, 8, sampling=params, mask_ids=[None, mask, None]) != greedy
+    # A draw with no cut (no sort) takes what the cut path takes with a cut that drops nothing.
+    plain = [SamplingParams(temperature=1.3, seed=s) for s in (4, 5, 6)]
+    wide = [attrs.evolve(p, top_k=be.vocab_size) for p in plain]
+    assert generate(be, prompts, 8, sampling=plain, mask_ids=[None, mask, None]) == \
+        generate(be, prompts, 8, sampling=wide, mask_ids=[None, mask, None]) != greedy

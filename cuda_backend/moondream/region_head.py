@@ -19,7 +19,7 @@ import torch
 
 from bubblefree.core.values import ValueKind
 from bubblefree.cuda_backend.moondream.region import RegionModel, coordinate_value, size_value
-from bubblefree.cuda_backend.sampling import mix32, sample_tokens, unpack_sampling
+from bubblefree.cuda_backend.sampling import Draw, mix32, sample_tokens, unpack_sampling
 
 NONE, COORD, SIZE = 0, 1, 2
 KIND_CODES = {None: NONE, ValueKind.COORD: COORD, ValueKind.SIZE: SIZE}
@@ -54,7 +54,9 @@ class RegionHead:
 
         def pick(logits: torch.Tensor, head: str) -> torch.Tensor:  # [b, n] -> [b]
             table = self._tables[logits.shape[-1]]
-            return sample_tokens(logits.float(), table, zeros, draws, self._salts[head], greedy)
+            # The request's cuts on a head's few bins: the sort is cheap there.
+            return sample_tokens(logits.float(), table, zeros, draws, self._salts[head],
+                                 Draw.GREEDY if greedy else Draw.CUT)
 
         coord_logits = self.region.decode_coordinate(hidden)  # [b, coord bins]
         size_logits = self.region.decode_size(hidden)  # [b, 2, size bins]
