@@ -163,7 +163,9 @@ class Engine(SkillCalls):
         """One call's ``(request, listener)``, its arguments checked; ``args`` is consumed."""
         listener, sampling = args.pop("listener", None), args.pop("sampling", None)
         check_listener(listener)
-        return self._request(skill, SamplingParams.of(sampling), args), listener
+        # A request without a seed gets its own here, so that its Handle shows it.
+        sampling = SamplingParams.of(sampling).seeded(self.core.fresh_seed)
+        return self._request(skill, sampling, args), listener
 
     def _request(self, skill: str, sampling: SamplingParams, args: dict[str, Any]):
         # The engine's own keywords to the skill set: a caller's would collide.

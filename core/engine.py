@@ -32,6 +32,8 @@ from __future__ import annotations
 import collections
 import inspect
 import itertools
+import random
+import secrets
 import time
 from typing import Callable, Iterable, Iterator, Literal
 
@@ -117,6 +119,9 @@ class Engine:
     worth: Worth = attrs.Factory(Worth)
     behind: collections.deque[Behind] = attrs.field(
         factory=lambda: collections.deque(maxlen=BEHIND_KEPT), init=False)
+    # Seeds for requests that bring none (``SamplingParams.seeded``): fresh
+    # in each process; a test that must repeat them gives its own.
+    seeds: random.Random = attrs.Factory(lambda: random.Random(secrets.randbits(64)))
 
     def __attrs_post_init__(self) -> None:
         self.scheduler = Scheduler(self.backend.capacity, probe=self.probe, masks=self.masks)
@@ -135,6 +140,10 @@ class Engine:
         self.masks[mask_id] = allowed
         return mask_id
 
+    def fresh_seed(self) -> int:
+        """A seed for a request that brings none (``seeds``)."""
+        return self.seeds.getrandbits(64)
+
     def allowed(self, mask_id: int) -> frozenset[int]:
         return self.masks[mask_id]
 
@@ -142,6 +151,8 @@ class Engine:
         """Accept a request or raise ``InvalidRequest`` naming what is wrong.
         ``request_id`` lets a caller that hands ids out itself choose one."""
         self.validate(request)
+        if request.sampling.seed is None:  # the request's own seed, drawn once (I8 holds for it)
+            request = attrs.evolve(request, sampling=request.sampling.seeded(self.fresh_seed))
         seq_id = next(self._ids) if request_id is None else request_id
         if seq_id in self.handles or seq_id in self.scheduler.seqs:
             raise ValueError(f"request id {seq_id} is in use")

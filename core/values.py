@@ -163,11 +163,13 @@ def _top_k(value: Any) -> int:
 
 
 def _seed(value):
+    if value is None:  # a fresh one when the request is accepted (``SamplingParams.seeded``)
+        return None
     value = integer(value)  # numpy's integers are seeds too
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
         # A huge int by its digits: past 4300 of them its repr raises ValueError.
         shown = too_big(value) if type(value) is int and value.bit_length() > 256 else repr(value)
-        raise InvalidRequest(f"sampling.seed: must be an int in [0, 2**64), got {shown}")
+        raise InvalidRequest(f"sampling.seed: must be an int in [0, 2**64) or None, got {shown}")
     return value
 
 
@@ -183,6 +185,12 @@ class SamplingParams:
     under ``min_p`` times the most likely one's probability (0: no cut).
     The most likely token always stays. Greedy ignores all three.
 
+    ``seed`` None (the default) is a fresh one for each request, drawn
+    when the engine accepts it (``seeded``; the request its Handle holds
+    has it, to draw the same again), so two requests asking the same draw
+    apart, as OpenAI's and vLLM's do; a seed given draws the same tokens
+    every time.
+
     Values are checked and normalized here, where they enter: a backend
     computes in float32, so an infinite, NaN or denormal-small temperature
     (or top_p) would turn into inf, NaN or 0 on the device and sample
@@ -192,9 +200,22 @@ class SamplingParams:
     temperature: float = attrs.field(default=0.0,
                                      converter=partial(_checked_number, "temperature", 1e-5, 100.0, True))
     top_p: float = attrs.field(default=1.0, converter=partial(_checked_number, "top_p", 1e-5, 1.0, False))
-    seed: int = attrs.field(default=0, converter=_seed)
+    seed: int | None = attrs.field(default=None, converter=_seed)
     top_k: int = attrs.field(default=0, converter=_top_k)
     min_p: float = attrs.field(default=0.0, converter=partial(_checked_number, "min_p", 1e-5, 1.0, True))
+
+    @property
+    def drawn_seed(self) -> int:
+        """The seed a backend draws with: 0 for a row that reached it with
+        none (a plan built by hand; the engine gives every request one)."""
+        return 0 if self.seed is None else self.seed
+
+    def seeded(self, draw: Callable[[], int]) -> "SamplingParams":
+        """These values with a seed: their own, else ``draw()``'s (an int in
+        [0, 2**64)) where a token is drawn, and 0 where greedy needs none."""
+        if self.seed is not None:
+            return self
+        return attrs.evolve(self, seed=draw() if self.temperature else 0)
 
     @classmethod
     def of(cls, value: Any) -> "SamplingParams":

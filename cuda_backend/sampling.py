@@ -148,7 +148,7 @@ def pack_sampling(a: np.ndarray, rows: tuple[StepRow, ...], mask_ids: tuple[int 
     if len(mask_ids) != n:
         raise ValueError(f"{len(mask_ids)} mask ids for {n} rows")
     samplings = [r.sampling for r in rows]
-    seeds = [s.seed for s in samplings]
+    seeds = [s.seed or 0 for s in samplings]  # ``SamplingParams.drawn_seed``, without a call a row
     temperatures = [s.temperature for s in samplings]
     floats = a.view(np.float64)
     a[:PARTS * b] = 0  # padding: top_k and min_p 0 (no cut)

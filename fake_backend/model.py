@@ -99,7 +99,7 @@ def sample(scores: Sequence[float], allowed: Iterable[int] | None,
 
 def _drawn(ranked: list[int], scores: Sequence[float], sampling: SamplingParams, position: int) -> int:
     temp = sampling.temperature
-    return max(ranked, key=lambda v: (scores[v] / temp + gumbel(sampling.seed, position, v), -v))
+    return max(ranked, key=lambda v: (scores[v] / temp + gumbel(sampling.drawn_seed, position, v), -v))
 
 
 @attrs.frozen
@@ -147,7 +147,7 @@ class FakeModel:
             return self.value_fn(prompt, position, token, kind)
         base = stable_hash(0x5E, _prompt_digest(prompt), position, prev_token, kind is ValueKind.SIZE)
         if sampling.temperature != 0.0:
-            base = stable_hash(0xB1, sampling.seed, base)
+            base = stable_hash(0xB1, sampling.drawn_seed, base)
         if kind is ValueKind.COORD:
             return (base % COORD_BINS) / COORD_BINS
         w, h = (stable_hash(base, axis) % SIZE_BINS for axis in (0, 1))

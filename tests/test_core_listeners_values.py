@@ -4,6 +4,7 @@ exact bounds. Kept in the mutation subset, so mutants of these functions
 meet a test of the core itself."""
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -142,10 +143,42 @@ def test_seeds_in_range(seed):
     assert SamplingParams(seed=seed).seed == seed
 
 
-@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.0, "1", None])
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.0, "1"])
 def test_seeds_outside_are_refused(seed):
-    with pytest.raises(InvalidRequest, match=r"^sampling\.seed: must be an int in \[0, 2\*\*64\), got "):
+    with pytest.raises(InvalidRequest, match=r"^sampling\.seed: must be an int in \[0, 2\*\*64\) or None, got "):
         SamplingParams(seed=seed)
+
+
+def test_without_a_seed_one_is_drawn_where_a_token_is_drawn_and_a_seed_given_stays():
+    assert SamplingParams().seed is None and SamplingParams(temperature=0.5).seed is None
+    draws = iter([11, 12])
+    drawn = SamplingParams(temperature=0.5, top_p=0.9).seeded(lambda: next(draws))
+    assert drawn == SamplingParams(temperature=0.5, top_p=0.9, seed=11)
+    assert SamplingParams().seeded(lambda: next(draws)).seed == 0  # greedy needs none: nothing drawn
+    given = SamplingParams(temperature=0.5, seed=3)
+    assert given.seeded(lambda: next(draws)) is given
+    assert next(draws) == 12
+
+
+def test_requests_without_a_seed_draw_apart_and_their_seed_draws_the_same_again():
+    engine = Engine(FakeBackend(), seeds=random.Random(5))
+    drawn = SamplingParams(temperature=1.5)
+    handles = [engine.submit(Request(prompt=(0, 1, 2), max_tokens=12, sampling=drawn)) for _ in range(2)]
+    engine.run_until_idle()
+    seeds = [h.request.sampling.seed for h in handles]
+    assert all(type(s) is int for s in seeds) and seeds[0] != seeds[1]
+    tokens = [h.result.tokens for h in handles]
+    assert tokens[0] != tokens[1]  # 12 tokens of 32 at temperature 1.5: a tie is negligible
+    again = engine.submit(Request(prompt=(0, 1, 2), max_tokens=12,
+                                  sampling=SamplingParams(temperature=1.5, seed=seeds[0])))
+    greedy = engine.submit(Request(prompt=(0, 1, 2), max_tokens=12))
+    engine.run_until_idle()
+    assert again.result.tokens == tokens[0]
+    assert greedy.request.sampling.seed == 0
+    # An engine given the same seeds draws the same ones
+    twin = Engine(FakeBackend(), seeds=random.Random(5))
+    assert [twin.submit(Request(prompt=(0, 1, 2), max_tokens=12, sampling=drawn)).request.sampling.seed
+            for _ in range(2)] == seeds
 
 
 @pytest.mark.parametrize("value", [0, 1, 50, 2**31 - 1, np.int64(7), np.uint8(3)])
@@ -176,7 +209,7 @@ def test_min_p_outside_is_refused_naming_it(value):
 
 def test_the_cuts_are_mapping_fields_and_keep_the_positional_order():
     assert SamplingParams.of({"temperature": 0.7, "top_k": 20, "min_p": 0.05}) == \
-        SamplingParams(0.7, 1.0, 0, top_k=20, min_p=0.05)
+        SamplingParams(0.7, 1.0, None, top_k=20, min_p=0.05)
     assert SamplingParams(0.5, 0.9, 3) == SamplingParams(temperature=0.5, top_p=0.9, seed=3)
 
 

@@ -354,3 +354,15 @@ def test_top_k_and_min_p_from_the_clients_extra_body_reach_the_draw(url, route):
     answer = httpx.post(f"{url}/v1/query", json={"question": "what", "settings": {
         "temperature": 2.0, "seed": 3, "top_k": 1}}, timeout=20).json()["answer"]
     assert answer == httpx.post(f"{url}/v1/query", json={"question": "what"}, timeout=20).json()["answer"]
+
+
+def test_drawn_answers_without_a_seed_differ_and_a_seed_repeats_its_answer(url):
+    """As OpenAI's: a drawn request without ``seed`` takes a fresh one, so
+    the same request asked again draws anew; with ``seed`` it answers alike."""
+    def text(**extra) -> str:
+        body = {"prompt": "a", "max_tokens": 12, "temperature": 1.5, **extra}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=20)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+    assert len({text() for _ in range(4)}) > 1
+    assert len({text(seed=9) for _ in range(3)}) == 1

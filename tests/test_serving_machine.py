@@ -70,7 +70,8 @@ class ServingMachine(RuleBasedStateMachine):
         return make_engine()
 
     def reference(self, t: Tracked):
-        return reference(t.skill, t.args, t.sampling, t.max_tokens)
+        # The sampling the engine accepted: a drawn request sent without a seed got its own.
+        return reference(t.skill, t.args, t.handle.request.sampling, t.max_tokens)
 
     def __init__(self):
         super().__init__()
@@ -294,11 +295,12 @@ class CpuServingMachine(ServingMachine):
         return _cpu_engine()
 
     def reference(self, t: Tracked):
-        key = (t.skill, tuple(sorted(t.args.items())), repr(SamplingParams.of(t.sampling)), t.max_tokens)
+        sampling = t.handle.request.sampling  # as accepted: with the seed drawn for it, if any
+        key = (t.skill, tuple(sorted(t.args.items())), repr(sampling), t.max_tokens)
         if key not in self._references:
             if CpuServingMachine._reference_engine is None:
                 CpuServingMachine._reference_engine = _cpu_engine()
-            h = self._reference_engine.submit(t.skill, sampling=t.sampling, max_tokens=t.max_tokens, **t.args)
+            h = self._reference_engine.submit(t.skill, sampling=sampling, max_tokens=t.max_tokens, **t.args)
             self._references[key] = h.result(WAIT).tokens
         return self._references[key]
 

@@ -366,7 +366,7 @@ def test_output_waits_only_its_timeout_and_names_the_cut_result(gated, gate):
     ({"temperature": "hot"}, "sampling.temperature"),
     ({"temperature": 1e300}, "sampling.temperature"),
     ({"seed": 1.5}, "sampling.seed"),
-    ({"seed": None}, "sampling.seed"),
+    ({"seed": "7"}, "sampling.seed"),  # None is no seed: a fresh one (SamplingParams)
     ({"seed": True}, "sampling.seed"),
     ({"seed": -1}, "sampling.seed"),
     ({"top_p": 0}, "sampling.top_p"),
