@@ -13,8 +13,9 @@
 forms: in a worker thread). ``stream=True`` gives ``{"answer": iterator}``
 (``{"caption": ...}``) of text pieces. ``settings`` is moondream's:
 ``temperature``, ``top_p``, ``max_tokens``, ``max_objects`` (point,
-detect), and our ``top_k``, ``min_p`` and ``seed``; the engine's own keywords (``max_tokens``,
-``sampling``, ``max_objects``, ``listener``) are accepted too. Coordinates
+detect), and our ``top_k``, ``min_p`` and ``seed``; the engine's own
+keywords (``max_tokens``, ``sampling``, ``max_objects``, ``listener``) are
+accepted too. Coordinates
 are normalized to the image, origin top left; so are ``spatial_refs``,
 points ``[x, y]`` and boxes ``[x_min, y_min, x_max, y_max]`` a question
 refers to (models whose config names the placeholders; ``skills.spatial_refs``).

@@ -98,7 +98,19 @@ HUGE_NUMBERS = [
      "temperature"),
     ("/v1/query", b'{"question": "a", "settings": {"temperature": %s}}', "settings.temperature"),
     ("/v1/query", b'{"question": "a", "settings": {"top_p": %s}}', "settings.top_p"),
+    ("/v1/completions", b'{"prompt": "a", "min_p": %s}', "min_p"),
+    ("/v1/query", b'{"question": "a", "settings": {"min_p": -%s}}', "settings.min_p"),
 ]
+
+
+@pytest.mark.parametrize("route,body,field", [
+    ("/v1/completions", b'{"prompt": "a", "top_k": %s}', "top_k"),
+    ("/v1/query", b'{"question": "a", "settings": {"top_k": %s}}', "settings.top_k"),
+])
+def test_a_top_k_of_hundreds_of_digits_is_refused_by_its_count_of_digits(client, route, body, field):
+    message = refused(client.post(route, content=body % HUGE), field)
+    assert message == f"{field}: must be an int in [0, 2**31 - 1] (0: no limit), got an integer of 400 digits"
+    serves_on(client)
 
 
 @pytest.mark.parametrize("route,body,field", HUGE_NUMBERS, ids=[f"{r} {f}" for r, _, f in HUGE_NUMBERS])

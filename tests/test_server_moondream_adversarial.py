@@ -31,8 +31,8 @@ BODIES = {
     "segment": {"object": "cat", "image_url": URI},
 }
 FIELDS = ("question", "object", "image_url", "length", "stream", "model", "settings", "spatial_refs",
-          "reasoning", "settings.temperature", "settings.top_p", "settings.max_tokens",
-          "settings.max_objects", "settings.seed")
+          "reasoning", "settings.temperature", "settings.top_p", "settings.top_k", "settings.min_p",
+          "settings.max_tokens", "settings.max_objects", "settings.seed")
 # Every JSON kind a field could be given where it wants another.
 WRONG = {"null": None, "integer": 5, "negative": -1, "zero": 0, "number": 1.5, "huge integer": 10 ** 400,
          "boolean": True, "string": "x", "empty string": "", "long string": "x " * 50_000,
