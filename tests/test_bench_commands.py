@@ -129,3 +129,22 @@ def test_grid_wait_without_a_gpu_says_what_it_needs(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         grid_wait.main([])
     assert "needs a CUDA GPU and Triton" in capsys.readouterr().err
+
+
+def test_the_sampling_bench_times_each_kind_of_draw_beside_transformers_and_writes_its_section(tmp_path, capsys):
+    from bubblefree.bench import sampling
+    out = tmp_path / "benchmarks.md"
+    out.write_text("# Speed benchmarks\n\nearlier runs\n")
+    text = sampling.main(["--vocab", "256", "--rows", "1,3", "--repeats", "2", "--device", "cpu",
+                          "--out", str(out)])
+    for rows in (1, 3):
+        for label in [c[0] for c in sampling.CASES] + [sampling.PEER]:
+            line = next(x for x in text.splitlines() if x.startswith(f"| {rows} | {label} |"))
+            us = float(line.split("|")[3].replace(",", ""))
+            assert us > 0 and line.endswith("| eager |"), line
+    doc = out.read_text()
+    assert doc.startswith("# Speed benchmarks\n\nearlier runs\n") and text in doc
+    sampling.main(["--vocab", "256", "--rows", "2", "--repeats", "1", "--device", "cpu", "--out", str(out)])
+    assert doc.count(sampling.BEGIN) == 1 and out.read_text().count("| 2 | greedy |") == 1  # replaced
+    assert "| 1 | greedy |" not in out.read_text()
+    assert text.splitlines()[-1] in capsys.readouterr().out
