@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import attrs
 
+from bubblefree.core.values import too_big
 from bubblefree.skills.base import CompileContext, Skill, check_fields, invalid, text_arg
 from bubblefree.skills.text import TextState, TextTables, compile_text
 from bubblefree.skills.tokenizer import Tokenizer
@@ -39,7 +40,7 @@ class Complete(Skill):
         if isinstance(value, (list, tuple)) and value and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in value):
             return CompleteArgs(text=None, ids=tuple(value))
-        raise invalid(self.name, "prompt", f"must be text or a non-empty list of token ids, got {value!r}"[:200])
+        raise invalid(self.name, "prompt", f"must be text or a non-empty list of token ids, got {_held(value)}")
 
     def prompt(self, tokenizer: Tokenizer, args: CompleteArgs) -> list[int]:
         if args.ids is None:
@@ -47,9 +48,11 @@ class Complete(Skill):
         # The caller's ids, refused as theirs: past here an id outside the
         # vocabulary is the skill's bug (``SkillSet.request``).
         outside = [t for t in args.ids if not 0 <= t < len(tokenizer)]
-        if outside:
+        if outside:  # a huge one by its digits: past 4,300 of them str() raises
+            bad = outside[0]
+            shown = too_big(bad) if abs(bad).bit_length() > 256 else str(bad)
             raise invalid(self.name, "prompt", f"token ids must be ints in [0, {len(tokenizer)}), "
-                          f"got {outside[0]}")
+                          f"got {shown}")
         return list(args.ids)
 
     def default_max_tokens(self, args: CompleteArgs) -> int:
@@ -63,3 +66,16 @@ class Complete(Skill):
 
     def finish(self, state: TextState) -> dict[str, str]:
         return {"text": state.text()}
+
+
+def _held(value: Any) -> str:
+    """A prompt that is neither text nor token ids, as a refusal names it:
+    by what it holds, never by its repr (a list of a million ids; an int of
+    thousands of digits, whose repr raises past 4,300)."""
+    if not isinstance(value, (list, tuple)):
+        return type(value).__name__
+    kind = type(value).__name__
+    if not value:
+        return f"an empty {kind}"
+    at, item = next((i, t) for i, t in enumerate(value) if not isinstance(t, int) or isinstance(t, bool))
+    return f"a {kind} holding a {type(item).__name__} at [{at}]"

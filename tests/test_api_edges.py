@@ -319,3 +319,25 @@ def test_output_room_is_where_submit_starts_refusing_a_prompt_as_too_long(bound)
         assert_serves(engine)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("prompt,says", [
+    ([10**5000], "token ids must be ints in [0, {v}), got an integer of 5001 digits"),
+    ([1, -(10**400)], "token ids must be ints in [0, {v}), got an integer of 401 digits"),
+    ([1, 10**6], "token ids must be ints in [0, {v}), got 1000000"),
+    ([10**5000, "x"], "must be text or a non-empty list of token ids, got a list holding a str at [1]"),
+    ([], "must be text or a non-empty list of token ids, got an empty list"),
+    ((1, True), "must be text or a non-empty list of token ids, got a tuple holding a bool at [1]"),
+    (list(range(10**6)) + [None], "must be text or a non-empty list of token ids, got a list holding a "
+                                  "NoneType at [1000000]"),
+    (7, "must be text or a non-empty list of token ids, got int"),
+])
+def test_a_completions_prompt_is_refused_by_what_it_holds_never_by_its_repr(engine, prompt, says):
+    """A repr of an int past 4,300 digits raises ValueError, which the skill's
+    guard turned into a SkillError; a list of a million ids was quoted
+    whole before being cut."""
+    vocab = len(engine.skills.tokenizer)
+    with pytest.raises(InvalidRequest) as err:
+        engine.submit("complete", prompt=prompt, max_tokens=2)
+    assert str(err.value) == f"prompt: {says.format(v=vocab)} (skill 'complete')"
+    assert_serves(engine)

@@ -98,6 +98,7 @@ CASES = [
      422, "stop"),
     ("n = 2", "POST", "/v1/chat/completions", chat(n=2), 422, "n"),
     ("empty prompt", "POST", "/v1/completions", {"prompt": ""}, 422, "prompt"),
+    ("token id past the vocabulary", "POST", "/v1/completions", {"prompt": [3, 10**6]}, 422, "prompt"),
     ("prompt of no token", "POST", "/v1/completions", {"prompt": "  "}, 422, "prompt"),
     ("stream_options without stream", "POST", "/v1/chat/completions",
      chat(stream_options={"include_usage": True}), 422, "stream_options"),

@@ -366,3 +366,26 @@ def test_drawn_answers_without_a_seed_differ_and_a_seed_repeats_its_answer(url):
         return reply.json()["choices"][0]["text"]
     assert len({text() for _ in range(4)}) > 1
     assert len({text(seed=9) for _ in range(3)}) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completions_prompt_of_token_ids_answers_as_its_text_does(stream):
+    """OpenAI's (and vLLM's) prompt as an array of token ids, or a batch of
+    one such array: the ids go to the engine as they are."""
+    engine = fake_engine()
+    with serving(engine) as base:
+        ids = engine.skills.tokenizer.encode("what is it")
+
+        def answer(prompt) -> str:
+            body = {"prompt": prompt, "max_tokens": 8, "stream": stream}
+            reply = httpx.post(f"{base}/v1/completions", json=body, timeout=20)
+            assert reply.status_code == 200, reply.text
+            if not stream:
+                return reply.json()["choices"][0]["text"]
+            return "".join(json.loads(d)["choices"][0]["text"] for d in events(reply)[:-1])
+        text = answer("what is it")
+        assert answer(ids) == answer([ids]) == text != ""
+        reply = httpx.post(f"{base}/v1/completions", json={"prompt": [ids, ids]}, timeout=20)
+        assert reply.status_code == 422 and reply.json()["error"]["param"] == "prompt"
+        serves_on(base)
+    engine.close()

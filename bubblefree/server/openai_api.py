@@ -3,9 +3,11 @@
 
 A conversation becomes one prompt (the model's chat template where it has
 one; moondream's query template on moondream2, with the conversation's
-image); a completion's prompt is encoded as it is. Streams are server-sent
-events, ``data: {chunk}`` lines closed by ``data: [DONE]``. ``stop`` strings
-end the answer where one appears, trimmed off, streamed or not.
+image); a completion's prompt is encoded as it is, or taken as the token
+ids it is (an array of integers, as OpenAI's takes them). Streams are
+server-sent events, ``data: {chunk}`` lines closed by ``data: [DONE]``.
+``stop`` strings end the answer where one appears, trimmed off, streamed
+or not.
 """
 
 from __future__ import annotations
@@ -87,10 +89,14 @@ def router(served: Served) -> APIRouter:
     async def completions(request: Request) -> Response:
         body = await read_json(request, served.settings.max_json_values)
         prompt = body.raw("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
+        if _token_ids(prompt):  # as OpenAI's and vLLM's take them; the engine checks each id
+            ask = _ask(body, list(prompt))
+            return await _answer(served, request, ask, _ready(ask), "text_completion", _text_choice)
         if not isinstance(prompt, str) or not prompt:
-            raise body.refuse("prompt", "must be a non-empty string (one prompt a request)")
+            raise body.refuse("prompt", "must be a non-empty string or array of token ids "
+                                        "(one prompt a request)")
         valid_text(prompt, "prompt")
         ask = _ask(body, [])
 
@@ -103,6 +109,18 @@ def router(served: Served) -> APIRouter:
         return await _answer(served, request, ask, ready, "text_completion", _text_choice)
 
     return api
+
+
+def _token_ids(prompt: Any) -> bool:
+    """Whether ``prompt`` is a non-empty array of integers: token ids, not
+    text (a bool is no id; ``Engine.submit`` refuses any outside the vocabulary)."""
+    return isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
+
+
+def _ready(ask: Ask) -> Callable[[], Awaitable[Ask]]:
+    async def ready() -> Ask:
+        return ask
+    return ready
 
 
 def _messages(body: Fields, images: list[tuple[str, Any]]) -> tuple[list[tuple[str, str]], int | None]:
