@@ -32,7 +32,7 @@ import asyncio
 from typing import Any, Mapping
 
 from bubblefree.core import ImageRef, InvalidRequest, SamplingParams
-from bubblefree.core.values import SAMPLING_FIELDS, named
+from bubblefree.core.values import SAMPLING_FIELDS, named, shown
 from bubblefree.encoded import EncodedImage
 from bubblefree.skills.text import CAPTION_LENGTHS
 
@@ -81,7 +81,7 @@ def call_args(skill: str, image: Any, settings: Any, kw: dict[str, Any], **args:
 
 def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise InvalidRequest(f"{name}: must be True or False, got {value!r}")
+        raise InvalidRequest(f"{name}: must be True or False, got {shown(value)}")
     return value
 
 

@@ -17,6 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
 from bubblefree.core import Request, Result, Status
+from bubblefree.core.values import shown
 
 if TYPE_CHECKING:
     from bubblefree.loop import ServingLoop
@@ -43,7 +44,7 @@ def wait_seconds(timeout: Any) -> float | None:
     # int a float, which overflows for an int past any float.
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
             or timeout != timeout or timeout < 0:
-        raise ValueError(f"timeout: seconds >= 0 or None, not {timeout!r}")
+        raise ValueError(f"timeout: seconds >= 0 or None, not {shown(timeout)}")
     # Half the lock's limit: the condition re-derives what is left from a
     # clock, which may round a wait near the limit just past it.
     return None if timeout > threading.TIMEOUT_MAX / 2 else float(timeout)

@@ -128,7 +128,7 @@ def _checked_number(field: str, low: float, high: float, zero_ok: bool, value: A
     # Any real number (numpy's float32, a Fraction), as the caller's numbers
     # come; Decimal is not one (no ``numbers.Real``), nor is a bool.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidRequest(f"sampling.{field}: must be a number, got {value!r}")
+        raise InvalidRequest(f"sampling.{field}: must be a number, got {shown(value)}")
     allowed = f"0 or in [{low:g}, {high:g}]" if zero_ok else f"in [{low:g}, {high:g}]"
     try:
         value = float(value)
@@ -138,6 +138,20 @@ def _checked_number(field: str, low: float, high: float, zero_ok: bool, value: A
     if not (low <= value <= high or (zero_ok and value == 0.0)):
         raise InvalidRequest(f"sampling.{field}: must be {allowed}, got {value!r}")
     return value
+
+
+def shown(value: Any, most: int = NAME_CHARS) -> str:
+    """A caller's value as a refusal quotes it: its repr, at most ``most``
+    characters; an int past 256 bits by its digits (past 4,300 its repr
+    raises); and where the repr itself raises (a caller's object), the
+    value's type, so that the refusal is still the refusal."""
+    if type(value) is int and value.bit_length() > 256:
+        return too_big(value)
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - any object's __repr__ may raise anything
+        return f"a {type(value).__name__} (its repr raised)"
+    return named(text, most)
 
 
 def too_big(value: Any) -> str:
@@ -157,8 +171,8 @@ MAX_TOP_K = (1 << 31) - 1  # past any vocabulary; a device column holds it as it
 def _top_k(value: Any) -> int:
     value = integer(value)  # numpy's integers too
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_K:
-        shown = too_big(value) if type(value) is int and value.bit_length() > 256 else repr(value)
-        raise InvalidRequest(f"sampling.top_k: must be an int in [0, 2**31 - 1] (0: no limit), got {shown}")
+        raise InvalidRequest("sampling.top_k: must be an int in [0, 2**31 - 1] (0: no limit), "
+                             f"got {shown(value)}")
     return value
 
 
@@ -167,9 +181,7 @@ def _seed(value):
         return None
     value = integer(value)  # numpy's integers are seeds too
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-        # A huge int by its digits: past 4300 of them its repr raises ValueError.
-        shown = too_big(value) if type(value) is int and value.bit_length() > 256 else repr(value)
-        raise InvalidRequest(f"sampling.seed: must be an int in [0, 2**64) or None, got {shown}")
+        raise InvalidRequest(f"sampling.seed: must be an int in [0, 2**64) or None, got {shown(value)}")
     return value
 
 

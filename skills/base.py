@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable, ClassVar, Mapping, Protocol
 
-from bubblefree.core.values import InvalidRequest, integer, named
+from bubblefree.core.values import InvalidRequest, integer, named, shown
 from bubblefree.skills.codec import SpatialCodec
 from bubblefree.skills.tokenizer import Tokenizer
 
@@ -181,7 +181,7 @@ def positive_int(skill: str, args: Mapping[str, Any], field: str, default: int) 
     value = integer(args.get(field, default))  # numpy's integers too, as max_tokens takes them
     # bool is an int subclass; True objects is a caller's bug, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(skill, field, f"must be an integer, got {value!r}")
+        raise invalid(skill, field, f"must be an integer, got {shown(value)}")
     if value <= 0:
         raise invalid(skill, field, f"must be > 0, got {value}")
     return value
@@ -191,7 +191,7 @@ def choice_arg(skill: str, args: Mapping[str, Any], field: str,
                choices: tuple[str, ...], default: str) -> str:
     value = args.get(field, default)
     if value not in choices:
-        raise invalid(skill, field, f"must be one of {', '.join(choices)}; got {value!r}")
+        raise invalid(skill, field, f"must be one of {', '.join(choices)}; got {shown(value)}")
     return value
 
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import attrs
 
 from bubblefree.core.values import (GREEDY, ImageRef, InvalidRequest, Request, SamplingParams, bad_prompt_values,
-                                   described, integer, message)
+                                   described, integer, message, shown)
 from bubblefree.skills.base import Skill, SkillError, SkillState, StateFactory, invalid
 from bubblefree.skills.codec import LocationCodec, SpatialCodec
 from bubblefree.skills.registry import BUILTIN, Registry
@@ -154,7 +154,7 @@ class SkillSet:
         parsed = _hook(name, "parse_args", skill.parse_args, args)
         max_tokens = integer(max_tokens)  # numpy's integers are counts too
         if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-            raise invalid(name, "max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
+            raise invalid(name, "max_tokens", f"must be an integer >= 1, got {shown(max_tokens)}")
         if image is not None and not isinstance(image, ImageRef):
             raise invalid(name, "image", f"must be an ImageRef from the backend's image_ref, "
                           f"got {type(image).__name__}")

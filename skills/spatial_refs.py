@@ -15,7 +15,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Mapping
 
-from bubblefree.core.values import PromptValue, ValueKind
+from bubblefree.core.values import PromptValue, ValueKind, shown
 from bubblefree.skills.base import invalid
 
 Ref = tuple[float, ...]
@@ -36,12 +36,12 @@ def spatial_refs_arg(skill: str, args: Mapping[str, Any]) -> tuple[Ref, ...]:
 def _ref(skill: str, i: int, ref: Any) -> Ref:
     field = f"spatial_refs[{i}]"
     if isinstance(ref, (str, bytes)) or not isinstance(ref, (list, tuple)) or len(ref) not in (2, 4):
-        raise invalid(skill, field, f"must be [x, y] or [x_min, y_min, x_max, y_max], got {ref!r}")
+        raise invalid(skill, field, f"must be [x, y] or [x_min, y_min, x_max, y_max], got {shown(ref)}")
     for v in ref:
         # bool is an int, but never a coordinate; NaN fails both comparisons.
         # Any real number: numpy's and Fractions too, as sampling takes them.
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v <= 1.0:
-            raise invalid(skill, field, f"coordinates must be numbers in [0, 1], got {v!r}")
+            raise invalid(skill, field, f"coordinates must be numbers in [0, 1], got {shown(v)}")
     out = tuple(float(v) for v in ref)
     if len(out) == 4 and not (out[0] < out[2] and out[1] < out[3]):
         raise invalid(skill, field, f"a box needs x_min < x_max and y_min < y_max, got {list(out)}")

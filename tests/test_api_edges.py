@@ -341,3 +341,38 @@ def test_a_completions_prompt_is_refused_by_what_it_holds_never_by_its_repr(engi
         engine.submit("complete", prompt=prompt, max_tokens=2)
     assert str(err.value) == f"prompt: {says.format(v=vocab)} (skill 'complete')"
     assert_serves(engine)
+
+
+class _Unquotable:
+    """A caller's object whose repr and str raise."""
+
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+    __str__ = __repr__
+
+
+@pytest.mark.parametrize("field,call", [
+    ("max_tokens", lambda e, x: e.submit("query", question="a", max_tokens=x)),
+    ("length", lambda e, x: e.submit("caption", length=x)),
+    ("stream", lambda e, x: e.query("a", stream=x)),
+    ("sampling.temperature", lambda e, x: e.submit("query", question="a", sampling={"temperature": x})),
+    ("sampling.top_k", lambda e, x: e.submit("query", question="a", sampling={"top_k": x})),
+    ("sampling.min_p", lambda e, x: e.submit("query", question="a", sampling={"min_p": x})),
+    ("sampling.seed", lambda e, x: e.submit("query", question="a", sampling={"seed": x})),
+    ("settings.top_p", lambda e, x: e.query("a", settings={"top_p": x})),
+])
+def test_a_value_whose_repr_raises_is_refused_naming_its_field_by_its_type(engine, field, call):
+    """The refusal quoted the value's repr, and a repr that raised left the
+    caller a bare RuntimeError (or a SkillError) in place of the refusal."""
+    with pytest.raises(InvalidRequest) as err:
+        call(engine, _Unquotable())
+    assert str(err.value).startswith(f"{field}: ") and "a _Unquotable (its repr raised)" in str(err.value)
+    assert_serves(engine)
+
+
+def test_a_timeout_whose_repr_raises_is_refused_by_its_type(engine):
+    handle = engine.submit("query", question="a", max_tokens=2)
+    with pytest.raises(ValueError, match=r"^timeout: seconds >= 0 or None, not a _Unquotable \(its repr raised\)$"):
+        handle.result(_Unquotable())
+    assert handle.result(WAIT).status is Status.COMPLETED

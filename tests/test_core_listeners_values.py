@@ -310,3 +310,18 @@ def test_a_prefill_takes_a_prompt_that_fills_the_budget_exactly():
         s.phase = Phase.ADMITTED
     kind, chosen = choose_step(seqs, cap, None)
     assert [s.seq_id for s in chosen] == [0, 1]  # 4 + 6 == 10 fits; the third waits
+
+
+def test_shown_quotes_a_value_bounded_and_never_raises():
+    from bubblefree.core.values import NAME_CHARS, shown
+
+    class Unquotable:
+        def __repr__(self):
+            raise ValueError("no")
+    assert shown("hot") == "'hot'" and shown(1.5) == "1.5" and shown(None) == "None"
+    assert shown(10 ** 5000) == "an integer of 5001 digits"  # its repr would raise
+    assert shown(Unquotable()) == "a Unquotable (its repr raised)"
+    long = shown("x" * 10_000)
+    assert long == "'" + "x" * (NAME_CHARS - 1) + "..."
+    assert shown("\ud800") == "'\\ud800'"  # a lone surrogate escaped: the message can be printed
+    shown("\ud800").encode("utf-8")
