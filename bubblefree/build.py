@@ -26,6 +26,7 @@ from typing import Any
 
 from bubblefree.core import Engine as CoreEngine
 from bubblefree.core import InvalidRequest
+from bubblefree.core.values import shown
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.errors import ModelLoadError
 from bubblefree.cuda_backend.loader import load_model
@@ -52,7 +53,7 @@ def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool
                                      **backend_options)
     add_locations = backend_options.pop("location_tokens", False)
     if source is not None and not isinstance(source, (str, os.PathLike)):
-        raise InvalidRequest(f"path_or_default: must be a path or None, got {source!r}")
+        raise InvalidRequest(f"path_or_default: must be a path or None, got {shown(source)}")
     check_pipelined(pipelined)
     check_registry(registry)
     flag()("location_tokens", add_locations)
@@ -81,7 +82,7 @@ def build_engine(cls, source: str | None, *, device: str | None, pipelined: bool
 
 def check_pipelined(pipelined: Any) -> None:
     if not (isinstance(pipelined, bool) or pipelined == "auto"):
-        raise InvalidRequest(f'pipelined: must be True, False or "auto", got {pipelined!r}')
+        raise InvalidRequest(f'pipelined: must be True, False or "auto", got {shown(pipelined)}')
 
 
 def check_registry(registry: Any) -> None:
@@ -118,11 +119,11 @@ def build_moondream(cls, source: Any, *, device: Any, pipelined: bool | str, dty
     check_pipelined(pipelined)
     check_registry(registry)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise InvalidRequest(f"seed: must be an int >= 0, got {seed!r}")
+        raise InvalidRequest(f"seed: must be an int >= 0, got {shown(seed)}")
     device, dtype = check_device(device), check_dtype(dtype)
     crops_on_device = backend_options.pop("crops_on_device", True)  # moondream's own option
     if not isinstance(crops_on_device, bool):
-        raise InvalidRequest(f"crops_on_device: must be True or False, got {crops_on_device!r}")
+        raise InvalidRequest(f"crops_on_device: must be True or False, got {shown(crops_on_device)}")
     check_max_pixels(max_image_pixels)
     check_backend_options(backend_options)
     source, raw, config = _moondream_source(source, tokenizer)
@@ -211,5 +212,5 @@ def random_config(config: Any):
         return config
     named = {"tiny": tiny_config, "full": lambda: MOONDREAM2}
     if config not in named:
-        raise InvalidRequest(f"config: must be 'tiny', 'full' or a MoondreamConfig, got {config!r}")
+        raise InvalidRequest(f"config: must be 'tiny', 'full' or a MoondreamConfig, got {shown(config)}")
     return named[config]()

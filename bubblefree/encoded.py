@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from bubblefree.core import ImageRef, InvalidRequest
+from bubblefree.core.values import shown
 from bubblefree.images import DEFAULT_MAX_PIXELS, load_image, pillow_max_pixels
 
 NO_IMAGES = "image: this model takes no images; ask without one"
@@ -37,7 +38,7 @@ def check_max_pixels(value: Any) -> int:
     """``max_image_pixels``, the decompression-bomb limit: an int >= 1, and
     no more than Pillow decodes (``pillow_max_pixels``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequest(f"max_image_pixels: must be an int >= 1, got {value!r}")
+        raise InvalidRequest(f"max_image_pixels: must be an int >= 1, got {shown(value)}")
     if (most := pillow_max_pixels()) is not None and value > most:
         raise InvalidRequest(f"max_image_pixels: at most {most}, the most pixels Pillow decodes, "
                              f"got {value}")

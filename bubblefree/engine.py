@@ -37,6 +37,7 @@ from bubblefree.call_checks import check_listener, each_call, lone, named
 from bubblefree.calls import SkillCalls
 from bubblefree.core import Engine as CoreEngine
 from bubblefree.core import InvalidRequest, Request, SamplingParams
+from bubblefree.core.values import shown
 from bubblefree.encoded import EncodedImage, ImageIntake
 from bubblefree.handle import Handle, RequestFailed
 from bubblefree.images import DEFAULT_MAX_PIXELS
@@ -170,7 +171,7 @@ class Engine(SkillCalls):
     def _request(self, skill: str, sampling: SamplingParams, args: dict[str, Any]):
         # The engine's own keywords to the skill set: a caller's would collide.
         if clash := sorted(ENGINE_SETS.intersection(args)):
-            raise InvalidRequest(f"{clash[0]}: unknown argument; the engine sets it (skill {skill!r})")
+            raise InvalidRequest(f"{clash[0]}: unknown argument; the engine sets it (skill {shown(skill)})")
         if args.get("image") is not None:
             self.skills.tables(skill)  # an unknown or unserved skill is refused before the image is read
             args["image"] = self.images.ref(args["image"])
@@ -194,7 +195,7 @@ class Engine(SkillCalls):
 
     def run(self, skill: str, **args: Any) -> dict:
         """Blocking: the skill's result (``{"answer": ...}``, ``{"points": ...}``...)."""
-        self.loop.refuse_wait_on_loop_thread(f"Engine.run({skill!r})")
+        self.loop.refuse_wait_on_loop_thread(f"Engine.run({shown(skill)})")
         handle = self.submit(skill, **args)
         try:
             return handle.output()
@@ -215,7 +216,7 @@ class Engine(SkillCalls):
         # An event loop on the decode thread was started by a hook or a
         # listener (``asyncio.run`` inside one): awaited there, nothing
         # would ever settle the answer.
-        self.loop.refuse_wait_on_loop_thread(f"Engine.arun({skill!r})")
+        self.loop.refuse_wait_on_loop_thread(f"Engine.arun({shown(skill)})")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 

@@ -35,7 +35,7 @@ from typing import Callable
 from bubblefree.core import Engine as CoreEngine
 from bubblefree.core import Request, Result, Status
 from bubblefree.core.engine import closed
-from bubblefree.core.values import described
+from bubblefree.core.values import described, shown
 from bubblefree.handle import Handle
 
 Listener = Callable[[Handle, "int | None"], None]
@@ -159,7 +159,7 @@ class ServingLoop:
         made there, between two ticks; a caller on another thread returns
         once it is made."""
         if not (isinstance(pipelined, bool) or pipelined == "auto"):
-            raise TypeError(f'pipelined must be True, False or "auto", got {pipelined!r}')
+            raise TypeError(f'pipelined must be True, False or "auto", got {shown(pipelined)}')
         if self.on_loop_thread:
             self.core.pipelined = pipelined
             return

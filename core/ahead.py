@@ -86,7 +86,7 @@ import attrs
 
 from bubblefree.core.policy import PREFILLS
 from bubblefree.core.sequence import ENDED, Sequence
-from bubblefree.core.values import StepKind
+from bubblefree.core.values import StepKind, shown
 
 if TYPE_CHECKING:
     from bubblefree.core.scheduler import Scheduler
@@ -106,7 +106,7 @@ WARMUP, WORTH, SAMPLE, GAIN_SMOOTHING = 16, 8.0, 1 / 8, 1 / 64
 
 def check_mode(mode: object) -> None:
     if not any(mode is m if isinstance(m, bool) else mode == m for m in MODES):
-        raise ValueError(f'pipelined: must be True, False or "auto", got {mode!r}')
+        raise ValueError(f'pipelined: must be True, False or "auto", got {shown(mode)}')
 
 
 def launch_ahead(rows: int, zombies: float, bubble: float, forward: float) -> bool:

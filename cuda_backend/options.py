@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from bubblefree.core.values import InvalidRequest
+from bubblefree.core.values import InvalidRequest, shown
 from bubblefree.cuda_backend.errors import CacheTooSmall
 from bubblefree.cuda_backend.kernel_config import KernelConfig
 
@@ -31,7 +31,7 @@ def integer(low: int, *, optional: bool = False, error: type[InvalidRequest] = I
             return
         if not _is_int(value) or value < low:
             also = " or None" if optional else ""
-            raise error(f"{name}: must be an int >= {low}{also}, got {value!r}")
+            raise error(f"{name}: must be an int >= {low}{also}, got {shown(value)}")
     return check
 
 
@@ -39,19 +39,19 @@ def flag(*, optional: bool = False) -> Check:
     def check(name: str, value: Any) -> None:
         if not (isinstance(value, bool) or (value is None and optional)):
             also = " or None" if optional else ""
-            raise InvalidRequest(f"{name}: must be True or False{also}, got {value!r}")
+            raise InvalidRequest(f"{name}: must be True or False{also}, got {shown(value)}")
     return check
 
 
 def kernel_config(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, KernelConfig):
-        raise InvalidRequest(f"{name}: must be a KernelConfig or None, got {value!r}")
+        raise InvalidRequest(f"{name}: must be a KernelConfig or None, got {shown(value)}")
 
 
 def fraction(name: str, value: Any) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (ok and math.isfinite(value) and 0.0 < value <= 1.0):
-        raise InvalidRequest(f"{name}: must be a number in (0, 1], got {value!r}")
+        raise InvalidRequest(f"{name}: must be a number in (0, 1], got {shown(value)}")
 
 
 # CudaBackend's keyword options; tests check these names against its signature.
@@ -90,15 +90,15 @@ def check_device(value: Any) -> torch.device | None:
         return None
     if not isinstance(value, (str, torch.device)):
         raise InvalidRequest(f"device: must be a string such as 'cpu' or 'cuda:0', "
-                             f"a torch.device or None, got {value!r}")
+                             f"a torch.device or None, got {shown(value)}")
     try:
         device = torch.device(value)
     except (RuntimeError, ValueError) as ex:
-        raise InvalidRequest(f"device: {value!r} is not a device: {ex}") from ex
+        raise InvalidRequest(f"device: {shown(value)} is not a device: {ex}") from ex
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequest(f"device: {value!r}, but this machine has no CUDA device")
+        raise InvalidRequest(f"device: {shown(value)}, but this machine has no CUDA device")
     if device.type not in ("cpu", "cuda"):
-        raise InvalidRequest(f"device: must be a CPU or CUDA device, got {value!r}")
+        raise InvalidRequest(f"device: must be a CPU or CUDA device, got {shown(value)}")
     return device
 
 
@@ -113,5 +113,5 @@ def check_dtype(value: Any) -> torch.dtype | None:
     dtype = FLOAT_DTYPES.get(value) if isinstance(value, str) else value
     if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES.values():
         raise InvalidRequest(f"dtype: must be one of {', '.join(FLOAT_DTYPES)} "
-                             f"(or the torch dtype) or None, got {value!r}")
+                             f"(or the torch dtype) or None, got {shown(value)}")
     return dtype

@@ -12,7 +12,7 @@ from typing import Mapping
 
 import attrs
 
-from bubblefree.core.values import InvalidRequest, named
+from bubblefree.core.values import InvalidRequest, named, shown
 from bubblefree.skills.base import Skill
 from bubblefree.skills.complete import Complete
 from bubblefree.skills.detect import Detect
@@ -30,8 +30,8 @@ class Registry:
     def _named(self, _, skills: Mapping[str, Skill]) -> None:
         for name, skill in skills.items():
             if bad_name(name) is not None or name != getattr(skill, "name", None):
-                raise ValueError(f"a skill is registered under its name, a non-empty str: {named(repr(name))} "
-                                 f"holds {type(skill).__name__} named {named(repr(getattr(skill, 'name', None)))}")
+                raise ValueError(f"a skill is registered under its name, a non-empty str: {shown(name)} "
+                                 f"holds {type(skill).__name__} named {shown(getattr(skill, 'name', None))}")
 
     @classmethod
     def of(cls, *skills: Skill) -> Registry:
@@ -44,7 +44,7 @@ class Registry:
                 raise ValueError(f"a skill must be a Skill (skills.base), got {type(skill).__name__}")
             why = bad_name(skill.name)
             if why is not None:
-                raise ValueError(f"a skill's name {why}, got {named(repr(skill.name))} "
+                raise ValueError(f"a skill's name {why}, got {shown(skill.name)} "
                                  f"({type(skill).__name__})")
             if skill.name in merged:
                 raise ValueError(f"a skill named {skill.name!r} is already registered")
@@ -54,7 +54,7 @@ class Registry:
     def get(self, name: str) -> Skill:
         skill = self.skills.get(name) if isinstance(name, str) else None
         if skill is None:
-            raise InvalidRequest(f"skill: unknown skill {named(repr(name))}; known: "
+            raise InvalidRequest(f"skill: unknown skill {shown(name)}; known: "
                                  f"{', '.join(sorted(map(named, self.skills)))}")
         return skill
 

@@ -351,6 +351,9 @@ class _Unquotable:
 
     __str__ = __repr__
 
+    def __hash__(self):  # a skill's name is looked up
+        return 1
+
 
 @pytest.mark.parametrize("field,call", [
     ("max_tokens", lambda e, x: e.submit("query", question="a", max_tokens=x)),
@@ -361,6 +364,10 @@ class _Unquotable:
     ("sampling.min_p", lambda e, x: e.submit("query", question="a", sampling={"min_p": x})),
     ("sampling.seed", lambda e, x: e.submit("query", question="a", sampling={"seed": x})),
     ("settings.top_p", lambda e, x: e.query("a", settings={"top_p": x})),
+    ("skill", lambda e, x: e.run(x)),
+    ("skill", lambda e, x: e.submit(x)),
+    ("page_size", lambda e, x: Engine.from_pretrained(page_size=x)),
+    ("seed", lambda e, x: Engine.moondream_random(seed=x)),
 ])
 def test_a_value_whose_repr_raises_is_refused_naming_its_field_by_its_type(engine, field, call):
     """The refusal quoted the value's repr, and a repr that raised left the
@@ -368,6 +375,12 @@ def test_a_value_whose_repr_raises_is_refused_naming_its_field_by_its_type(engin
     with pytest.raises(InvalidRequest) as err:
         call(engine, _Unquotable())
     assert str(err.value).startswith(f"{field}: ") and "a _Unquotable (its repr raised)" in str(err.value)
+    assert_serves(engine)
+
+
+def test_a_mode_whose_repr_raises_is_refused_by_its_type(engine):
+    with pytest.raises(TypeError, match=r'^pipelined must be True, False or "auto", got a _Unquotable'):
+        engine.pipelined = _Unquotable()
     assert_serves(engine)
 
 
