@@ -137,7 +137,7 @@ def measure(args) -> list[dict]:
             rows.append(dict(rows=b, case=PEER, us=us, how=how))
         except Exception as err:  # noqa: BLE001 - a peer's failure is a table row
             rows.append(dict(rows=b, case=PEER, us=None, how=f"error: {err!r}"[:120]))
-        print(f"{b} rows, {PEER}: {rows[-1]['us']} µs ({rows[-1]['how']})", flush=True)
+        print(f"{b} rows, {PEER}: {_us(rows[-1]['us'])} µs ({rows[-1]['how']})", flush=True)
     return rows
 
 
