@@ -36,8 +36,7 @@ from bubblefree.core.values import SAMPLING_FIELDS, named, shown
 from bubblefree.encoded import EncodedImage
 from bubblefree.skills.text import CAPTION_LENGTHS
 
-SAMPLING = SAMPLING_FIELDS
-SETTINGS = (*SAMPLING, "max_tokens", "max_objects")
+SETTINGS = (*SAMPLING_FIELDS, "max_tokens", "max_objects")
 OBJECT_SKILLS = ("point", "detect")
 
 
@@ -63,7 +62,7 @@ def call_args(skill: str, image: Any, settings: Any, kw: dict[str, Any], **args:
     unknown = sorted(named(k) for k in settings if k not in allowed)
     if unknown:
         raise InvalidRequest(f"settings.{unknown[0]}: unknown; expected {', '.join(allowed)}")
-    sampling = {k: settings[k] for k in SAMPLING if k in settings}
+    sampling = {k: settings[k] for k in SAMPLING_FIELDS if k in settings}
     if sampling:
         if out.get("sampling") is not None:
             raise InvalidRequest("settings: sampling values given both in settings and as sampling=")

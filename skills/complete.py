@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from bubblefree.core.values import too_big
+from bubblefree.core.values import shown
 from bubblefree.skills.base import CompileContext, Skill, check_fields, invalid, text_arg
 from bubblefree.skills.text import TextState, TextTables, compile_text
 from bubblefree.skills.tokenizer import Tokenizer
@@ -48,11 +48,9 @@ class Complete(Skill):
         # The caller's ids, refused as theirs: past here an id outside the
         # vocabulary is the skill's bug (``SkillSet.request``).
         outside = [t for t in args.ids if not 0 <= t < len(tokenizer)]
-        if outside:  # a huge one by its digits: past 4,300 of them str() raises
-            bad = outside[0]
-            shown = too_big(bad) if abs(bad).bit_length() > 256 else str(bad)
+        if outside:  # ``shown``: a huge one by its digits (past 4,300 of them str() raises)
             raise invalid(self.name, "prompt", f"token ids must be ints in [0, {len(tokenizer)}), "
-                          f"got {shown}")
+                          f"got {shown(outside[0])}")
         return list(args.ids)
 
     def default_max_tokens(self, args: CompleteArgs) -> int:

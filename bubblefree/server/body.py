@@ -178,10 +178,10 @@ def sampling_values(fields: Fields) -> dict[str, Any]:
     -1 is no limit, as vLLM spells it, so its clients' requests are taken
     unchanged."""
     values = {k: v for k in ("temperature", "top_p", "min_p") if (v := fields.number(k)) is not None}
-    for key, low in (("top_k", -1), ("seed", 0)):
-        value = fields.integer(key, low)
-        if value is not None:
-            values[key] = 0 if key == "top_k" and value == -1 else value
+    if (top_k := fields.integer("top_k", -1)) is not None:
+        values["top_k"] = max(top_k, 0)  # -1: vLLM's no limit, our 0
+    if (seed := fields.integer("seed", 0)) is not None:
+        values["seed"] = seed
     return values
 
 
