@@ -11,7 +11,8 @@ A variant is ``base`` (the defaults measured for the GPU and the shape:
 ``KernelConfig.measured``) or ``+``-joined items: row counts of the config
 (``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``, ``early_norms=8``,
 ``norms_in=1``;
-``sample_ahead=0``: the captured step without its tokens sampled ahead), counts of
+``sample_ahead=0``: the captured step without its tokens sampled ahead;
+``head_argmax=8``: the head GEMM sampling them itself), counts of
 the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``,
 ``whole_rows=1``, ``whole_keys=256``) and ``K,N=TILE``
 entries that replace the dependent-launch step's tile for the GEMM of that
@@ -45,7 +46,7 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 
 # KernelConfig's row counts a variant may set (``o_combines=0``).
 ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms",
-              "early_attention", "norms_in")
+              "early_attention", "norms_in", "head_argmax")
 # The attention dispatch's counts a variant may set (``split_warps=1``).
 DISPATCH_FIELDS = ("max_splits", "split_block", "split_warps", "whole_rows", "whole_keys")
 
