@@ -13,7 +13,7 @@ limit): these compare the modes' orders, not any GPU. ``--choose-cost``
 charges the rule's own host work, per row of the step it weighs, on the
 host clock (0 by default: the choice free); ``--every-tick`` weighs the
 rule at every tick even where its choices have bought less than that
-(``core.ahead.Worth`` off).
+(``core.ahead_measures.Worth`` off).
 
     python -m bubblefree.bench.auto_sim [--seeds 3] [--per-stream 12] [--out docs/auto-sim.md]
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 import attrs
 
 from bubblefree.core import Engine, Request
-from bubblefree.core.ahead import Worth
+from bubblefree.core.ahead_measures import Worth
 from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 
 MODES = ((True, "pipelined"), (False, "blocking"), ("auto", "auto"))

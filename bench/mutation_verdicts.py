@@ -447,11 +447,11 @@ VERDICTS.update({
     ("core/ahead.py: check_mode",
      "if not any(mode is m if (isinstance(m, bool)) or True else mode == m for m in MODES):"):
         _CLOSED.format("test_auto_built_at_run_time_is_auto"),
-    ("core/ahead.py: Timings.arrived", "self.forward = _mean(self.forward, max(1.0, now - start))"):
+    ("core/ahead_measures.py: Timings.arrived", "self.forward = _mean(self.forward, max(1.0, now - start))"):
         _CLOSED.format("test_each_running_mean_smooths_its_own_kinds_samples_under_a_second"),
-    ("core/ahead.py: Timings.committed", "self.commit_host = _mean(None, self.clock() - arrived)"):
+    ("core/ahead_measures.py: Timings.committed", "self.commit_host = _mean(None, self.clock() - arrived)"):
         _CLOSED.format("test_each_running_mean_smooths_its_own_kinds_samples_under_a_second"),
-    ("core/ahead.py: Timings.launched", "self.launch_host = _mean(None, now - started)"):
+    ("core/ahead_measures.py: Timings.launched", "self.launch_host = _mean(None, now - started)"):
         _CLOSED.format("test_each_running_mean_smooths_its_own_kinds_samples_under_a_second"),
     ("core/engine.py: Engine._commit", "self.timings.forget(None)"): _C_TIMING,
     ("core/engine.py: Engine._learn", "self.end_rates.record(None, seq is None or seq.finalized)"):

@@ -111,7 +111,7 @@ def behind_summary(behind) -> dict | None:
 
 
 def timings_summary(engine) -> dict:
-    """The auto rule's running means as the core holds them (``ahead.Timings``,
+    """The auto rule's running means as the core holds them (``ahead_measures.Timings``,
     ``Successors``), in ms: the commit's host time, each step kind's launch
     call and device time, and the callers' follow share. Beside
     ``behind_summary``, it shows which step kind's cost the rule did not

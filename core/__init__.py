@@ -19,7 +19,8 @@ Where things are: ``scheduler.py`` keeps the invariants (DESIGN.md I2-I9; I13, a
 ``policy.py`` chooses each step's rows, ``integrity.py`` checks,
 ``events.py`` is what the scheduler reports, ``engine.py`` drives a backend
 (``protocol.py``: the backend contract, stated once) and delivers results to
-callers.
+callers; ``ahead.py`` is auto's per-tick choice to launch ahead or not, and
+``ahead_measures.py`` what that choice weighs, measured.
 """
 
 from bubblefree.core.protocol import Backend, Capacity

@@ -40,7 +40,8 @@ from typing import Callable, Iterable, Iterator, Literal
 import attrs
 
 from bubblefree.core.protocol import Backend
-from bubblefree.core.ahead import Behind, EndRates, May, Successors, Timings, Worth, bought, check_mode, choose
+from bubblefree.core.ahead import Behind, May, check_mode, choose
+from bubblefree.core.ahead_measures import EndRates, Successors, Timings, Worth, bought
 from bubblefree.core.decode_state import guarded
 from bubblefree.core.events import TokenCommitted
 from bubblefree.core.handle import Handle
@@ -70,7 +71,7 @@ class Engine:
     # True: always launch ahead; False: blocking; "auto": chosen per tick.
     pipelined: bool | Literal["auto"] = attrs.field(default=True, validator=lambda _s, _a, v: check_mode(v))
     probe: Callable[[str], None] = lambda situation: None
-    # Host clock for the auto mode's measurements (``ahead.Timings``).
+    # Host clock for the auto mode's measurements (``ahead_measures.Timings``).
     clock: Callable[[], float] = time.perf_counter
     # Requests handed over and not yet submitted: what the serving loop's
     # inbox holds. The auto rule foresees their prefill (``ahead._taken``).
@@ -106,7 +107,7 @@ class Engine:
     # Auto's choices so far, for a user to see how often it blocks: ticks
     # that weighed the rule and left their step in flight, ticks that
     # committed it at once, and ticks that left it in flight unweighed
-    # (``ahead.Worth``: choosing was not worth its host time); and why it
+    # (``ahead_measures.Worth``: choosing was not worth its host time); and why it
     # blocked, the rule's inputs at the newest ``BEHIND_KEPT`` behind ticks.
     ahead_ticks: int = 0
     behind_ticks: int = 0
@@ -115,7 +116,7 @@ class Engine:
     # cost, which pipelined does not pay. Where the host sets a step's pace
     # (64 constrained rows on a small model) it is what auto gives up.
     choose_host: float = 0.0
-    # Whether a tick's choice is worth its host time (``ahead.Worth``).
+    # Whether a tick's choice is worth its host time (``ahead_measures.Worth``).
     worth: Worth = attrs.Factory(Worth)
     behind: collections.deque[Behind] = attrs.field(
         factory=lambda: collections.deque(maxlen=BEHIND_KEPT), init=False)
@@ -225,7 +226,7 @@ class Engine:
         on a backend whose launch computes its step before it returns
         (``Capacity.asynchronous``): there the bubble the rule measures is
         the forward itself, which launching ahead cannot hide. (``tick``
-        asks it only where ``ahead.Worth`` says the choice is worth its host
+        asks it only where ``ahead_measures.Worth`` says the choice is worth its host
         time.)"""
         if not self.backend.capacity.asynchronous:
             self._may_end = {}

@@ -71,7 +71,7 @@ def test_auto_sim_charges_the_rule_s_host_work_and_weighs_it_unless_told_every_t
     """``--choose-cost``: the rule's host work a row, on the simulated host's
     clock. Host-bound text at 32 streams, where pipelined is the better:
     weighed at every tick (``--every-tick``), auto takes about the charge
-    longer a tick; with ``core.ahead.Worth`` most ticks go unweighed and it
+    longer a tick; with ``core.ahead_measures.Worth`` most ticks go unweighed and it
     comes back to pipelined's time. Every mode gives the same outputs."""
     regime = [r for r in auto_sim.REGIMES if r[0] == "host-bound"][0]
     reqs = auto_sim.requests(0.02, 64, seed=3)

@@ -59,7 +59,7 @@ def test_unknown_workloads_are_refused_by_name(capsys):
 def _engine(ticks=(0, 0, 0), kept=()):
     """The serving engine as ``vlm_speed.measure`` reads it: the mode it
     sets, auto's tick counters and the rule's records of behind ticks."""
-    from bubblefree.core.ahead import Successors, Timings
+    from bubblefree.core.ahead_measures import Successors, Timings
     core = types.SimpleNamespace(ahead_ticks=ticks[0], behind_ticks=ticks[1], unweighed_ticks=ticks[2],
                                  behind=collections.deque(kept, maxlen=4),
                                  timings=Timings(lambda: 0.0), successors=Successors())

@@ -1,4 +1,4 @@
-"""The auto mode's per-tick choice (core/ahead.py): the rule, its
+"""The auto mode's per-tick choice (core/ahead.py, core/ahead_measures.py): the rule, its
 measurements on a fixed clock, the skills' ``may_end``, and an engine that
 skips the zombie step where a row surely ends and launches ahead elsewhere,
 with the tokens of blocking (I8)."""
@@ -11,8 +11,9 @@ import attrs
 import pytest
 
 from bubblefree.core import Capacity, Engine, Request, Scheduler, StepKind, StepOutput
-from bubblefree.core.ahead import (SAMPLE, WARMUP, WORTH, Choice, EndRates, Successors, Timings, Worth, bought,
-                                   choose, launch_ahead, may_end, outlook, weighed_bubble)
+from bubblefree.core.ahead import Choice, choose, launch_ahead, may_end, outlook, weighed_bubble
+from bubblefree.core.ahead_measures import (SAMPLE, WARMUP, WORTH, EndRates, Successors, Timings, Worth,
+                                            bought)
 from bubblefree.core.sequence import Sequence
 from bubblefree.fake_backend import FakeBackend, FakeModel, Timing
 from bubblefree.skills import Kind, SkillSet, demo_tokenizer

@@ -12,7 +12,8 @@ import pytest
 
 import bubblefree.core.protocol as protocol
 from bubblefree.core import Engine, Request, StepKind
-from bubblefree.core.ahead import Timings, check_mode
+from bubblefree.core.ahead import check_mode
+from bubblefree.core.ahead_measures import Timings
 from bubblefree.core.protocol import PlanRejected, check_mask, check_plan
 from bubblefree.fake_backend import FakeBackend
 from tests.test_core_ahead import FakeClock
