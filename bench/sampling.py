@@ -3,7 +3,10 @@
 The engine samples a step in one of three graphs (``sampling.Draw``):
 greedy (the greedy kernel where Triton runs, else torch), drawn with no
 cut (Gumbel-max over the scaled logits), drawn with a cut (a sort of
-each row's vocabulary for top-k, top-p and min-p). Timed here on random
+each row's vocabulary for top-k, top-p and min-p); where Triton runs, the
+drawn ones also with their noise in Triton (``KernelConfig.draw_kernel``:
+no cut, the greedy kernel drawing; a cut, one kernel's noise added to the
+sort). Timed here on random
 logits of a vocabulary's width, at several row counts, each replayed
 from a CUDA graph as the backend replays it (eager on a CPU), beside
 transformers' own sampling of the same rows in the same run: its
@@ -29,12 +32,17 @@ from typing import Callable
 import torch
 
 from bubblefree.bench.doc_block import write_block
+from bubblefree.cuda_backend import gumbel
 from bubblefree.cuda_backend.greedy_sample import make_sampler, torch_greedy
-from bubblefree.cuda_backend.sampling import PARTS, Draw, Draws, sample_tokens, vocab_hash
+from bubblefree.cuda_backend.sampling import (PARTS, Draw, Draws, gumbel_noise, sample_tokens,
+                                              vocab_hash)
 
-# (label, Draw, top_p, top_k): the engine's cases; temperature 0.7 in each drawn one.
-CASES = (("greedy", Draw.GREEDY, 1.0, 0), ("drawn, no cut", Draw.PLAIN, 1.0, 0),
-         ("top_p 0.9", Draw.CUT, 0.9, 0), ("top_k 50", Draw.CUT, 1.0, 50))
+# (label, Draw, top_p, top_k, noise in Triton): the engine's cases;
+# temperature 0.7 in each drawn one.
+CASES = (("greedy", Draw.GREEDY, 1.0, 0, False), ("drawn, no cut", Draw.PLAIN, 1.0, 0, False),
+         ("top_p 0.9", Draw.CUT, 0.9, 0, False), ("top_k 50", Draw.CUT, 1.0, 50, False),
+         ("drawn, no cut, one kernel", Draw.PLAIN, 1.0, 0, True),
+         ("top_p 0.9, noise kernel", Draw.CUT, 0.9, 0, True))
 PEER = "transformers: temperature + top_p 0.9 warpers, multinomial"
 BEGIN, END = "<!-- sampling:begin -->", "<!-- sampling:end -->"
 
@@ -55,15 +63,22 @@ def parse(argv=None):
 
 def engine_step(case: tuple, logits: torch.Tensor, device: torch.device) -> Callable[[], object]:
     """One step's sampling as the backend's graph for ``case`` records it."""
-    _, draw, top_p, top_k = case
+    _, draw, top_p, top_k, kernel = case
     b, v = logits.shape
     table = torch.ones(1, v, dtype=torch.bool, device=device)
     zeros = torch.zeros(b, dtype=torch.long, device=device)
-    if draw is Draw.GREEDY:
-        inputs = torch.zeros(PARTS * b, dtype=torch.long, device=device)  # row slots 0..b-1, mask 0
-        inputs[:b] = torch.arange(b, device=device)
+    if draw is Draw.GREEDY or (draw is Draw.PLAIN and kernel):
+        # pack_sampling's layout: row slots 0..b-1, mask 0, seeds 0..b-1, position 40, 0.7
+        inputs = torch.zeros(PARTS * b, dtype=torch.long, device=device)
+        inputs[:b] = inputs[2 * b:3 * b] = torch.arange(b, device=device)
+        inputs[4 * b:5 * b] = 40
+        inputs[6 * b:7 * b] = torch.tensor(0.7, dtype=torch.float64).view(torch.long)
+        inputs[7 * b:8 * b] = torch.tensor(1.0, dtype=torch.float64).view(torch.long)
         sampled = torch.zeros(b, dtype=torch.long, device=device)
         last = torch.zeros(b, dtype=torch.long, device=device)
+        if draw is Draw.PLAIN:
+            drawn = make_sampler(b, v, device)
+            return lambda: drawn(logits, table, inputs, b, sampled, last, drawn=True)
         greedy = make_sampler(b, v, device) or torch_greedy
         return lambda: greedy(logits, table, inputs, b, sampled, last)
 
@@ -72,7 +87,8 @@ def engine_step(case: tuple, logits: torch.Tensor, device: torch.device) -> Call
     draws = Draws(full(0.7), full(top_p), full(top_k, torch.long), full(0.0), torch.arange(b, device=device),
                   zeros, full(40, torch.long))
     salt = vocab_hash(v, device)
-    return lambda: sample_tokens(logits, table, zeros, draws, salt, draw)
+    noise = gumbel.noise if kernel else gumbel_noise
+    return lambda: sample_tokens(logits, table, zeros, draws, salt, draw, noise)
 
 
 def peer_step(logits: torch.Tensor) -> Callable[[], object]:
@@ -129,6 +145,8 @@ def measure(args) -> list[dict]:
     for b in args.rows:
         logits = (torch.randn(b, args.vocab, generator=gen) * 3).to(device)  # [b, V] float32
         for case in CASES:
+            if case[4] and not gumbel.available(device):
+                continue  # Triton's kernels: CUDA only
             us, how = timed(engine_step(case, logits, device), device, args.repeats)
             rows.append(dict(rows=b, case=case[0], us=us, how=how))
             print(f"{b} rows, {case[0]}: {us:,.1f} µs ({how})", flush=True)

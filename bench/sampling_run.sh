@@ -8,7 +8,12 @@
 # SAMPLING=0 then TESTS=0.
 #
 # Knobs (environment): TESTS (1), SAMPLING (1), SPEED (1), TEST_SECONDS
-# (330), MODELS (qwen05b), STREAMS (1,8,32,64), SPEED_SECONDS (280 a shape).
+# (330), MODELS (qwen05b), STREAMS (1,8,32,64), SPEED_SECONDS (280 a shape),
+# WORKLOADS (text,sampled), VARIANT (none: the kernels' settings as
+# bench.speed's --variant takes them). A third call, TESTS=0 SAMPLING=0
+# WORKLOADS=sampled VARIANT=draw_kernel=64, times the requests with the
+# drawn steps' noise in Triton (KernelConfig.draw_kernel; bench.sampling
+# times both paths already).
 set -u
 out="${OUT:-/tmp/bubblefree-sampling}"
 mkdir -p "$out"
@@ -22,11 +27,14 @@ if [ "${SAMPLING:-1}" = 1 ]; then
 fi
 if [ "${SPEED:-1}" = 1 ]; then
   secs="${SPEED_SECONDS:-280}"
+  variant=()
+  [ -n "${VARIANT:-}" ] && variant=(--variant "$VARIANT")
   for m in ${MODELS:-qwen05b}; do
     timeout -k 10 "$secs" python3 -m bubblefree.bench.speed --model "$m" --streams "${STREAMS:-1,8,32,64}" \
-      --workloads text,sampled --repeats 3 --budget $((secs - 90)) --deadline $((secs - 20)) \
-      --out "$out/speed-$m.md" --plot "" 2>&1 | quiet > "$out/speed-$m.txt"
-    grep "^| " "$out/speed-$m.txt"
+      --workloads "${WORKLOADS:-text,sampled}" --repeats 3 --budget $((secs - 90)) \
+      --deadline $((secs - 20)) --out "$out/speed-$m${VARIANT:+-variant}.md" --plot "" "${variant[@]}" 2>&1 \
+      | quiet > "$out/speed-$m${VARIANT:+-variant}.txt"
+    grep "^| " "$out/speed-$m${VARIANT:+-variant}.txt"
   done
 fi
 exit 0

@@ -46,7 +46,7 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 
 # KernelConfig's row counts a variant may set (``o_combines=0``).
 ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms",
-              "early_attention", "norms_in", "head_argmax")
+              "early_attention", "norms_in", "head_argmax", "draw_kernel")
 # The attention dispatch's counts a variant may set (``split_warps=1``).
 DISPATCH_FIELDS = ("max_splits", "split_block", "split_warps", "whole_rows", "whole_keys")
 

@@ -43,6 +43,7 @@ import torch
 
 from bubblefree.core.protocol import Capacity, check_plan, check_sample, slot_index
 from bubblefree.core.values import SamplePlan, StepFailed, StepKind, StepOutput, StepPlan
+from bubblefree.cuda_backend import gumbel
 from bubblefree.cuda_backend.errors import PlanRejected
 from bubblefree.cuda_backend.greedy_sample import make_sampler, torch_ahead, torch_greedy
 from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
@@ -51,7 +52,8 @@ from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.loader import LoadedModel, use_paged_attention
 from bubblefree.cuda_backend.options import check_backend_options
 from bubblefree.cuda_backend.runner import ModelRunner, staging_size
-from bubblefree.cuda_backend.sampling import PARTS, Draw, MaskTable, pack_sampling, sample_inputs, vocab_hash
+from bubblefree.cuda_backend.sampling import (PARTS, Draw, MaskTable, gumbel_noise, pack_sampling,
+                                              sample_inputs, vocab_hash)
 from bubblefree.cuda_backend.sizing import ModelDims, context_length, num_pages_for
 from bubblefree.cuda_backend.slots import DecodeSlot, SlotState, make_slot
 
@@ -399,12 +401,16 @@ class CudaBackend:
         ``last_token`` at its row slot (padded rows: the scratch row), and
         ``_sample_clears`` cleared there."""
         last, clears = self._runner.last_token, self._sample_clears()
+        args = (s.logits, self._masks.table, s.sample_inputs, b, s.sampled, last, clears)
         if draw is Draw.GREEDY:
-            sample = self._greedy or torch_greedy
-            sample(s.logits, self._masks.table, s.sample_inputs, b, s.sampled, last, clears)
+            (self._greedy or torch_greedy)(*args)
             return s.sampled
-        row_slots, tokens = sample_inputs(s.sample_inputs, s.logits, self._masks.table,
-                                          self._salt, b, draw)  # [b], [b]
+        kernel_draws = self._greedy is not None and b <= self.kernels.draw_kernel
+        if draw is Draw.PLAIN and kernel_draws:  # the greedy kernel, each drawn row's noise added
+            self._greedy(*args, drawn=True)
+            return s.sampled
+        row_slots, tokens = sample_inputs(s.sample_inputs, s.logits, self._masks.table, self._salt,
+                                          b, draw, gumbel.noise if kernel_draws else gumbel_noise)
         s.sampled[:b].copy_(tokens)
         last.index_copy_(0, row_slots, tokens)
         if clears is not None:

@@ -11,6 +11,12 @@ token, and the last program of a row to finish (an arrival counter, reset
 by that program for the next launch) picks the row's token among the
 chunks' and writes it everywhere it goes.
 
+A step whose drawn rows have no cut (``sampling.Draw.PLAIN``) runs the
+same kernel where ``KernelConfig.draw_kernel`` says: a drawn row's logits
+are scaled by its temperature and given its Gumbel noise (``gumbel``)
+before the argmax, so the step samples in one launch where torch's path
+runs some thirty kernels over the vocabulary.
+
 Ties go to the lowest token id, as ``torch.argmax``'s do; a row whose every
 logit is forbidden (or -inf) takes token 0, as there. Logits are finite or
 -inf (a NaN logit is a broken model; ``torch.argmax`` would pick it, this
@@ -42,7 +48,9 @@ from __future__ import annotations
 import attrs
 import torch
 
+from bubblefree.cuda_backend.gumbel import noise_at, row_key
 from bubblefree.cuda_backend.pdl import enter, launch_options, tl, triton
+from bubblefree.cuda_backend.sampling import PARTS
 
 BLOCK = 4096  # logits a program reads: 16 KB of float32 and 4 KB of mask
 # A row's word before any program has folded its best in: below every word
@@ -59,8 +67,10 @@ if triton is not None:
     @triton.jit
     def _greedy_kernel(logits_ptr, table_ptr, slots_ptr, masks_ptr, out_ptr, at_slot_ptr, undo_ptr,
                        last_ptr, flag_ptr, best_ptr, at_ptr, cnt_ptr, V, sl_m, st_m, out_m, chunks,
+                       draws_ptr, bw,
                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, FLAG: tl.constexpr,
-                       MASKED: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
+                       MASKED: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
+                       DRAW: tl.constexpr = False):
         row = tl.program_id(0)
         c = tl.program_id(1)
         # Before the wait: what no kernel of the step writes (the kernel's own
@@ -79,6 +89,12 @@ if triton is not None:
             mask_id = tl.load(masks_ptr + row)
             allowed = tl.load(table_ptr + mask_id * st_m + cols, mask=ok, other=0)
             x = tl.where(allowed != 0, x, -float("inf"))
+        if DRAW:  # a drawn row: its scaled logits plus its noise, as sampling.sample_tokens adds them
+            at_row = draws_ptr + row  # pack_sampling's parts from the seed's low half, ``bw`` apart
+            t = tl.load(at_row + 4 * bw).to(tl.float64, bitcast=True).to(tl.float32)
+            if t > 0:
+                key = row_key(tl.load(at_row), tl.load(at_row + bw), tl.load(at_row + 2 * bw))
+                x = tl.math.div_rn(x, tl.maximum(t, 1e-5)) + noise_at(key, cols)
         best = tl.max(x, 0)
         at = tl.min(tl.where(ok & (x == best), cols, V), 0)  # the lowest id of the best
         tl.store(best_ptr + row * CHUNKS + c, best)
@@ -244,14 +260,21 @@ class GreedySampler:
 
     def __call__(self, logits: torch.Tensor, table: torch.Tensor, inputs: torch.Tensor, b: int,
                  sampled: torch.Tensor, last_token: torch.Tensor,
-                 flags: torch.Tensor | None = None) -> None:
-        """``torch_greedy``'s contract, in one launch."""
+                 flags: torch.Tensor | None = None, drawn: bool = False) -> None:
+        """``torch_greedy``'s contract, in one launch. ``drawn``: the rows
+        drawn as ``sampling.sample_tokens`` draws them without a cut
+        (``Draw.PLAIN``; ``inputs`` all of ``pack_sampling``'s parts), with
+        ``gumbel``'s noise: each row with a temperature takes the masked
+        argmax of its scaled logits plus its noise, the others the masked
+        argmax as before."""
         if logits.dtype != torch.float32 or logits.stride(1) != 1 or not table.is_contiguous():
             raise ValueError("greedy kernel: float32 logits with unit column stride and a "
                              "contiguous mask table")
+        if drawn and inputs.shape[0] < PARTS * b:
+            raise ValueError(f"greedy kernel: a drawn step reads {PARTS} parts of {b}")
         table8 = table.view(torch.uint8)  # bool storage, one byte a token
         self._launch(b, logits, table8, inputs, inputs[b:], sampled, sampled, sampled, last_token,
-                     flags, table8.stride(0), 0, masked=True, ahead=False)
+                     flags, table8.stride(0), 0, masked=True, ahead=False, drawn=drawn)
 
     def ahead(self, logits: torch.Tensor, row_slots: torch.Tensor, at_slot: torch.Tensor,
               sampled: torch.Tensor, undo: torch.Tensor, last_token: torch.Tensor,
@@ -280,13 +303,14 @@ class GreedySampler:
                           self.heads_done)
 
     def _launch(self, b, logits, table8, slots, masks, out, at_slot, undo, last_token, flags,
-                st_m, out_m, *, masked, ahead, pdl=False):
+                st_m, out_m, *, masked, ahead, pdl=False, drawn=False):
         _greedy_kernel[(b, self.chunks)](
             logits, table8, slots, masks, out, at_slot, undo, last_token,
             flags.view(torch.uint8) if flags is not None else out,
             self.best, self.at, self.arrived, self.vocab_size, logits.stride(0), st_m, out_m,
-            self.chunks, BLOCK=BLOCK, CHUNKS=self.width, FLAG=flags is not None,
-            MASKED=masked, AHEAD=ahead, PDL=pdl, num_warps=4, **launch_options(pdl))
+            self.chunks, slots[2 * b:] if drawn else slots, b, BLOCK=BLOCK, CHUNKS=self.width,
+            FLAG=flags is not None, MASKED=masked, AHEAD=ahead, PDL=pdl, DRAW=drawn, num_warps=4,
+            **launch_options(pdl))
 
 
 def make_sampler(max_rows: int, vocab_size: int, device: torch.device) -> GreedySampler | None:

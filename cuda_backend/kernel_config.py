@@ -532,6 +532,13 @@ class KernelConfig:
     fewer at the end of the step. Bit for bit the kernel's tokens. 0: none,
     the default until it is measured on a GPU.
 
+    ``draw_kernel``: drawn steps of at most this many rows draw their
+    Gumbel noise in Triton (``gumbel``): a step whose drawn rows have no cut
+    samples in ``greedy_sample``'s one kernel instead of torch's some thirty,
+    and one with a cut adds one kernel's noise to torch's sort. The same
+    tokens either way within a bucket (a row without a cut draws alike in
+    both). 0: none, the default until it is measured on a GPU.
+
     ``greedy_kernel``: a greedy step samples in one kernel
     (``greedy_sample``) instead of torch's seven; ``step_inputs``: a fused
     decode step gathers its rows' inputs, KV slots and rotary values in one
@@ -554,7 +561,9 @@ class KernelConfig:
     sample_ahead: int = attrs.field(default=SAMPLE_AHEAD)
     norms_in: int = attrs.field(default=0)
     head_argmax: int = attrs.field(default=0)
+    draw_kernel: int = attrs.field(default=0)
 
+    @draw_kernel.validator
     @head_argmax.validator
     @norms_in.validator
     @last_combines.validator
@@ -626,6 +635,8 @@ class KernelConfig:
                       if self.sample_ahead else "; no tokens sampled ahead in the forward")
         if not self.greedy_kernel:
             where += "; greedy sampling in torch"
+        if self.draw_kernel:
+            where += f"; drawn steps' noise in one kernel up to {self.draw_kernel} rows"
         if not self.step_inputs:
             where += "; step inputs in torch"
         return f"attention: {self.dispatch}{where}; GEMM: {self.tiles}"

@@ -16,7 +16,7 @@ seed's lesson: one stray host copy here erases the whole pipelining gain).
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -96,15 +96,24 @@ class Draws(NamedTuple):
     position: torch.Tensor
 
 
+def gumbel_noise(draws: Draws, token_salt: torch.Tensor) -> torch.Tensor:
+    """Each row's Gumbel noise ``[B, V]``: ``-log(-log(u))`` of its uniforms."""
+    return -torch.log(-torch.log(uniforms(draws.seed_lo, draws.seed_hi, draws.position, token_salt)))
+
+
 def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Tensor, draws: Draws,
-                  token_salt: torch.Tensor, draw: Draw) -> torch.Tensor:
+                  token_salt: torch.Tensor, draw: Draw,
+                  noise: Callable[[Draws, torch.Tensor], torch.Tensor] = gumbel_noise
+                  ) -> torch.Tensor:
     """One token per row ``[B]`` from ``logits`` ``[B, V]`` (float32). A row
     with ``temperature == 0`` takes the argmax; others draw from
     ``softmax(logits / temperature)`` cut as ``SamplingParams`` says: the
     ``top_k`` most likely, the ``top_p`` nucleus of those renormalized,
     then what is under ``min_p`` of the best's probability. Disallowed
     tokens never win. ``draw``: what the rows need (``Draw``); ``PLAIN``
-    draws what ``CUT`` draws for rows without a cut."""
+    draws what ``CUT`` draws for rows without a cut. ``noise``: the rows'
+    Gumbel noise from ``draws`` and ``token_salt`` (``gumbel_noise``; on
+    CUDA, ``gumbel.noise`` computes it in one kernel)."""
     banned = ~table.index_select(0, mask_ids)  # [B, V]
     logits = logits.masked_fill(banned, float("-inf"))
     greedy = logits.argmax(dim=-1)  # [B]
@@ -112,9 +121,9 @@ def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Ten
         return greedy
     temperature = draws.temperature
     scaled = logits / temperature.clamp_min(1e-5).unsqueeze(1)  # [B, V]
-    noise = -torch.log(-torch.log(uniforms(draws.seed_lo, draws.seed_hi, draws.position, token_salt)))
+    gumbel = noise(draws, token_salt)  # [B, V]
     if draw is Draw.PLAIN:  # nothing dropped: banned tokens are -inf already
-        return torch.where(temperature > 0, (scaled + noise).argmax(dim=-1), greedy)
+        return torch.where(temperature > 0, (scaled + gumbel).argmax(dim=-1), greedy)
     ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     # Ranks past a row's top_k (0: none) leave before the softmax, which
     # renormalizes what stays for top_p, as vLLM and transformers cut.
@@ -130,7 +139,7 @@ def sample_tokens(logits: torch.Tensor, table: torch.Tensor, mask_ids: torch.Ten
     drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocab order [B, V]
     # Masked and dropped tokens out after the noise is added, so no sum of
     # infinities can bring one back.
-    drawn = (scaled + noise).masked_fill(drop | banned, float("-inf")).argmax(dim=-1)  # [B]
+    drawn = (scaled + gumbel).masked_fill(drop | banned, float("-inf")).argmax(dim=-1)  # [B]
     return torch.where(temperature > 0, drawn, greedy)
 
 
@@ -182,11 +191,13 @@ def unpack_sampling(inputs: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.T
 
 
 def sample_inputs(inputs: torch.Tensor, logits: torch.Tensor, table: torch.Tensor,
-                  token_salt: torch.Tensor, b: int, draw: Draw):
+                  token_salt: torch.Tensor, b: int, draw: Draw,
+                  noise: Callable[[Draws, torch.Tensor], torch.Tensor] = gumbel_noise):
     """Unpack ``pack_sampling``'s layout on the device and sample: returns the
-    rows' row slots ``[b]`` and tokens ``[b]``."""
+    rows' row slots ``[b]`` and tokens ``[b]`` (``noise`` as
+    ``sample_tokens`` takes it)."""
     row_slots, mask_ids, draws = unpack_sampling(inputs, b)
-    return row_slots, sample_tokens(logits[:b], table, mask_ids, draws, token_salt, draw)
+    return row_slots, sample_tokens(logits[:b], table, mask_ids, draws, token_salt, draw, noise)
 
 
 class MaskTable:

@@ -84,6 +84,34 @@ def test_the_head_sampling_ahead_compiles_reading_what_it_keeps_before_the_wait(
     assert ("ld.global.b8" in before) == flag
 
 
+def test_a_drawn_step_compiles_with_ieee_division_cudas_logf_and_an_unsigned_hash():
+    """``greedy_sample``'s kernel drawing (``KernelConfig.draw_kernel``) and
+    ``gumbel``'s noise kernel, for sm_90: the scaled logit an IEEE division
+    (``div.rn``, as torch's; Triton's ``/`` would approximate), the
+    logarithms libdevice's (no ``lg2.approx``), the hash's shifts logical
+    (``shr.u32``: an arithmetic shift would fold the sign in)."""
+    from bubblefree.cuda_backend import greedy_sample, gumbel
+    args = {"logits_ptr": "*fp32", "table_ptr": "*u8", "slots_ptr": "*i64", "masks_ptr": "*i64",
+            "out_ptr": "*i64", "at_slot_ptr": "*i64", "undo_ptr": "*i64", "last_ptr": "*i64",
+            "flag_ptr": "*u8", "best_ptr": "*fp32", "at_ptr": "*i32", "cnt_ptr": "*i32",
+            "V": "i32", "sl_m": "i32", "st_m": "i32", "out_m": "i32", "chunks": "i32",
+            "draws_ptr": "*i64", "bw": "i32"}
+    consts = dict(BLOCK=4096, CHUNKS=64, FLAG=False, MASKED=True, AHEAD=False, PDL=False,
+                  DRAW=True)
+    source = ASTSource(fn=greedy_sample._greedy_kernel,
+                       signature={**args, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+    drawn = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=4)).asm["ptx"]
+    noise_args = {"seed_lo_ptr": "*i64", "seed_hi_ptr": "*i64", "pos_ptr": "*i64",
+                  "out_ptr": "*fp32", "V": "i32", "so_m": "i32", "BLOCK": "constexpr"}
+    source = ASTSource(fn=gumbel._noise_kernel, signature=noise_args, constexprs={"BLOCK": 4096})
+    noise = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=4)).asm["ptx"]
+    assert "div.rn.f32" in drawn and "div.full" not in drawn and "div.approx" not in drawn
+    for ptx in (drawn, noise):
+        assert "lg2.approx" not in ptx and "shr.s32" not in ptx and "shr.u32" in ptx
+
+
 @pytest.mark.parametrize("monotonic", [False, True])
 def test_the_grid_wait_benchmarks_kernel_compiles_for_hopper(monotonic):
     """``bench.grid_wait``: its waits poll with acquiring loads; the count

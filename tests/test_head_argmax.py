@@ -3,9 +3,9 @@
 its rows' best logit into one word a row, and the last program writes the
 tokens where the greedy kernel's sampling ahead writes them.
 
-- On the CPU: the setting is a row count that says itself, off by default;
-  a step that cannot take it (no dependent launches here) says so, and
-  refuses an ``argmax`` handed to it rather than drop it.
+- Anywhere: the setting is a row count that says itself, off by default;
+  a step that cannot take it (no dependent launches) says so, and refuses
+  an ``argmax`` handed to it rather than drop it.
 - On a GPU: the GEMM's tokens, ``sampled``, ``undo``, ``last_token`` and
   the flags equal ``torch_ahead``'s from the same logits, bit for bit, ties
   at the best logit to the lowest id, in either slot, launch after launch
@@ -46,15 +46,15 @@ def test_head_argmax_is_a_row_count_off_by_default_that_says_itself():
 
 
 def test_a_step_that_cannot_take_it_says_so_and_refuses_one_handed_to_it():
-    """Without dependent launches (this CPU) no bucket's head samples
-    ahead, whatever the setting; an ``argmax`` handed to the step anyway
-    is refused by name, not dropped (its tokens would never be written)."""
+    """Without dependent launches (none asked for; on a CPU none can run)
+    no bucket's head samples ahead, whatever ``head_argmax`` says; an
+    ``argmax`` handed to the step anyway is refused by name, not
+    dropped (its tokens would never be written)."""
     from bubblefree.cuda_backend.backend import CudaBackend
-    if pdl.supported("cuda"):
-        pytest.skip("here the step launches dependent: the GPU cases below")
-    model = tiny_model("llama", device="cpu", seed=3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model("llama", device=device, seed=3)
     be = CudaBackend(model, max_rows=4, max_seqs=4, num_pages=16, max_context=64,
-                     kernels=KernelConfig(pdl_rows=8, head_argmax=8))
+                     kernels=KernelConfig(pdl_rows=0, head_argmax=8))
     r = be._runner
     assert not any(r.head_samples(b) for b in (1, 2, 4))
     n = 4

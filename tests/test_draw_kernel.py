@@ -1,0 +1,122 @@
+"""Drawn steps' noise in Triton (``KernelConfig.draw_kernel``, ``gumbel``):
+a step whose drawn rows have no cut samples in ``greedy_sample``'s one
+kernel, and one with a cut adds ``gumbel.noise`` to torch's sort.
+
+- Anywhere: the setting is a row count that says itself, off by default.
+- On a GPU: ``gumbel.noise`` is torch's ``-log(-log(u))`` of the same
+  hash (to the logarithms' last bits: a different hash would differ
+  everywhere); the one kernel draws exactly the tokens torch's no-cut and
+  cut paths draw with that noise, greedy rows and masks included, at
+  Qwen2's vocabulary and others; a backend with it (and without) draws
+  reproducibly, within masks, and the same tokens without a cut as with
+  a cut that drops nothing.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+import torch
+
+from bubblefree.bench.step_ab import variant
+from bubblefree.core.values import SamplingParams, StepRow
+from bubblefree.cuda_backend import gumbel
+from bubblefree.cuda_backend.greedy_sample import make_sampler
+from bubblefree.cuda_backend.kernel_config import KernelConfig
+from bubblefree.cuda_backend.sampling import (PARTS, Draw, gumbel_noise, pack_sampling,
+                                              sample_inputs, unpack_sampling, vocab_hash)
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a Triton kernel")
+
+
+def test_draw_kernel_is_a_row_count_off_by_default_that_says_itself():
+    assert KernelConfig().draw_kernel == 0
+    for bad in (-1, 2.0, False, "64"):
+        with pytest.raises(ValueError, match="draw_kernel"):
+            KernelConfig(draw_kernel=bad)
+    assert "drawn steps' noise in one kernel up to 64 rows" in str(KernelConfig(draw_kernel=64))
+    assert "drawn" not in str(KernelConfig())
+    assert variant(KernelConfig(), "draw_kernel=8").draw_kernel == 8
+
+
+def _step(v: int, n: int, b: int, seed: int, cut: bool = False):
+    """Logits ``[b + 1, V]`` on the GPU (a best tied between two ids in row
+    0, greedy), a mask table, and ``pack_sampling``'s inputs for ``n``
+    rows in bucket ``b``: greedy and drawn rows, at low and high
+    temperatures, masked and not, 64-bit seeds; ``cut``: every drawn row
+    with a top_k of the whole vocabulary (a cut that drops nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b + 1, v, generator=g) * 3
+    logits[0, v // 2] = logits[0, v - 1] = 50.0
+    table = torch.rand(3, v, generator=g) > 0.4
+    table[0] = True
+    temps = [0.0, 0.7, 1.3, 1e-5, 30.0]
+    rows = tuple(StepRow(seq_id=i, row_slot=i, tokens=(), position=31 * i + seed, pages=(),
+                         sampling=SamplingParams(temperature=temps[i % 5], top_k=v if cut else 0,
+                                                 seed=(2**63 + 7919 * i + seed) % 2**64))
+                 for i in range(n))
+    a = np.zeros(PARTS * b, dtype=np.int64)
+    kind = pack_sampling(a, rows, tuple([None, 1, 2][i % 3] for i in range(n)), b, scratch_row=n)
+    return logits.cuda(), table.cuda(), torch.from_numpy(a).cuda(), kind
+
+
+@CUDA
+@pytest.mark.parametrize("v", [64, 4097, 151936])
+def test_the_noise_kernel_is_torchs_noise_of_the_same_hash(v):
+    _, _, inputs, _ = _step(v, 5, 8, seed=v)
+    _, _, draws = unpack_sampling(inputs, 8)
+    salt = vocab_hash(v, torch.device("cuda"))
+    got, want = gumbel.noise(draws, salt), gumbel_noise(draws, salt)
+    assert got.shape == want.shape == (8, v)
+    torch.testing.assert_close(got, want, rtol=4e-6, atol=4e-6)
+    assert (got == want).float().mean() > 0.5  # mostly the same bits: the logarithms agree
+
+
+@CUDA
+@pytest.mark.parametrize("v", [64, 4097, 151936])
+@pytest.mark.parametrize("n,b", [(1, 1), (3, 4), (8, 8)])
+def test_one_kernel_draws_what_torch_draws_with_the_same_noise(v, n, b):
+    for seed in range(3):
+        logits, table, inputs, kind = _step(v, n, b, seed)
+        salt = vocab_hash(v, torch.device("cuda"))
+        sampler = make_sampler(8, v, torch.device("cuda"))
+        sampled = torch.full((8,), -1, dtype=torch.long, device="cuda")
+        last = torch.zeros(n + 1, dtype=torch.long, device="cuda")
+        sampler(logits, table, inputs, b, sampled, last, None, drawn=True)
+        _, plain = sample_inputs(inputs, logits, table, salt, b, Draw.PLAIN, gumbel.noise)
+        _, _, wide, cut_kind = _step(v, n, b, seed, cut=True)
+        _, cut = sample_inputs(wide, logits, table, salt, b, Draw.CUT, gumbel.noise)
+        assert kind is (Draw.PLAIN if n > 1 else Draw.GREEDY) and cut_kind is (
+            Draw.CUT if n > 1 else Draw.GREEDY)
+        assert sampled[:n].tolist() == plain[:n].tolist() == cut[:n].tolist(), seed
+        assert int(sampled[0]) == v // 2  # row 0 is greedy: the tie to the lower id
+        masks = inputs[b:b + n].tolist()
+        assert all(bool(table[m, t]) for m, t in zip(masks, sampled[:n].tolist()))
+        assert torch.equal(last[:n], sampled[:n])
+    assert int(sampler.arrived.sum()) == 0
+
+
+@CUDA
+def test_a_backend_with_it_draws_reproducibly_within_masks_and_without_a_cut_as_with_one():
+    from bubblefree.cuda_backend.backend import CudaBackend
+    from bubblefree.cuda_backend.drive import generate
+    from bubblefree.cuda_backend.tiny import tiny_model
+    model = tiny_model("llama", device="cuda", seed=4)
+    for rows in (0, 8):
+        be = CudaBackend(model, page_size=4, num_pages=64, max_rows=4, max_seqs=8,
+                         max_prefill_tokens=64, min_graph_context=8,
+                         kernels=attrs.evolve(KernelConfig.measured("cuda"), draw_kernel=rows))
+        allowed = frozenset(range(40, 60))
+        mask = be.register_mask(allowed)
+        prompts = [[5, 6, 7], [8, 9], [10]]
+        plain = [SamplingParams(temperature=1.3, seed=s) for s in (4, 5, 6)]
+        wide = [attrs.evolve(p, top_k=be.vocab_size) for p in plain]
+        nucleus = [attrs.evolve(p, top_p=0.8) for p in plain]
+        got = [generate(be, prompts, 8, sampling=s, mask_ids=[None, mask, None])
+               for s in (plain, wide, nucleus)]
+        assert got[0] == got[1]  # the kernel's draw without a cut, the sort's with one
+        assert got[0] == generate(be, prompts, 8, sampling=plain, mask_ids=[None, mask, None],
+                                  page_seed=9, row_slots=[7, 5, 0])
+        assert all(t in allowed for t in got[0][1]) and all(t in allowed for t in got[2][1])
+        assert got[2] != got[0]  # the nucleus cut changed draws
