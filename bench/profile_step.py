@@ -29,7 +29,7 @@ moondream2 query, its 730-position image prefix and prompt, is about 760).
 ``--gemm`` builds it once more per GEMM choice listed, with the default
 attention: ``cublas`` everywhere, or a table of our kernel's tiles (JSON,
 from ``bench.gemm_tune --save``). Otherwise the step's GEMMs are the
-defaults (``kernel_config.MEASURED`` for this GPU).
+defaults (``measured.MEASURED`` for this GPU).
 ``--pdl`` builds it once more per value listed of ``KernelConfig.pdl_rows``
 (buckets of at most that many rows run ``pdl_step``'s dependent launches;
 0: none), with the default attention and GEMMs.

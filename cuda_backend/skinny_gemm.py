@@ -11,7 +11,7 @@ the output in x's dtype.
 ``linear`` runs the kernel where the backend's ``kernel_config.TileTable``
 has a tile for the weight's shape and row count (by default the tiles
 ``bench.gemm_tune`` measured faster than cuBLAS on this GPU,
-``kernel_config.MEASURED``) and ``F.linear`` everywhere else. It is a custom
+``measured.MEASURED``) and ``F.linear`` everywhere else. It is a custom
 op, so a compiled decode step calls it as one opaque call.
 
 The decode step with dependent launches (``KernelConfig.pdl``,

@@ -25,7 +25,7 @@ MAX_ROWS = 8
 # The weights' dtypes it takes. In float32 a program's share is twice the
 # registers, and ptxas ran for over ten minutes on one such kernel without
 # finishing (16 columns by 1,024 of K); the measured tiles serve 16-bit
-# weights only anyway (``kernel_config.MEASURED_DTYPES``).
+# weights only anyway (``measured.MEASURED_DTYPES``).
 DTYPES = (torch.bfloat16, torch.float16)
 # The most weights a thread holds: 256 16-bit values, 128 registers. A
 # share past that spills, or never compiles: K whole (4,864) at 64 columns

@@ -36,7 +36,7 @@ def small(model, **kw):
 def default_path(model) -> str:
     """The fused step's name for ``model`` with this GPU's measured defaults:
     with the dependent launches where they are on for its shape
-    (kernel_config.MEASURED_PDL)."""
+    (measured.MEASURED_PDL)."""
     from bubblefree.cuda_backend.kernel_config import KernelConfig
     from bubblefree.cuda_backend.pdl import supported
     rows = (KernelConfig.measured("cuda", model.config, dtype=model.dtype).pdl_rows

@@ -158,7 +158,7 @@ def _measured_launches():
     silu(gate) * up, one of several slices writes sums, any other whole
     outputs; elsewhere (``MEASURED``) sums or whole outputs."""
     from bubblefree.bench.speed_setup import SHAPES
-    from bubblefree.cuda_backend.kernel_config import MEASURED, MEASURED_PDL, model_shape
+    from bubblefree.cuda_backend.measured import MEASURED, MEASURED_PDL, model_shape
     out = []
     for gpu, table in MEASURED.items():
         for (k, n), entries in table.entries:

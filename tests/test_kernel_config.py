@@ -14,8 +14,8 @@ import torch
 
 import bubblefree.cuda_backend
 from bubblefree.cuda_backend.backend import CudaBackend
-from bubblefree.cuda_backend.kernel_config import (MEASURED, Dispatch, KernelConfig, Launch,
-                                                   Tile, TileTable)
+from bubblefree.cuda_backend.kernel_config import Dispatch, KernelConfig, Launch, Tile, TileTable
+from bubblefree.cuda_backend.measured import MEASURED
 from bubblefree.cuda_backend.tiny import tiny_model
 
 CONFIG_TYPES = (KernelConfig, Dispatch, TileTable, Launch, Tile)

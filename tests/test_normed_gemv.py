@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from bubblefree.cuda_backend import normed_gemv, pdl
 from bubblefree.cuda_backend.drive import generate
-from bubblefree.cuda_backend.kernel_config import QWEN2_05B, KernelConfig, LLAMA_32_1B
+from bubblefree.cuda_backend.kernel_config import KernelConfig
+from bubblefree.cuda_backend.measured import LLAMA_32_1B, QWEN2_05B
 from bubblefree.cuda_backend.normed_gemv import Launch, choose, torch_run, values, widths
 from bubblefree.cuda_backend.tiny import tiny_model
 

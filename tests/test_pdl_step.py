@@ -383,7 +383,8 @@ def test_the_measured_defaults_name_their_shape():
     from transformers import LlamaConfig
 
     from bubblefree.bench.speed_setup import SHAPES
-    from bubblefree.cuda_backend.kernel_config import MEASURED_PDL, Dispatch, model_shape
+    from bubblefree.cuda_backend.kernel_config import Dispatch
+    from bubblefree.cuda_backend.measured import MEASURED_PDL, model_shape
 
     assert set(MEASURED_PDL["NVIDIA H200"]) == {model_shape(s["config"]()) for s in SHAPES.values()}
     for name, spec in SHAPES.items():

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from bubblefree.cuda_backend import skinny_gemm as sg
-from bubblefree.cuda_backend.kernel_config import MEASURED, KernelConfig, Tile, TileTable, tile_for
+from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable, tile_for
+from bubblefree.cuda_backend.measured import MEASURED
 
 
 def test_a_tile_reads_back_as_written_and_names_bad_input():

@@ -11,7 +11,8 @@ import pytest
 import transformers
 
 from bubblefree.bench.step_ab import main, variant
-from bubblefree.cuda_backend.kernel_config import LLAMA_32_1B, KernelConfig, Tile
+from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile
+from bubblefree.cuda_backend.measured import LLAMA_32_1B
 
 LLAMA = transformers.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                                  num_key_value_heads=8, vocab_size=128256)
