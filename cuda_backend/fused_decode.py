@@ -413,13 +413,13 @@ class FusedDecoder:
         ``rope``: the rows' cos and sin ``[B, rot]`` where already gathered.
         ``argmax``: the head also samples the rows' greedy tokens ahead
         (only where ``head_samples(B)``)."""
+        if argmax is not None and not self.head_samples(x.shape[0]):
+            raise ValueError(f"the head of a {x.shape[0]}-row decode step does not sample "
+                             "ahead (head_samples)")
         # The one op lets each row see the cache as it was before the
         # step, plus its own key. Right for a decode step (a row per
         # sequence); the token rows of a prefill must see each other's
         # keys, so they write first and attend after (three steps).
-        if argmax is not None and not self.head_samples(x.shape[0]):
-            raise ValueError(f"the head of a {x.shape[0]}-row decode step does not sample "
-                             "ahead (head_samples)")
         h, normed = self.hidden_normed(x, positions, ctx, one_op=self.rope_in_kernel, rope=rope)
         return h, self.logits(normed, pdl=self.uses_pdl(x.shape[0], self.rope_in_kernel),
                               argmax=argmax)
