@@ -190,9 +190,11 @@ def positive_int(skill: str, args: Mapping[str, Any], field: str, default: int) 
 def choice_arg(skill: str, args: Mapping[str, Any], field: str,
                choices: tuple[str, ...], default: str) -> str:
     value = args.get(field, default)
-    if value not in choices:
+    # A str first: ``in`` compares with ``==``, which a numpy array answers
+    # elementwise (an ambiguous truth, or a one-element array found "in").
+    if not isinstance(value, str) or value not in choices:
         raise invalid(skill, field, f"must be one of {', '.join(choices)}; got {shown(value)}")
-    return value
+    return choices[choices.index(value)]  # the choice itself, not a subclass of str
 
 
 StateFactory = Callable[[], SkillState]

@@ -389,3 +389,15 @@ def test_a_timeout_whose_repr_raises_is_refused_by_its_type(engine):
     with pytest.raises(ValueError, match=r"^timeout: seconds >= 0 or None, not a _Unquotable \(its repr raised\)$"):
         handle.result(_Unquotable())
     assert handle.result(WAIT).status is Status.COMPLETED
+
+
+@pytest.mark.parametrize("length", [np.array(["short"]), np.array([1, 2]), np.str_("tall")],
+                         ids=["one-element array", "array", "numpy str"])
+def test_a_caption_length_of_numpy_values_is_refused_naming_length(moon, length):
+    """``length in ("short", ...)`` compared with ``==``, which a numpy
+    array answers elementwise: a one-element array was found "in", then
+    failed as a key (a SkillError from the prompt), and a longer one raised
+    its ambiguous truth in the skill's parse_args."""
+    with pytest.raises(InvalidRequest, match=r"^length: must be one of short, normal, long; got "):
+        moon.caption(picture(1), length=length)
+    assert isinstance(moon.caption(picture(1), length=np.str_("short"))["caption"], str)

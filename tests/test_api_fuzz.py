@@ -1,0 +1,145 @@
+"""Any Python value in any argument of the Python API: the engine answers,
+or refuses naming the argument, and serves on.
+
+Each example calls one of moondream's calls (``caption``, ``query``,
+``point``, ``detect``, ``segment``), ``run`` or ``submit`` on a
+moondream2-shaped engine with one to three arguments (the image, the text,
+a keyword, a setting) replaced by a value of any kind: None, booleans,
+integers past 64 bits, floats with NaN and infinities, text with lone
+surrogates, bytes, containers, numpy arrays, images of odd shapes, objects
+whose ``repr``, ``==``, ``hash`` or truth raise. Whatever arrives, the
+call returns the skill's answer or raises ``InvalidRequest`` whose message
+starts with what was wrong (a field, a setting, ``image``); nothing else
+escapes, and a valid call after it is answered.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from decimal import Decimal
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from bubblefree import InvalidRequest
+from tests.image_world import moon_engine, picture
+
+IMAGE = picture(5, 64, 48)
+CALLS = ("caption", "query", "point", "detect", "segment", "run", "submit")
+SKILLS = ("caption", "query", "point", "detect", "segment")
+TEXT = {"caption": "length", "query": "question", "point": "object", "detect": "object",
+        "segment": "object"}
+KEYWORDS = ("max_tokens", "max_objects", "stream", "spatial_refs", "sampling", "settings", "length",
+            "question", "object", "image", "listener", "colour")
+SETTINGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_objects", "hue")
+
+
+class Hostile:
+    """An object whose ``what`` raises: ``repr``, ``eq``, ``hash`` or ``bool``."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __repr__(self) -> str:
+        if self.what == "repr":
+            raise RuntimeError("repr raised")
+        return f"Hostile({self.what})"
+
+    def __eq__(self, other: object) -> bool:
+        if self.what == "eq":
+            raise RuntimeError("eq raised")
+        return self is other
+
+    def __hash__(self) -> int:
+        if self.what == "hash":
+            raise RuntimeError("hash raised")
+        return id(self)
+
+    def __bool__(self) -> bool:
+        if self.what == "bool":
+            raise RuntimeError("bool raised")
+        return True
+
+
+scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+           | st.sampled_from([0, 1, -1, 2**31, 2**64, 10**400])
+           | st.floats() | st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e-300])
+           | st.text(max_size=12) | st.sampled_from(["", "short", "normal", "long", "\ud800", "cat"])
+           | st.binary(max_size=8))
+odd = st.builds(Hostile, st.sampled_from(["repr", "eq", "hash", "bool"])) | st.sampled_from([
+    object(), print, int,
+    np.zeros((2, 2, 3), dtype=np.uint8), np.zeros((0, 4, 3), dtype=np.uint8), np.float32("nan"),
+    np.int64(7), np.array([0.5, 0.5]), Image.new("RGB", (1, 1)), Image.new("L", (3, 2)),
+    Image.new("RGBA", (4, 4)), IMAGE.copy(), {"temperature": 0.5}, {"x": 0.5, "y": 0.5},
+    [[0.1, 0.2], [0.3, 0.4, 0.5, 0.6]], [0.1, 0.2], (0.1, 0.2, 0.3, 0.4), {1, 2}, frozenset(),
+    np.array(["short"]), np.array(["cat", "dog"]), np.str_("cat"), np.str_("short"), np.bool_(True),
+    np.float64(0.5), np.array(0.5), bytearray(b"cat"), memoryview(b"cat"), 1 + 2j,
+    Decimal("0.5"), Fraction(1, 3), datetime.date(2026, 1, 1)])
+values = st.recursive(scalars | odd, lambda inner: st.lists(inner, max_size=3)
+                      | st.dictionaries(st.sampled_from(SETTINGS), inner, max_size=2), max_leaves=6)
+
+
+@st.composite
+def calls(draw) -> tuple[str, str, list, dict]:
+    """(call, skill, positional arguments, keyword arguments): a valid call
+    with one to three arguments replaced by any value, or removed."""
+    call = draw(st.sampled_from(CALLS))
+    skill = call if call in SKILLS else draw(st.sampled_from(SKILLS))
+    text = {"caption": "short", "query": "what is it"}.get(skill, "cat")
+    kwargs: dict = {TEXT[skill]: text, "image": IMAGE, "settings": {"max_tokens": 4}}
+    if skill in ("point", "detect"):
+        kwargs["settings"]["max_objects"] = 2
+    for _ in range(draw(st.integers(1, 3))):
+        where = draw(st.sampled_from(["keyword", "keyword", "setting", "remove"]))
+        if where == "setting" and isinstance(kwargs.get("settings"), dict):
+            kwargs["settings"][draw(st.sampled_from(SETTINGS))] = draw(values)
+        elif where == "remove" and kwargs:
+            kwargs.pop(draw(st.sampled_from(sorted(kwargs))))
+        else:
+            kwargs[draw(st.sampled_from(KEYWORDS + (TEXT[skill],)))] = draw(values)
+    if call in ("run", "submit"):
+        if isinstance(kwargs.get("settings"), dict):  # the engine's keywords, not moondream's settings
+            kwargs.update({k: v for k, v in kwargs.pop("settings").items()
+                           if k in ("max_tokens", "max_objects")})
+        return call, skill, [draw(st.sampled_from([skill, skill, skill]) | values)], kwargs
+    return call, skill, [], kwargs
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = moon_engine()
+    yield eng
+    eng.close()
+
+
+def answered(out: object, skill: str) -> None:
+    key = {"caption": "caption", "query": "answer", "point": "points", "detect": "objects",
+           "segment": "path"}[skill]
+    assert isinstance(out, dict) and key in out, out
+
+
+@settings(max_examples=200)
+@given(case=calls())
+def test_any_value_in_any_argument_is_answered_or_refused_naming_it(engine, case):
+    call, skill, args, kwargs = case
+    try:
+        out = getattr(engine, call)(*args, **kwargs)
+        if call == "submit":
+            out = out.result(30)
+            assert out.status.name in ("COMPLETED", "FAILED", "CANCELLED"), out
+        elif kwargs.get("stream") is True and call in ("caption", "query"):
+            key = "caption" if call == "caption" else "answer"
+            assert all(isinstance(piece, str) for piece in out[key]), out
+        elif call != "run" or args[0] == skill:
+            answered(out, skill if call != "run" else args[0])
+    except InvalidRequest as err:
+        message = str(err)
+        assert message and ":" in message.split("\n")[0], message
+        head = message.split(":")[0]
+        assert head and " " not in head.strip(), message  # a name, not a sentence
+    assert "points" in engine.point(IMAGE, "cat", settings={"max_objects": 1})
