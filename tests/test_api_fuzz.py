@@ -2,7 +2,8 @@
 or refuses naming the argument, and serves on.
 
 Each example calls one of moondream's calls (``caption``, ``query``,
-``point``, ``detect``, ``segment``), ``run`` or ``submit`` on a
+``point``, ``detect``, ``segment``), ``run``, ``submit`` or ``stream``, or
+one of their asyncio forms (each in an event loop of its own), on a
 moondream2-shaped engine with one to three arguments (the image, the text,
 a keyword, a setting) replaced by a value of any kind: None, booleans,
 integers past 64 bits, floats with NaN and infinities, text with lone
@@ -15,6 +16,7 @@ escapes, and a valid call after it is answered.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import math
 from decimal import Decimal
@@ -30,7 +32,10 @@ from bubblefree import InvalidRequest
 from tests.image_world import moon_engine, picture
 
 IMAGE = picture(5, 64, 48)
-CALLS = ("caption", "query", "point", "detect", "segment", "run", "submit")
+CALLS = ("caption", "query", "point", "detect", "segment", "run", "submit", "stream",
+         "acaption", "aquery", "apoint", "adetect", "asegment", "arun", "astream")
+# The calls named after a skill, blocking or asyncio: the call is the skill.
+NAMED = {"caption", "query", "point", "detect", "segment"}
 SKILLS = ("caption", "query", "point", "detect", "segment")
 TEXT = {"caption": "length", "query": "question", "point": "object", "detect": "object",
         "segment": "object"}
@@ -89,7 +94,8 @@ def calls(draw) -> tuple[str, str, list, dict]:
     """(call, skill, positional arguments, keyword arguments): a valid call
     with one to three arguments replaced by any value, or removed."""
     call = draw(st.sampled_from(CALLS))
-    skill = call if call in SKILLS else draw(st.sampled_from(SKILLS))
+    named = call.removeprefix("a") if call.removeprefix("a") in NAMED else None
+    skill = named or draw(st.sampled_from(SKILLS if "stream" not in call else ("caption", "query")))
     text = {"caption": "short", "query": "what is it"}.get(skill, "cat")
     kwargs: dict = {TEXT[skill]: text, "image": IMAGE, "settings": {"max_tokens": 4}}
     if skill in ("point", "detect"):
@@ -102,7 +108,7 @@ def calls(draw) -> tuple[str, str, list, dict]:
             kwargs.pop(draw(st.sampled_from(sorted(kwargs))))
         else:
             kwargs[draw(st.sampled_from(KEYWORDS + (TEXT[skill],)))] = draw(values)
-    if call in ("run", "submit"):
+    if not named:
         if isinstance(kwargs.get("settings"), dict):  # the engine's keywords, not moondream's settings
             kwargs.update({k: v for k, v in kwargs.pop("settings").items()
                            if k in ("max_tokens", "max_objects")})
@@ -123,20 +129,46 @@ def answered(out: object, skill: str) -> None:
     assert isinstance(out, dict) and key in out, out
 
 
+async def _collect(pieces) -> list:
+    return [piece async for piece in pieces]
+
+
+def _called(engine, call: str, args: list, kwargs: dict) -> object:
+    """The call's outcome, whole: a blocking one's return, an asyncio one's
+    awaited in a loop of its own, stream pieces read to the end."""
+    fn = getattr(engine, call)
+    if call == "astream":
+        return asyncio.run(_collect(fn(*args, **kwargs)))
+    if call.startswith("a"):
+        async def whole():
+            out = await fn(*args, **kwargs)
+            if isinstance(out, dict) and kwargs.get("stream") is True:
+                return {k: await _collect(v) for k, v in out.items()}
+            return out
+        return asyncio.run(whole())
+    out = fn(*args, **kwargs)
+    if call == "stream":
+        return list(out)
+    if isinstance(out, dict) and kwargs.get("stream") is True:
+        return {k: list(v) for k, v in out.items()}
+    return out
+
+
 @settings(max_examples=200)
 @given(case=calls())
 def test_any_value_in_any_argument_is_answered_or_refused_naming_it(engine, case):
     call, skill, args, kwargs = case
     try:
-        out = getattr(engine, call)(*args, **kwargs)
+        out = _called(engine, call, args, kwargs)
         if call == "submit":
-            out = out.result(30)
-            assert out.status.name in ("COMPLETED", "FAILED", "CANCELLED"), out
-        elif kwargs.get("stream") is True and call in ("caption", "query"):
-            key = "caption" if call == "caption" else "answer"
-            assert all(isinstance(piece, str) for piece in out[key]), out
-        elif call != "run" or args[0] == skill:
-            answered(out, skill if call != "run" else args[0])
+            result = out.result(30)
+            assert result.status.name == "COMPLETED", result  # accepted: it must complete
+        elif "stream" in call:
+            assert all(isinstance(piece, str) for piece in out), out
+        elif kwargs.get("stream") is True and skill in ("caption", "query"):
+            assert all(isinstance(p, str) for pieces in out.values() for p in pieces), out
+        elif not args or args[0] == skill:
+            answered(out, skill)
     except InvalidRequest as err:
         message = str(err)
         assert message and ":" in message.split("\n")[0], message
