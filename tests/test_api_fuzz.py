@@ -4,7 +4,7 @@ or refuses naming the argument, and serves on.
 Each example calls one of moondream's calls (``caption``, ``query``,
 ``point``, ``detect``, ``segment``), ``run``, ``submit`` or ``stream``, or
 one of their asyncio forms (each in an event loop of its own), on a
-moondream2-shaped engine with one to three arguments (the image, the text,
+moondream2-shaped engine and on a text one, with one to three arguments (the image, the text,
 a keyword, a setting) replaced by a value of any kind: None, booleans,
 integers past 64 bits, floats with NaN and infinities, text with lone
 surrogates, bytes, containers, numpy arrays, images of odd shapes, objects
@@ -30,15 +30,16 @@ from PIL import Image
 
 from bubblefree import InvalidRequest
 from tests.image_world import moon_engine, picture
+from tests.server_support import fake_engine
 
 IMAGE = picture(5, 64, 48)
 CALLS = ("caption", "query", "point", "detect", "segment", "run", "submit", "stream",
          "acaption", "aquery", "apoint", "adetect", "asegment", "arun", "astream")
 # The calls named after a skill, blocking or asyncio: the call is the skill.
 NAMED = {"caption", "query", "point", "detect", "segment"}
-SKILLS = ("caption", "query", "point", "detect", "segment")
+SKILLS = ("caption", "query", "point", "detect", "segment", "complete")
 TEXT = {"caption": "length", "query": "question", "point": "object", "detect": "object",
-        "segment": "object"}
+        "segment": "object", "complete": "prompt"}
 KEYWORDS = ("max_tokens", "max_objects", "stream", "spatial_refs", "sampling", "settings", "length",
             "question", "object", "image", "listener", "colour")
 SETTINGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_objects", "hue")
@@ -95,8 +96,9 @@ def calls(draw) -> tuple[str, str, list, dict]:
     with one to three arguments replaced by any value, or removed."""
     call = draw(st.sampled_from(CALLS))
     named = call.removeprefix("a") if call.removeprefix("a") in NAMED else None
-    skill = named or draw(st.sampled_from(SKILLS if "stream" not in call else ("caption", "query")))
-    text = {"caption": "short", "query": "what is it"}.get(skill, "cat")
+    skill = named or draw(st.sampled_from(SKILLS if "stream" not in call
+                                          else ("caption", "query", "complete")))
+    text = {"caption": "short", "query": "what is it", "complete": "the cat"}.get(skill, "cat")
     kwargs: dict = {TEXT[skill]: text, "image": IMAGE, "settings": {"max_tokens": 4}}
     if skill in ("point", "detect"):
         kwargs["settings"]["max_objects"] = 2
@@ -116,17 +118,26 @@ def calls(draw) -> tuple[str, str, list, dict]:
     return call, skill, [], kwargs
 
 
-@pytest.fixture(scope="module")
-def engine():
-    eng = moon_engine()
+@pytest.fixture(scope="module", params=["moondream2", "text"])
+def engine(request):
+    """A moondream2-shaped engine (images, a region head), or a text one (no
+    images: point, detect and segment refused, ``complete`` served)."""
+    eng = moon_engine() if request.param == "moondream2" else fake_engine()
     yield eng
     eng.close()
 
 
 def answered(out: object, skill: str) -> None:
     key = {"caption": "caption", "query": "answer", "point": "points", "detect": "objects",
-           "segment": "path"}[skill]
+           "segment": "path", "complete": "text"}[skill]
     assert isinstance(out, dict) and key in out, out
+
+
+def serves_on(engine) -> None:
+    if engine.takes_images:
+        assert "points" in engine.point(IMAGE, "cat", settings={"max_objects": 1})
+    else:
+        assert isinstance(engine.query("what is it", settings={"max_tokens": 4})["answer"], str)
 
 
 async def _collect(pieces) -> list:
@@ -174,4 +185,4 @@ def test_any_value_in_any_argument_is_answered_or_refused_naming_it(engine, case
         assert message and ":" in message.split("\n")[0], message
         head = message.split(":")[0]
         assert head and " " not in head.strip(), message  # a name, not a sentence
-    assert "points" in engine.point(IMAGE, "cat", settings={"max_objects": 1})
+    serves_on(engine)
