@@ -19,7 +19,7 @@ runs in float32 and rounds once, as the decode kernels do
 (``paged_decode_kernels._rope``); the key is rounded to the cache's dtype.
 
 CUDA with Triton only (``available``); elsewhere the layers keep their
-torch steps (``fused_decode._attend``).
+torch steps (``fused_layers._attend``).
 """
 
 from __future__ import annotations

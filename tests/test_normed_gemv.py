@@ -64,7 +64,7 @@ def _layer(d: int, inter: int, qkv: int):
 
 @pytest.mark.parametrize("shape", [QWEN2_05B, LLAMA_32_1B])
 def test_the_measured_shapes_can_run_without_norms_up_to_eight_rows(shape):
-    from bubblefree.cuda_backend.fused_decode import Dims
+    from bubblefree.cuda_backend.fused_layers import Dims
     from bubblefree.cuda_backend.pdl_step import chainable
     _, d, inter, heads, kv, _ = shape
     tiles = KernelConfig.for_gpu("NVIDIA H200", _config(shape)).pdl_tiles
@@ -79,7 +79,7 @@ def test_a_layer_too_wide_for_a_threads_registers_keeps_its_norms():
     """A model far wider than the measured ones: no launch holds its
     down projection's K in a thread's share, so the layers keep their norm
     kernels rather than fail when the step is captured."""
-    from bubblefree.cuda_backend.fused_decode import Dims
+    from bubblefree.cuda_backend.fused_layers import Dims
     from bubblefree.cuda_backend.pdl_step import chainable
     at = Dims(heads=8, kv_heads=8, head_dim=128, eps=1e-6, scaling=1.0, split=(), inter=100_000,
               glu=True)

@@ -265,7 +265,7 @@ def test_the_projection_combines_only_where_the_split_kernel_runs_within_its_row
     from types import SimpleNamespace
 
     from bubblefree.cuda_backend import pdl_step
-    from bubblefree.cuda_backend.fused_decode import Dims
+    from bubblefree.cuda_backend.fused_layers import Dims
     from bubblefree.cuda_backend.kernel_config import Dispatch, TileTable
     tile = Tile(128, 256, 8, 4, 3)
     dims = Dims(heads=32, kv_heads=8, head_dim=64, eps=1e-5, scaling=0.125, split=(2048, 512, 512),
