@@ -69,8 +69,8 @@ def test_the_noise_kernel_is_torchs_noise_of_the_same_hash(v):
     salt = vocab_hash(v, torch.device("cuda"))
     got, want = gumbel.noise(draws, salt), gumbel_noise(draws, salt)
     assert got.shape == want.shape == (8, v)
+    # A hash that differed anywhere would differ by whole units there.
     torch.testing.assert_close(got, want, rtol=4e-6, atol=4e-6)
-    assert (got == want).float().mean() > 0.5  # mostly the same bits: the logarithms agree
 
 
 @CUDA
