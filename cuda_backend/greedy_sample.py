@@ -165,7 +165,9 @@ if triton is not None:
         words and the count reset for the next launch. ``slot``, ``k``,
         ``held`` and ``held_flag`` are what that branch loads before its
         wait (for the rows ``rm`` where ``m_ok``)."""
-        tl.atomic_max(keys_ptr + rm, _row_best(v, cols, ok), mask=m_ok, sem="relaxed",
+        # Acquire-release: an ``atom`` the thread waits for, whatever Triton
+        # makes of an unused result (a relaxed one became a ``red`` in 3.9).
+        tl.atomic_max(keys_ptr + rm, _row_best(v, cols, ok), mask=m_ok, sem="acq_rel",
                       scope="gpu")
         tl.debug_barrier()  # every row's max made before the program counts itself in
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")

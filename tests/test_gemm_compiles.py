@@ -7,6 +7,8 @@ bundled ptxas is absent (CPU-only builds of torch lack Triton)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -16,6 +18,18 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from bubblefree.cuda_backend import skinny_gemm  # noqa: E402
+
+
+def _source(fn, signature: dict, constexprs: dict, attrs: dict | None = None) -> ASTSource:
+    """``ASTSource`` with every argument of ``fn`` typed: a constexpr the
+    caller leaves out takes its default (Triton 3.9 types an argument the
+    signature does not name as nothing, and fails to build)."""
+    params = inspect.signature(fn.fn).parameters
+    defaults = {n: p.default for n, p in params.items()
+                if p.default is not inspect.Parameter.empty and n not in signature}
+    constexprs = {**defaults, **constexprs}
+    signature = {**signature, **dict.fromkeys(defaults, "constexpr")}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
 def _ptxas() -> str | None:
@@ -49,7 +63,7 @@ def test_the_gemm_compiles_for_hopper(form, ahead, pdl, early):
                   PDL=pdl, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, STAGES=3, AHEAD=ahead,
                   STATES=0, BLOCK_S=1, HD=1, DT=triton.language.bfloat16, ROWS=1, EARLY=early)
     signature = {**ARGS, **dict.fromkeys(consts, "constexpr")}
-    source = ASTSource(fn=skinny_gemm._gemm_kernel, signature=signature, constexprs=consts)
+    source = _source(fn=skinny_gemm._gemm_kernel, signature=signature, constexprs=consts)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert kernel.asm["cubin"]
     ptx = kernel.asm["ptx"]
@@ -63,8 +77,9 @@ def test_the_gemm_compiles_for_hopper(form, ahead, pdl, early):
 @pytest.mark.parametrize("early", [False, True])
 def test_the_head_sampling_ahead_compiles_reading_what_it_keeps_before_the_wait(flag, early):
     """ARGMAX (``KernelConfig.head_argmax``) in Qwen2's head tile: a 64-bit
-    atomic max a row, taking its old value (an ``atom``, made before the
-    program's barrier, not a ``red`` that may still be in flight), then the
+    atomic max a row, acquire-release, so an ``atom`` the thread waits for
+    before the program's barrier (relaxed, Triton 3.6 emitted an ``atom``
+    and 3.9 a ``red``, fire and forget, the result being unused), then the
     count's acquire-release add; the row slots, the step's slot and what
     ``last_token`` (and the flags) hold there loaded after the first
     weights are asked for and before ``griddepcontrol.wait``."""
@@ -72,10 +87,10 @@ def test_the_head_sampling_ahead_compiles_reading_what_it_keeps_before_the_wait(
                   BLOCK_N=64, BLOCK_K=128, STAGES=3, AHEAD=1, STATES=0, BLOCK_S=1, HD=1,
                   DT=triton.language.bfloat16, ROWS=1, EARLY=early, ARGMAX=True, FLAG=flag)
     signature = {**ARGS, "out_ptr": "*bf16", **dict.fromkeys(consts, "constexpr")}
-    source = ASTSource(fn=skinny_gemm._gemm_kernel, signature=signature, constexprs=consts)
+    source = _source(fn=skinny_gemm._gemm_kernel, signature=signature, constexprs=consts)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=4)).asm["ptx"]
-    assert ptx.count("atom.global.gpu.relaxed.max.s64") == 1 and "red.global" not in ptx
+    assert ptx.count("atom.global.gpu.acq_rel.max.s64") == 1 and "red.global" not in ptx
     assert ptx.count("atom.global.gpu.acq_rel.add.u32") == 1
     wait = ptx.index("griddepcontrol.wait")
     before = ptx[:wait]
@@ -98,13 +113,13 @@ def test_a_drawn_step_compiles_with_ieee_division_cudas_logf_and_an_unsigned_has
             "draws_ptr": "*i64", "bw": "i32"}
     consts = dict(BLOCK=4096, CHUNKS=64, FLAG=False, MASKED=True, AHEAD=False, PDL=False,
                   DRAW=True)
-    source = ASTSource(fn=greedy_sample._greedy_kernel,
+    source = _source(fn=greedy_sample._greedy_kernel,
                        signature={**args, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
     drawn = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=4)).asm["ptx"]
     noise_args = {"seed_lo_ptr": "*i64", "seed_hi_ptr": "*i64", "pos_ptr": "*i64",
                   "out_ptr": "*fp32", "V": "i32", "so_m": "i32", "BLOCK": "constexpr"}
-    source = ASTSource(fn=gumbel._noise_kernel, signature=noise_args, constexprs={"BLOCK": 4096})
+    source = _source(fn=gumbel._noise_kernel, signature=noise_args, constexprs={"BLOCK": 4096})
     noise = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=4)).asm["ptx"]
     assert "div.rn.f32" in drawn and "div.full" not in drawn and "div.approx" not in drawn
@@ -121,7 +136,7 @@ def test_the_grid_wait_benchmarks_kernel_compiles_for_hopper(monotonic):
     consts = dict(MONOTONIC=monotonic)
     signature = {"sync_ptr": "*i32", "out_ptr": "*i32", "rounds": "i32",
                  **dict.fromkeys(consts, "constexpr")}
-    source = ASTSource(fn=grid_wait._waits_kernel, signature=signature, constexprs=consts)
+    source = _source(fn=grid_wait._waits_kernel, signature=signature, constexprs=consts)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = kernel.asm["ptx"]
     assert "ld.acquire.gpu.global.b32" in ptx
@@ -138,7 +153,7 @@ def test_the_norm_releases_the_next_kernel_before_it_waits_only_when_early(early
                  "xo_ptr": "*bf16", "h_ptr": "*bf16", "N": "i32", "splits": "i32",
                  "sx_m": "i32", "sp_s": "i32", "sp_m": "i32", "so_m": "i32", "eps": "fp32",
                  **dict.fromkeys(consts, "constexpr")}
-    source = ASTSource(fn=add_norm._add_norm_kernel, signature=signature, constexprs=consts)
+    source = _source(fn=add_norm._add_norm_kernel, signature=signature, constexprs=consts)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=8)).asm["ptx"]
     release = ptx.index("griddepcontrol.launch_dependents")
@@ -193,7 +208,7 @@ def test_every_measured_tile_fits_a_hopper_multiprocessor_in_bf16():
                       BLOCK_K=t.block_k, STAGES=t.stages, AHEAD=t.ahead if pdl else 1,
                       STATES=0, BLOCK_S=1, HD=1, DT=triton.language.bfloat16, ROWS=1)
         signature = {**args, **dict.fromkeys(consts, "constexpr")}
-        source = ASTSource(fn=skinny_gemm._gemm_kernel, signature=signature, constexprs=consts)
+        source = _source(fn=skinny_gemm._gemm_kernel, signature=signature, constexprs=consts)
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=t.warps))
         assert kernel.metadata.shared <= HOPPER_SHARED, (what, str(t), rows, form,
@@ -213,8 +228,8 @@ def _gemv(consts: dict, warps: int):
     names = list(GEMV_ARGS)
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in GEMV_ARGS if a != "steps"}
     signature = {**GEMV_ARGS, **dict.fromkeys(consts, "constexpr")}
-    source = ASTSource(fn=skinny_gemv._gemv_kernel, signature=signature, constexprs=consts,
-                       attrs=aligned)
+    source = _source(fn=skinny_gemv._gemv_kernel, signature=signature, constexprs=consts,
+                     attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
@@ -274,7 +289,7 @@ def test_the_step_inputs_kernel_releases_the_first_layer_as_it_starts(pdl):
                  "sin_ptr": "*bf16", "D": "i32", "R": "i32", "P": "i32", "PS": "i32",
                  "se_v": "i32", "sv_s": "i32", "sx_b": "i32", "sct_p": "i32", "sc_b": "i32",
                  **dict.fromkeys(consts, "constexpr")}
-    source = ASTSource(fn=step_inputs._inputs_kernel, signature=signature, constexprs=consts)
+    source = _source(fn=step_inputs._inputs_kernel, signature=signature, constexprs=consts)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=4)).asm["ptx"]
     assert "griddepcontrol.wait" not in ptx
@@ -296,8 +311,9 @@ def test_greedy_sampling_ahead_reads_its_slots_before_the_wait(flag):
                  "masks_ptr": "*i64", "out_ptr": "*i64", "at_slot_ptr": "*i64",
                  "undo_ptr": "*i64", "last_ptr": "*i64", "flag_ptr": "*u8", "best_ptr": "*fp32",
                  "at_ptr": "*i32", "cnt_ptr": "*i32", "V": "i32", "sl_m": "i32", "st_m": "i32",
-                 "out_m": "i32", "chunks": "i32", **dict.fromkeys(consts, "constexpr")}
-    source = ASTSource(fn=greedy_sample._greedy_kernel, signature=signature, constexprs=consts)
+                 "out_m": "i32", "chunks": "i32", "draws_ptr": "*i64", "bw": "i32",
+                 **dict.fromkeys(consts, "constexpr")}
+    source = _source(fn=greedy_sample._greedy_kernel, signature=signature, constexprs=consts)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=4)).asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
