@@ -2,7 +2,8 @@
 forms, without a GPU. Triton's compiler checks what its interpreter does
 not: when the first steps, read before the wait, were loaded under a name
 the K loop then gave a narrower tile, the interpreter ran it and only the
-GPU's compile failed. Skipped, with the reason, where Triton or its
+GPU's compile failed. The test extra installs Triton, so ``make test``
+runs them on any machine; skipped, with the reason, where Triton or its
 bundled ptxas is absent (CPU-only builds of torch lack Triton)."""
 
 from __future__ import annotations
