@@ -12,7 +12,9 @@ A variant is ``base`` (the defaults measured for the GPU and the shape:
 (``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``, ``early_norms=8``,
 ``norms_in=1``;
 ``sample_ahead=0``: the captured step without its tokens sampled ahead;
-``head_argmax=8``: the head GEMM sampling them itself), counts of
+``head_argmax=8``: the head GEMM sampling them itself; ``draw_kernel=64``:
+drawn steps' noise in Triton, which only requests draw, ``bench.speed
+--variant``), counts of
 the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``,
 ``whole_rows=1``, ``whole_keys=256``) and ``K,N=TILE``
 entries that replace the dependent-launch step's tile for the GEMM of that
