@@ -11,9 +11,9 @@
 # (330), MODELS (qwen05b), STREAMS (1,8,32,64), SPEED_SECONDS (280 a shape),
 # WORKLOADS (text,sampled), VARIANT (none: the kernels' settings as
 # bench.speed's --variant takes them). A third call, TESTS=0 SAMPLING=0
-# WORKLOADS=sampled VARIANT=draw_kernel=64, times the requests with the
-# drawn steps' noise in Triton (KernelConfig.draw_kernel; bench.sampling
-# times both paths already).
+# WORKLOADS=sampled VARIANT=draw_kernel=0, times the requests with the
+# drawn steps' noise in torch, as before KernelConfig.draw_kernel
+# (bench.sampling times both paths already).
 set -u
 out="${OUT:-/tmp/bubblefree-sampling}"
 mkdir -p "$out"

@@ -12,9 +12,9 @@ A variant is ``base`` (the defaults measured for the GPU and the shape:
 (``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``, ``early_norms=8``,
 ``norms_in=1``;
 ``sample_ahead=0``: the captured step without its tokens sampled ahead;
-``head_argmax=8``: the head GEMM sampling them itself; ``draw_kernel=64``:
-drawn steps' noise in Triton, which only requests draw, ``bench.speed
---variant``), counts of
+``head_argmax=8``: the head GEMM sampling them itself), switches
+(``draw_kernel=0``: drawn steps' noise in torch, which only requests
+draw, ``bench.speed --variant``), counts of
 the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``,
 ``whole_rows=1``, ``whole_keys=256``) and ``K,N=TILE``
 entries that replace the dependent-launch step's tile for the GEMM of that
@@ -48,7 +48,9 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 
 # KernelConfig's row counts a variant may set (``o_combines=0``).
 ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms",
-              "early_attention", "norms_in", "head_argmax", "draw_kernel")
+              "early_attention", "norms_in", "head_argmax")
+# KernelConfig's switches a variant may turn on or off (``draw_kernel=0``).
+SWITCHES = ("draw_kernel",)
 # The attention dispatch's counts a variant may set (``split_warps=1``).
 DISPATCH_FIELDS = ("max_splits", "split_block", "split_warps", "whole_rows", "whole_keys")
 
@@ -62,6 +64,11 @@ def variant(default: KernelConfig, text: str) -> KernelConfig:
     fields, dispatch, entries = {}, {}, dict(default.pdl_tiles.entries)
     for item in text.split("+"):
         shape, _, tile = item.partition("=")
+        if shape in SWITCHES:
+            if tile not in ("0", "1"):
+                raise ValueError(f"variant {text!r}: {shape} is 0 or 1, not {tile!r}")
+            fields[shape] = tile == "1"
+            continue
         if shape in ROW_FIELDS or shape in DISPATCH_FIELDS:
             if not tile.isdigit():
                 what = "a row count" if shape in ROW_FIELDS else "a count"

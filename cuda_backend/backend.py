@@ -405,7 +405,7 @@ class CudaBackend:
         if draw is Draw.GREEDY:
             (self._greedy or torch_greedy)(*args)
             return s.sampled
-        kernel_draws = self._greedy is not None and b <= self.kernels.draw_kernel
+        kernel_draws = self._greedy is not None and self.kernels.draw_kernel
         if draw is Draw.PLAIN and kernel_draws:  # the greedy kernel, each drawn row's noise added
             self._greedy(*args, drawn=True)
             return s.sampled

@@ -395,14 +395,20 @@ class KernelConfig:
     itself (``greedy_sample.HeadArgmax``) where its tile holds whole logits,
     instead of a kernel after it reading the logits again: one launch
     fewer at the end of the step. Bit for bit the kernel's tokens. 0: none,
-    the default until it is measured on a GPU.
+    the default: on the H200 it gained nothing (Qwen2's step at one row
+    0.431 -> 0.432 ms: docs/runs/head-argmax-2026-12-05.txt).
 
-    ``draw_kernel``: drawn steps of at most this many rows draw their
-    Gumbel noise in Triton (``gumbel``): a step whose drawn rows have no cut
-    samples in ``greedy_sample``'s one kernel instead of torch's some thirty,
-    and one with a cut adds one kernel's noise to torch's sort. The same
-    tokens either way within a bucket (a row without a cut draws alike in
-    both). 0: none, the default until it is measured on a GPU.
+    ``draw_kernel``: drawn steps draw their Gumbel noise in Triton
+    (``gumbel``), in every bucket (a row's draw must not depend on the rows
+    beside it): a step whose drawn rows have no cut samples in
+    ``greedy_sample``'s one kernel instead of torch's some thirty, and one
+    with a cut adds one kernel's noise to torch's sort. On the H200 at
+    Qwen2's vocabulary a step's sampling went 140 -> 12 us at one row
+    without a cut and 271 -> 176 with top_p, and the sampled workload
+    1,269 -> 1,554 tok/s at one stream and 11,557 -> 15,168 at 32
+    (docs/performance.md, "Drawn steps' noise in one kernel"). Off: torch's
+    noise (the before of a before/after; where Triton is absent it runs
+    anyway).
 
     ``greedy_kernel``: a greedy step samples in one kernel
     (``greedy_sample``) instead of torch's seven; ``step_inputs``: a fused
@@ -426,9 +432,8 @@ class KernelConfig:
     sample_ahead: int = attrs.field(default=SAMPLE_AHEAD)
     norms_in: int = attrs.field(default=0)
     head_argmax: int = attrs.field(default=0)
-    draw_kernel: int = attrs.field(default=0)
+    draw_kernel: bool = True
 
-    @draw_kernel.validator
     @head_argmax.validator
     @norms_in.validator
     @last_combines.validator
@@ -502,8 +507,8 @@ class KernelConfig:
                       if self.sample_ahead else "; no tokens sampled ahead in the forward")
         if not self.greedy_kernel:
             where += "; greedy sampling in torch"
-        if self.draw_kernel:
-            where += f"; drawn steps' noise in one kernel up to {self.draw_kernel} rows"
+        if not self.draw_kernel:
+            where += "; drawn steps' noise in torch"
         if not self.step_inputs:
             where += "; step inputs in torch"
         return f"attention: {self.dispatch}{where}; GEMM: {self.tiles}"

@@ -2,7 +2,7 @@
 a step whose drawn rows have no cut samples in ``greedy_sample``'s one
 kernel, and one with a cut adds ``gumbel.noise`` to torch's sort.
 
-- Anywhere: the setting is a row count that says itself, off by default.
+- Anywhere: the setting is on by default and says when it is off.
 - On a GPU: ``gumbel.noise`` is torch's ``-log(-log(u))`` of the same
   hash (to the logarithms' last bits: a different hash would differ
   everywhere); the one kernel draws exactly the tokens torch's no-cut and
@@ -30,14 +30,14 @@ from bubblefree.cuda_backend.sampling import (PARTS, Draw, gumbel_noise, pack_sa
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a Triton kernel")
 
 
-def test_draw_kernel_is_a_row_count_off_by_default_that_says_itself():
-    assert KernelConfig().draw_kernel == 0
-    for bad in (-1, 2.0, False, "64"):
-        with pytest.raises(ValueError, match="draw_kernel"):
-            KernelConfig(draw_kernel=bad)
-    assert "drawn steps' noise in one kernel up to 64 rows" in str(KernelConfig(draw_kernel=64))
+def test_draw_kernel_is_on_by_default_and_says_when_it_is_off():
+    assert KernelConfig().draw_kernel is True
+    assert "drawn steps' noise in torch" in str(KernelConfig(draw_kernel=False))
     assert "drawn" not in str(KernelConfig())
-    assert variant(KernelConfig(), "draw_kernel=8").draw_kernel == 8
+    assert variant(KernelConfig(), "draw_kernel=0").draw_kernel is False
+    assert variant(KernelConfig(), "draw_kernel=1").draw_kernel is True
+    with pytest.raises(ValueError, match="draw_kernel is 0 or 1, not '64'"):
+        variant(KernelConfig(), "draw_kernel=64")
 
 
 def _step(v: int, n: int, b: int, seed: int, cut: bool = False):
@@ -103,10 +103,10 @@ def test_a_backend_with_it_draws_reproducibly_within_masks_and_without_a_cut_as_
     from bubblefree.cuda_backend.drive import generate
     from bubblefree.cuda_backend.tiny import tiny_model
     model = tiny_model("llama", device="cuda", seed=4)
-    for rows in (0, 8):
+    for on in (False, True):
         be = CudaBackend(model, page_size=4, num_pages=64, max_rows=4, max_seqs=8,
                          max_prefill_tokens=64, min_graph_context=8,
-                         kernels=attrs.evolve(KernelConfig.measured("cuda"), draw_kernel=rows))
+                         kernels=attrs.evolve(KernelConfig.measured("cuda"), draw_kernel=on))
         allowed = frozenset(range(40, 60))
         mask = be.register_mask(allowed)
         prompts = [[5, 6, 7], [8, 9], [10]]
