@@ -11,8 +11,7 @@ A variant is ``base`` (the defaults measured for the GPU and the shape:
 ``KernelConfig.measured``) or ``+``-joined items: row counts of the config
 (``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``, ``early_norms=8``,
 ``norms_in=1``;
-``sample_ahead=0``: the captured step without its tokens sampled ahead;
-``head_argmax=8``: the head GEMM sampling them itself), switches
+``sample_ahead=0``: the captured step without its tokens sampled ahead), switches
 (``draw_kernel=0``: drawn steps' noise in torch, which only requests
 draw, ``bench.speed --variant``), counts of
 the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``,
@@ -48,7 +47,7 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 
 # KernelConfig's row counts a variant may set (``o_combines=0``).
 ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms",
-              "early_attention", "norms_in", "head_argmax")
+              "early_attention", "norms_in")
 # KernelConfig's switches a variant may turn on or off (``draw_kernel=0``).
 SWITCHES = ("draw_kernel",)
 # The attention dispatch's counts a variant may set (``split_warps=1``).

@@ -291,21 +291,16 @@ class CudaBackend:
     def _decode_step(self, b: int, p: int) -> torch.Tensor:
         """What the decode graphs record for bucket (b, p): the forward, and
         at up to ``sample_ahead`` rows its greedy tokens into the slot the
-        metadata names, by the head GEMM itself where it can
-        (``KernelConfig.head_argmax``), else by a kernel after it. Returns
-        the logits ``[b, V]``."""
+        metadata names. Returns the logits ``[b, V]``."""
         r = self._runner
-        if b > self.kernels.sample_ahead:
-            return r.decode_forward(b, p)
-        targets = (r.meta_views(r.decode_meta, b, p)[0], r.meta_slot(r.decode_meta),
-                   self._sampled, self._undo, r.last_token, self._sample_clears())
-        if self._greedy is not None and r.head_samples(b):  # the head GEMM samples them itself
-            return r.decode_forward(b, p, argmax=self._greedy.in_head(*targets))
         logits = r.decode_forward(b, p)
-        if self._greedy is not None:
-            self._greedy.ahead(logits, *targets, pdl=r.decode_pdl(b))
-        else:
-            torch_ahead(logits, *targets)
+        if b <= self.kernels.sample_ahead:
+            args = (logits, r.meta_views(r.decode_meta, b, p)[0], r.meta_slot(r.decode_meta),
+                    self._sampled, self._undo, r.last_token, self._sample_clears())
+            if self._greedy is not None:
+                self._greedy.ahead(*args, pdl=r.decode_pdl(b))
+            else:
+                torch_ahead(*args)
         return logits
 
     def _defer(self, s: DecodeSlot, into: torch.Tensor, src: torch.Tensor) -> None:

@@ -30,7 +30,6 @@ from bubblefree.cuda_backend import normed_gemv, pdl_step, skinny_gemm
 from bubblefree.cuda_backend.attention import CONTEXT_KWARG, PagedContext
 from bubblefree.cuda_backend.fused_layers import (Dims, parallel_layer, parallel_weights,
                                                   sequential_layer, sequential_weights)
-from bubblefree.cuda_backend.greedy_sample import HeadArgmax
 from bubblefree.cuda_backend.kernel_config import KernelConfig
 from bubblefree.cuda_backend.pdl import supported as pdl_supported
 from bubblefree.cuda_backend.rope_attention import ACTIVATIONS
@@ -178,8 +177,6 @@ class FusedDecoder:
         # The final norm, as add_norm takes it: weight, bias, eps, RMS or not.
         self.final_norm = ((self.norm.weight, self.norm.bias, self.norm.eps, False) if parallel
                            else (self.norm.weight, None, self.norm.variance_epsilon, True))
-        # Buckets whose head GEMM may sample ahead itself (head_samples).
-        self.head_argmax = min(kernels.head_argmax, pdl_rows)
         if pdl_rows:
             self.path += f", dependent launches up to {pdl_rows} rows"
 
@@ -205,31 +202,17 @@ class FusedDecoder:
         return self.head(self.hidden(x, positions, ctx).index_select(0, last))
 
     def decode_step(self, x: torch.Tensor, positions: torch.Tensor, ctx: PagedContext,
-                    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    argmax: HeadArgmax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step over input embeddings ``[B, D]``: the last layer's
         output before the final norm ``[B, D]`` and the logits ``[B, V]``.
-        ``rope``: the rows' cos and sin ``[B, rot]`` where already gathered.
-        ``argmax``: the head also samples the rows' greedy tokens ahead
-        (only where ``head_samples(B)``)."""
-        if argmax is not None and not self.head_samples(x.shape[0]):
-            raise ValueError(f"the head of a {x.shape[0]}-row decode step does not sample "
-                             "ahead (head_samples)")
+        ``rope``: the rows' cos and sin ``[B, rot]`` where already gathered."""
         # The one op lets each row see the cache as it was before the
         # step, plus its own key. Right for a decode step (a row per
         # sequence); the token rows of a prefill must see each other's
         # keys, so they write first and attend after (three steps).
         h, normed = self.hidden_normed(x, positions, ctx, one_op=self.rope_in_kernel, rope=rope)
-        return h, self.logits(normed, pdl=self.uses_pdl(x.shape[0], self.rope_in_kernel),
-                              argmax=argmax)
-
-    def head_samples(self, rows: int) -> bool:
-        """Whether the decode step at ``rows`` rows can sample its greedy
-        tokens ahead in its head GEMM (``KernelConfig.head_argmax``): its
-        layers launched dependent, and a head tile whose programs hold
-        whole logits (``skinny_gemm.takes_argmax``)."""
-        return rows <= self.head_argmax and self.uses_pdl(rows, self.rope_in_kernel) \
-            and pdl_step.head_takes_argmax(rows, self.lm_head.weight, self.dims)
+        return h, self.logits(normed, pdl=self.uses_pdl(x.shape[0], self.rope_in_kernel))
 
     def uses_pdl(self, rows: int, one_op: bool) -> bool:
         """Whether a decode step over ``rows`` rows runs ``pdl_step``'s layers."""
@@ -284,13 +267,8 @@ class FusedDecoder:
         """Hidden states ``[R, hidden]`` before the final norm -> logits ``[R, V]``."""
         return self.logits(self.norm(x))
 
-    def logits(self, normed: torch.Tensor, pdl: bool = False,
-               argmax: HeadArgmax | None = None) -> torch.Tensor:
-        """Normed hidden states ``[R, hidden]`` -> logits ``[R, V]``
-        (``argmax``: ``pdl_step.gemm``'s, with ``pdl`` only)."""
+    def logits(self, normed: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """Normed hidden states ``[R, hidden]`` -> logits ``[R, V]``."""
         if pdl:
-            return pdl_step.gemm(normed, self.lm_head.weight, self.lm_head.bias, self.dims,
-                                 argmax=argmax)
-        if argmax is not None:
-            raise ValueError("only the dependent-launch head samples ahead")
+            return pdl_step.gemm(normed, self.lm_head.weight, self.lm_head.bias, self.dims)
         return skinny_gemm.linear(normed, self.lm_head.weight, self.lm_head.bias, self.dims.tiles)

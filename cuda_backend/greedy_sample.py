@@ -33,19 +33,10 @@ After a forward of dependent launches (``pdl``) it is launched dependent
 too: each program reads what no kernel of the step writes (the row's
 slot, the step's slot, what ``last_token`` and the flag hold there) while
 the head still runs, then waits for the logits (``pdl.enter``).
-
-Or the head samples ahead itself (``HeadArgmax``, ``KernelConfig.head_argmax``):
-the head GEMM's programs, each holding all rows' logits of its columns,
-take each row's best of them and fold it into one 64-bit word a row with
-an atomic max, the word ordering as the logit and then the lower id
-(``_row_best``); the GEMM's last program to finish writes the tokens
-where the kernel above writes them (``put_ahead``). One launch fewer, and
-no second read of the logits, at the end of every step it samples ahead.
 """
 
 from __future__ import annotations
 
-import attrs
 import torch
 
 from bubblefree.cuda_backend.gumbel import noise_at, row_key
@@ -53,16 +44,9 @@ from bubblefree.cuda_backend.pdl import enter, launch_options, tl, triton
 from bubblefree.cuda_backend.sampling import PARTS
 
 BLOCK = 4096  # logits a program reads: 16 KB of float32 and 4 KB of mask
-# A row's word before any program has folded its best in: below every word
-# ``_row_best`` makes (int64's least; -2**63 cannot be written as a literal).
-NO_BEST = -9223372036854775807 - 1
-LOW = 4294967295  # a word's lower 32 bits: the column's flipped, so the lower id is the greater
 
 
 if triton is not None:
-
-    _NO_BEST = tl.constexpr(NO_BEST)  # a kernel reads globals only as constexprs
-    _LOW = tl.constexpr(LOW)
 
     @triton.jit
     def _greedy_kernel(logits_ptr, table_ptr, slots_ptr, masks_ptr, out_ptr, at_slot_ptr, undo_ptr,
@@ -124,85 +108,6 @@ if triton is not None:
             if FLAG:
                 tl.store(flag_ptr + slot, 0)
 
-    @triton.jit
-    def _row_best(v, cols, ok):
-        """Each row's best of ``v`` ``[M, C]`` (float32 holding the logits'
-        values) at columns ``cols`` ``[C]`` where ``ok`` ``[M, C]``, as one
-        int64 a row whose order is the logit's, then the lower column's:
-        the greater of two words is the larger logit's, or on a tie the
-        lower id's, as ``torch.argmax`` takes them. A float's bits order as signed
-        integers once a negative's magnitude bits are flipped; -0.0 is made
-        +0.0 first, the two being equal logits."""
-        v = tl.where(v == 0.0, 0.0, v)
-        bits = v.to(tl.int32, bitcast=True)
-        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        word = (order.to(tl.int64) << 32) | (cols.to(tl.int64) ^ _LOW)[None, :]
-        return tl.max(tl.where(ok, word, _NO_BEST), 1)
-
-    @triton.jit
-    def ahead_reads(slots_ptr, at_slot_ptr, last_ptr, flag_ptr, rm, m_ok, FLAG: tl.constexpr):
-        """What ``put_ahead`` writes by and keeps, for the rows ``rm`` where
-        ``m_ok``: their row slots, the step's slot, and what ``last_token``
-        and the flags (as int64; ``held`` again without them) hold there.
-        No kernel of the step writes these: a kernel launched dependent
-        may read them before its wait."""
-        slot = tl.load(slots_ptr + rm, mask=m_ok, other=0)
-        k = tl.load(at_slot_ptr)
-        held = tl.load(last_ptr + slot, mask=m_ok, other=0)
-        held_flag = held
-        if FLAG:
-            held_flag = tl.load(flag_ptr + slot, mask=m_ok, other=0).to(tl.int64)
-        return slot, k, held, held_flag
-
-    @triton.jit
-    def put_ahead(v, cols, ok, rm, m_ok, n, keys_ptr, cnt_ptr, slot, k, held, held_flag,
-                  out_ptr, undo_ptr, last_ptr, flag_ptr, out_m, FLAG: tl.constexpr):
-        """A head GEMM program's part of sampling ahead, after its logits
-        ``v`` ``[M, C]`` (rounded to the logits' dtype, as float32) at
-        columns ``cols`` are stored: its rows' best folded into ``keys``,
-        and in the launch's last program to count itself in, each row's
-        token written as ``_greedy_kernel``'s AHEAD branch writes it, the
-        words and the count reset for the next launch. ``slot``, ``k``,
-        ``held`` and ``held_flag`` are what that branch loads before its
-        wait (for the rows ``rm`` where ``m_ok``)."""
-        # Acquire-release: an ``atom`` the thread waits for, whatever Triton
-        # makes of an unused result (a relaxed one became a ``red`` in 3.9).
-        tl.atomic_max(keys_ptr + rm, _row_best(v, cols, ok), mask=m_ok, sem="acq_rel",
-                      scope="gpu")
-        tl.debug_barrier()  # every row's max made before the program counts itself in
-        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
-            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-            word = tl.atomic_xchg(keys_ptr + rm, _NO_BEST, mask=m_ok, sem="relaxed", scope="gpu")
-            token = (word & _LOW) ^ _LOW
-            token = tl.where(token < n, token, 0)  # unreachable unless no column was read
-            tl.store(undo_ptr + k * 2 * out_m + rm, held, mask=m_ok)
-            if FLAG:
-                tl.store(undo_ptr + k * 2 * out_m + out_m + rm, held_flag, mask=m_ok)
-                tl.store(flag_ptr + slot, 0, mask=m_ok)
-            tl.store(out_ptr + k * out_m + rm, token, mask=m_ok)
-            tl.store(last_ptr + slot, token, mask=m_ok)
-else:  # pragma: no cover - exercised where Triton is absent
-    ahead_reads = put_ahead = None
-
-
-@attrs.frozen(eq=False)
-class HeadArgmax:
-    """What a head GEMM that samples ahead writes (``GreedySampler.ahead``'s
-    outputs: ``row_slots`` ``[b]``, ``at_slot`` ``[1]``, ``sampled``
-    ``[slots, R]``, ``undo`` ``[slots, 2R]``, ``last_token``, ``flags`` or
-    None) and its scratch: a word a row (``keys``, each ``NO_BEST``
-    between launches) and a count of the programs done (``arrived``)."""
-
-    row_slots: torch.Tensor
-    at_slot: torch.Tensor
-    sampled: torch.Tensor
-    undo: torch.Tensor
-    last_token: torch.Tensor
-    flags: torch.Tensor | None
-    keys: torch.Tensor
-    arrived: torch.Tensor
-
 
 def torch_greedy(logits: torch.Tensor, table: torch.Tensor, inputs: torch.Tensor, b: int,
                  sampled: torch.Tensor, last_token: torch.Tensor,
@@ -257,8 +162,6 @@ class GreedySampler:
         self.best = torch.empty(max_rows, self.width, dtype=torch.float32, device=device)
         self.at = torch.empty(max_rows, self.width, dtype=torch.int32, device=device)
         self.arrived = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        self.keys = torch.full((max_rows,), NO_BEST, dtype=torch.int64, device=device)
-        self.heads_done = torch.zeros(1, dtype=torch.int32, device=device)
 
     def __call__(self, logits: torch.Tensor, table: torch.Tensor, inputs: torch.Tensor, b: int,
                  sampled: torch.Tensor, last_token: torch.Tensor,
@@ -291,18 +194,6 @@ class GreedySampler:
         self._launch(row_slots.shape[0], logits, logits, row_slots, row_slots, sampled, at_slot,
                      undo, last_token, flags, 0, sampled.shape[1], masked=False, ahead=True,
                      pdl=pdl)
-
-    def in_head(self, row_slots: torch.Tensor, at_slot: torch.Tensor, sampled: torch.Tensor,
-                undo: torch.Tensor, last_token: torch.Tensor,
-                flags: torch.Tensor | None = None) -> HeadArgmax:
-        """``ahead``'s arguments for a head GEMM to sample ahead itself
-        (``skinny_gemm.run``'s ``argmax``), with this sampler's scratch."""
-        if not (sampled.is_contiguous() and undo.is_contiguous()) \
-                or undo.shape[1] != 2 * sampled.shape[1] or row_slots.shape[0] > len(self.keys):
-            raise ValueError("head argmax: contiguous sampled [slots, R] and undo [slots, 2R], "
-                             f"at most {len(self.keys)} rows")
-        return HeadArgmax(row_slots, at_slot, sampled, undo, last_token, flags, self.keys,
-                          self.heads_done)
 
     def _launch(self, b, logits, table8, slots, masks, out, at_slot, undo, last_token, flags,
                 st_m, out_m, *, masked, ahead, pdl=False, drawn=False):

@@ -390,13 +390,7 @@ class KernelConfig:
     greedily, unmasked, at the end of the forward's graph; a finalize whose
     rows are all greedy with no mask and no value keeps those tokens and
     launches no sampling, any other samples as before (``CudaBackend``).
-    0: none. ``head_argmax``: in the dependent-launch step's buckets of at
-    most this many rows that sample ahead, the head GEMM samples them
-    itself (``greedy_sample.HeadArgmax``) where its tile holds whole logits,
-    instead of a kernel after it reading the logits again: one launch
-    fewer at the end of the step. Bit for bit the kernel's tokens. 0: none,
-    the default: on the H200 it gained nothing (Qwen2's step at one row
-    0.431 -> 0.432 ms: docs/runs/head-argmax-2026-12-05.txt).
+    0: none.
 
     ``draw_kernel``: drawn steps draw their Gumbel noise in Triton
     (``gumbel``), in every bucket (a row's draw must not depend on the rows
@@ -431,10 +425,8 @@ class KernelConfig:
     early_attention: int = attrs.field(default=0)
     sample_ahead: int = attrs.field(default=SAMPLE_AHEAD)
     norms_in: int = attrs.field(default=0)
-    head_argmax: int = attrs.field(default=0)
     draw_kernel: bool = True
 
-    @head_argmax.validator
     @norms_in.validator
     @last_combines.validator
     @o_combines.validator
@@ -499,9 +491,6 @@ class KernelConfig:
             if chained:
                 where += (", Llama's and Qwen2's layers without norm kernels "
                           + ("at one row" if chained == 1 else f"up to {chained} rows"))
-            if rows := min(self.head_argmax, self.sample_ahead, self.pdl_rows):
-                where += (", the head sampling ahead itself "
-                          + ("at one row" if rows == 1 else f"up to {rows} rows"))
         if self.sample_ahead != SAMPLE_AHEAD:
             where += (f"; tokens sampled ahead in the forward up to {self.sample_ahead} rows"
                       if self.sample_ahead else "; no tokens sampled ahead in the forward")

@@ -37,14 +37,12 @@ import torch.nn.functional as F
 
 from bubblefree.cuda_backend import normed_gemv, paged_decode, skinny_gemm
 from bubblefree.cuda_backend.add_norm import add_norm, torch_add
-from bubblefree.cuda_backend.greedy_sample import HeadArgmax
 from bubblefree.cuda_backend.kernel_config import step_tile
 from bubblefree.cuda_backend.rope_attention import rope_attend
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
-         partial: bool = False, glu: bool = False,
-         argmax: HeadArgmax | None = None) -> torch.Tensor:
+         partial: bool = False, glu: bool = False) -> torch.Tensor:
     """``F.linear(x, w, bias)`` through our kernel, launched dependent:
     ``[M, N]`` in x's dtype, or with ``partial`` float32 partial sums ``[S,
     M, N]``, the bias in the first. ``glu``: w is ``[gate; up]`` and the
@@ -52,14 +50,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
     where it has one for this shape and row count, else ``step_tile``'s
     (K whole where the output is not partial sums). Without Triton on x's
     device (or whole steps of K): torch's, the same results, plainly
-    launched (still ordered). ``argmax``: the rows' greedy tokens also
-    sampled ahead from the output (``skinny_gemm.launch``'s; only where
-    ``head_takes_argmax``)."""
+    launched (still ordered)."""
     tile = _tile(x.shape[0], w, dims, partial, glu)
-    if argmax is not None and (partial or glu or tile is None or not skinny_gemm.available(x)
-                               or not skinny_gemm.takes_argmax(tile)):
-        raise ValueError(f"pdl_step.gemm: a {x.shape[0]}-row GEMM of {tuple(w.shape)} here "
-                         "does not sample ahead (head_takes_argmax)")
     if tile is None or not skinny_gemm.available(x):
         out = F.linear(x, w, bias)
         if glu:
@@ -70,15 +62,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dims, *,
         return skinny_gemm.launch(x, w, bias, tile, bias_in_parts=True, pdl=True, partial=True)
     if glu:
         return skinny_gemm.launch(x, w, bias, tile, glu=True, pdl=True)
-    return skinny_gemm.run(x, w, bias, tile, pdl=True, argmax=argmax)
-
-
-def head_takes_argmax(rows: int, w: torch.Tensor, dims) -> bool:
-    """Whether ``gemm`` over ``rows`` rows of ``w`` (a head: no partial
-    sums, no GLU) can take ``argmax``: our kernel on this device, in a tile
-    whose programs hold whole logits."""
-    tile = _tile(rows, w, dims, False, False)
-    return tile is not None and skinny_gemm.available(w) and skinny_gemm.takes_argmax(tile)
+    return skinny_gemm.run(x, w, bias, tile, pdl=True)
 
 
 def _tile(rows: int, w: torch.Tensor, dims, partial: bool, glu: bool):

@@ -27,7 +27,6 @@ from bubblefree.core.protocol import Capacity
 from bubblefree.core.values import StepPlan
 from bubblefree.cuda_backend.attention import CONTEXT_KWARG, PagedContext, decode_context, prefill_context
 from bubblefree.cuda_backend.fused_decode import make_decoder
-from bubblefree.cuda_backend.greedy_sample import HeadArgmax
 from bubblefree.cuda_backend.kernel_config import KernelConfig
 from bubblefree.cuda_backend.kv_cache import PagedKVCache
 from bubblefree.cuda_backend.sizing import prefill_key_budget
@@ -178,25 +177,11 @@ class ModelRunner:
         it launch early, and one after its head may be launched dependent."""
         return self.rope is not None and self.decoder.uses_pdl(b, self.decoder.rope_in_kernel)
 
-    def head_samples(self, b: int) -> bool:
-        """Whether the decode step at ``b`` rows can sample its greedy tokens
-        ahead in its head GEMM (``decode_forward``'s ``argmax``)."""
-        return self.rope is not None and self.decoder.head_samples(b)
-
-    def check_argmax(self, b: int, argmax: HeadArgmax | None) -> None:
-        """Refuse, before anything is enqueued, an ``argmax`` for a decode
-        step whose head cannot take it (its tokens would never be written)."""
-        if argmax is not None and not self.head_samples(b):
-            raise ValueError(f"the head of a {b}-row decode step does not sample ahead "
-                             "(head_samples)")
-
-    def decode_forward(self, b: int, p: int, argmax: HeadArgmax | None = None) -> torch.Tensor:
+    def decode_forward(self, b: int, p: int) -> torch.Tensor:
         """The decode step; returns logits ``[b, V]``. Allocation-free to
-        enqueue once captured as a graph. ``argmax``: its head GEMM also
-        samples the rows' greedy tokens ahead (where ``head_samples``)."""
-        self.check_argmax(b, argmax)
+        enqueue once captured as a graph."""
         if self.rope is not None:
-            return self.decoder.decode_step(*self.gathered_inputs(b, p), argmax=argmax)[1]
+            return self.decoder.decode_step(*self.gathered_inputs(b, p))[1]
         return self.decode_step(*self.decode_inputs(b, p))
 
     # -- prefill --------------------------------------------------------------
@@ -257,4 +242,3 @@ class ModelRunner:
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                          logits_to_keep=last, **{CONTEXT_KWARG: ctx})
         return out.logits[0]  # [R, V]
-

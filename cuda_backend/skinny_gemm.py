@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bubblefree.cuda_backend.greedy_sample import HeadArgmax, ahead_reads, put_ahead
 from bubblefree.cuda_backend.kernel_config import Tile, TileTable, tile_for
 from bubblefree.cuda_backend.paged_decode import States, tl_dtype
 from bubblefree.cuda_backend.pdl import enter, launch_options, release, tl, triton, wait
@@ -85,15 +84,12 @@ if triton is not None:
     @triton.jit
     def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, steps, sx_m, sw_n, so_s, so_m, up_off,
                 m_ptr, l_ptr, heads,
-                keys_ptr, cnt_ptr, slots_ptr, at_slot_ptr, sampled_ptr, undo_ptr, last_ptr,
-                flag_ptr, sampled_m,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
                 GLU: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                 AHEAD: tl.constexpr, STATES: tl.constexpr, BLOCK_S: tl.constexpr,
                 HD: tl.constexpr, DT: tl.constexpr, ROWS: tl.constexpr,
-                EARLY: tl.constexpr = False, ARGMAX: tl.constexpr = False,
-                FLAG: tl.constexpr = False):
+                EARLY: tl.constexpr = False):
         """K is ``steps`` steps of BLOCK_K; slice s of the grid's takes steps
         ``s * steps // slices`` up to the next slice's first. GLU: w is
         ``[gate; up]`` (up from row ``up_off``) and the output column j is
@@ -104,11 +100,7 @@ if triton is not None:
         is then AHEAD steps, read whole before the wait, and no loop runs
         (a pipelined loop over states would stage them all in shared
         memory). EARLY (with PDL): the next kernel may launch before this
-        one reads and waits (``pdl.release``). ARGMAX (K whole, no GLU):
-        the rows' greedy tokens sampled ahead from the output
-        (``greedy_sample.put_ahead``: ``keys_ptr`` to ``sampled_m``), what
-        it keeps to undo read before the wait (after the first weights are
-        asked for), as the greedy kernel reads it."""
+        one reads and waits (``pdl.release``)."""
         if EARLY:
             release(PDL)
         n0 = tl.program_id(0) * BLOCK_N
@@ -133,9 +125,6 @@ if triton is not None:
             w0 = tl.load(w_rows + (k0 + ra)[None, :], mask=n_ok[:, None], other=0.0)
             if GLU:
                 wu0 = tl.load(u_rows + (k0 + ra)[None, :], mask=n_ok[:, None], other=0.0)
-            if ARGMAX:  # after the weights are asked for: these loads chain
-                a_slot, a_k, a_held, a_flag = ahead_reads(slots_ptr, at_slot_ptr, last_ptr,
-                                                          flag_ptr, rm, m_ok, FLAG)
             if EARLY:
                 wait(PDL)
             else:
@@ -176,13 +165,6 @@ if triton is not None:
                 a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
                 acc = a * acc_up.to(dtype).to(tl.float32)
             tl.store(out_ptr + rm[:, None] * so_m + rn[None, :], acc.to(dtype), mask=mask)
-            if ARGMAX:
-                if not (PDL or STATES > 0):
-                    a_slot, a_k, a_held, a_flag = ahead_reads(slots_ptr, at_slot_ptr, last_ptr,
-                                                              flag_ptr, rm, m_ok, FLAG)
-                put_ahead(acc.to(dtype).to(tl.float32), rn, mask, rm, m_ok, N, keys_ptr, cnt_ptr,
-                          a_slot, a_k, a_held, a_flag, sampled_ptr, undo_ptr, last_ptr, flag_ptr,
-                          sampled_m, FLAG)
 
     @triton.jit
     def _reduce_kernel(p_ptr, b_ptr, out_ptr, total, N, splits,
@@ -202,15 +184,9 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def takes_argmax(tile: Tile) -> bool:
-    """Whether ``tile``'s GEMM can sample ahead (``launch``'s ``argmax``):
-    the MMA form with K whole, so that a program holds whole logits."""
-    return tile.split == 1 and not tile.vector
-
-
 def launch(x: "torch.Tensor | States", w: torch.Tensor, bias: torch.Tensor | None, tile: Tile,
            *, bias_in_parts: bool = False, glu: bool = False, pdl: bool = False,
-           partial: bool | None = None, argmax: HeadArgmax | None = None) -> torch.Tensor:
+           partial: bool | None = None) -> torch.Tensor:
     """``[split, M, N]`` float32 partial sums when ``tile.split`` > 1 (or
     ``partial``), else ``[M, N]`` in x's dtype with the bias. Partial sums
     leave the bias out unless ``bias_in_parts`` (the first slice's sums then
@@ -220,10 +196,7 @@ def launch(x: "torch.Tensor | States", w: torch.Tensor, bias: torch.Tensor | Non
     kernel (``cuda_backend.pdl``). x may be attention's partial states
     (``paged_decode.States``), x being their combination ``[M, H * D]``:
     the kernel combines them as it reads them; each step of K is then whole
-    heads and each slice ``tile.ahead`` steps (``pdl_step.states_tile``).
-    ``argmax``: the rows' greedy tokens also sampled ahead from the output
-    (``greedy_sample.HeadArgmax``; a tile that ``takes_argmax``, x a
-    tensor, no GLU)."""
+    heads and each slice ``tile.ahead`` steps (``pdl_step.states_tile``)."""
     states = x if isinstance(x, States) else None
     if states is not None:
         rows, heads, splits, hd = states.acc.shape
@@ -251,10 +224,6 @@ def launch(x: "torch.Tensor | States", w: torch.Tensor, bias: torch.Tensor | Non
     if glu and (partial or w.shape[0] % 2):
         raise ValueError("skinny_gemm: a GLU output needs K whole and [gate; up] of equal rows")
     vector = tile.vector and states is None
-    if argmax is not None and (partial or glu or states is not None or not takes_argmax(tile)
-                               or argmax.row_slots.shape[0] != m):
-        raise ValueError(f"skinny_gemm: sampling ahead needs the MMA form with K whole ({tile} "
-                         f"is not), a tensor x, no GLU and a row slot for each of its {m} rows")
     if vector:
         width = skinny_gemv.slice_width(k // tile.block_k, tile.split, tile.block_k)
         skinny_gemv.check(tile, m, w.dtype, width, glu)  # the weights held in registers
@@ -274,7 +243,6 @@ def launch(x: "torch.Tensor | States", w: torch.Tensor, bias: torch.Tensor | Non
         x, w, bias if bias is not None else w, out, m, n, k // tile.block_k,
         x.stride(0), w.stride(0), out.stride(0) if partial else 0, out.stride(-2), n,
         states.m if states else w, states.l if states else w, states.acc.shape[1] if states else 0,
-        *_argmax_args(argmax, w),
         HAS_BIAS=bias is not None and (not partial or bias_in_parts), PARTIAL=partial,
         IEEE=x_dtype == torch.float32, GLU=glu, PDL=pdl,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tile.block_n,
@@ -282,27 +250,14 @@ def launch(x: "torch.Tensor | States", w: torch.Tensor, bias: torch.Tensor | Non
         STATES=states.acc.shape[2] if states else 0,
         BLOCK_S=triton.next_power_of_2(states.acc.shape[2]) if states else 1,
         HD=states.acc.shape[3] if states else 1, DT=tl_dtype(x_dtype), ROWS=m if states else 1,
-        EARLY=bool(tile.early) and pdl, ARGMAX=argmax is not None,
-        FLAG=argmax is not None and argmax.flags is not None, num_warps=tile.warps,
-        **launch_options(pdl))
+        EARLY=bool(tile.early) and pdl, num_warps=tile.warps, **launch_options(pdl))
     return out
 
 
-def _argmax_args(argmax: HeadArgmax | None, spare: torch.Tensor) -> tuple:
-    """The kernel's arguments ``keys_ptr`` to ``sampled_m`` (``spare`` for
-    each pointer it does not read)."""
-    if argmax is None:
-        return (spare,) * 8 + (0,)
-    flags = argmax.flags.view(torch.uint8) if argmax.flags is not None else spare
-    return (argmax.keys, argmax.arrived, argmax.row_slots, argmax.at_slot, argmax.sampled,
-            argmax.undo, argmax.last_token, flags, argmax.sampled.shape[1])
-
-
 def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tile: Tile, *,
-        pdl: bool = False, argmax: HeadArgmax | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` through the kernel, partial sums reduced;
-    ``argmax`` as ``launch`` takes it."""
-    parts = launch(x, w, bias, tile, pdl=pdl, argmax=argmax)
+        pdl: bool = False) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` through the kernel, partial sums reduced."""
+    parts = launch(x, w, bias, tile, pdl=pdl)
     if tile.split == 1:
         return parts
     _, m, n = parts.shape

@@ -47,10 +47,7 @@ pytestmark = pytest.mark.skipif(_ptxas() is None,
 
 ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32",
         "N": "i32", "steps": "i32", "sx_m": "i32", "sw_n": "i32", "so_s": "i32", "so_m": "i32",
-        "up_off": "i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "heads": "i32",
-        "keys_ptr": "*i64", "cnt_ptr": "*i32", "slots_ptr": "*i64", "at_slot_ptr": "*i64",
-        "sampled_ptr": "*i64", "undo_ptr": "*i64", "last_ptr": "*i64", "flag_ptr": "*u8",
-        "sampled_m": "i32"}
+        "up_off": "i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "heads": "i32"}
 
 
 @pytest.mark.parametrize("form", ["partial", "whole", "glu"])
@@ -72,32 +69,6 @@ def test_the_gemm_compiles_for_hopper(form, ahead, pdl, early):
         wait, release = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
         assert ptx.index("ld.global") < wait
         assert (release < ptx.index("ld.global")) == early and (release < wait) == early
-
-
-@pytest.mark.parametrize("flag", [False, True])
-@pytest.mark.parametrize("early", [False, True])
-def test_the_head_sampling_ahead_compiles_reading_what_it_keeps_before_the_wait(flag, early):
-    """ARGMAX (``KernelConfig.head_argmax``) in Qwen2's head tile: a 64-bit
-    atomic max a row, acquire-release, so an ``atom`` the thread waits for
-    before the program's barrier (relaxed, Triton 3.6 emitted an ``atom``
-    and 3.9 a ``red``, fire and forget, the result being unused), then the
-    count's acquire-release add; the row slots, the step's slot and what
-    ``last_token`` (and the flags) hold there loaded after the first
-    weights are asked for and before ``griddepcontrol.wait``."""
-    consts = dict(HAS_BIAS=False, PARTIAL=False, IEEE=False, GLU=False, PDL=True, BLOCK_M=16,
-                  BLOCK_N=64, BLOCK_K=128, STAGES=3, AHEAD=1, STATES=0, BLOCK_S=1, HD=1,
-                  DT=triton.language.bfloat16, ROWS=1, EARLY=early, ARGMAX=True, FLAG=flag)
-    signature = {**ARGS, "out_ptr": "*bf16", **dict.fromkeys(consts, "constexpr")}
-    source = _source(fn=skinny_gemm._gemm_kernel, signature=signature, constexprs=consts)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=4)).asm["ptx"]
-    assert ptx.count("atom.global.gpu.acq_rel.max.s64") == 1 and "red.global" not in ptx
-    assert ptx.count("atom.global.gpu.acq_rel.add.u32") == 1
-    wait = ptx.index("griddepcontrol.wait")
-    before = ptx[:wait]
-    assert before.count("ld.global.b64") == 3  # the row slot, the step's slot, last_token there
-    assert before.index("ld.global.b16") < before.index("ld.global.b64")  # weights first
-    assert ("ld.global.b8" in before) == flag
 
 
 def test_a_drawn_step_compiles_with_ieee_division_cudas_logf_and_an_unsigned_hash():

@@ -14,9 +14,7 @@ greedy, unmasked and ask no value keeps those tokens.
 On a GPU the backends run in CUDA graphs, where a forward's logits are a
 graph's output that the next launch overwrites: the copy launch defers
 must happen before that. There, too, the Llama-3.2-1B shape in the step
-the GPU runs it in gives the same tokens both ways, and with dependent
-launches the head GEMM sampling ahead itself (``KernelConfig.head_argmax``)
-gives what the kernel after it gives.
+the GPU runs it in gives the same tokens both ways.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bubblefree.core.values import SamplePlan, SamplingParams, StepKind, StepPlan, StepRow, ValueKind
-from bubblefree.cuda_backend import pdl
 from bubblefree.cuda_backend.backend import CudaBackend
 from bubblefree.cuda_backend.drive import generate
 from bubblefree.cuda_backend.kernel_config import SAMPLE_AHEAD, KernelConfig
@@ -43,8 +40,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CAP = dict(page_size=4, num_pages=64, max_rows=3, max_seqs=6, max_prefill_tokens=24,
            max_context=48, min_graph_context=8, compile_decode=False)
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a real shape's step")
-PDL = pytest.mark.skipif(not pdl.supported("cuda"),
-                         reason="needs a GPU with dependent launches (Hopper): the head's kernel")
 SEQS = 4
 PAGES = 12  # a sequence's own pages: the whole context
 PROMPTS = [(5, 9, 17), (7, 8, 3, 3), (100, 3), (11, 12, 13, 14, 15)]
@@ -57,10 +52,10 @@ def models():
             "moondream": random_model(tiny_config(), device=DEVICE)}
 
 
-def backend(model, kind: str, ahead: int, **fields):
+def backend(model, kind: str, ahead: int):
     cls = MoondreamBackend if kind == "moondream" else CudaBackend
     kernels = attrs.evolve(KernelConfig.measured(DEVICE, getattr(model, "config", None)),
-                           sample_ahead=ahead, **fields)
+                           sample_ahead=ahead)
     return cls(model, kernels=kernels, **CAP)
 
 
@@ -181,22 +176,6 @@ def test_outputs_are_those_of_a_backend_that_does_not_sample_ahead(models, kind,
     script = data.draw(script_strategy(kind))
     ahead, plain = both(models, kind)
     assert ahead.run(script) == plain.run(script)
-
-
-@PDL
-@pytest.mark.parametrize("kind", ["llama", "moondream"])
-@settings(max_examples=8, deadline=None)
-@given(data=st.data())
-def test_the_head_sampling_ahead_itself_gives_the_same_outputs(models, kind, data):
-    """KernelConfig.head_argmax, in the dependent-launch step: the head GEMM
-    samples ahead (and on moondream clears the value flags) as the kernel
-    after it does, whatever the calls."""
-    script = data.draw(script_strategy(kind))
-    rows = CAP["max_rows"]
-    head = Driver(backend(models[kind], kind, SAMPLE_AHEAD, pdl_rows=rows, head_argmax=rows))
-    after = Driver(backend(models[kind], kind, SAMPLE_AHEAD, pdl_rows=rows))
-    assert head.be._runner.head_samples(1) and not after.be._runner.head_samples(1)
-    assert head.run(script) == after.run(script)
 
 
 @pytest.mark.parametrize("kind", ["llama", "moondream"])

@@ -27,7 +27,6 @@ import torch
 
 from bubblefree.cuda_backend.attention import decode_context
 from bubblefree.cuda_backend.errors import UnsupportedModel
-from bubblefree.cuda_backend.greedy_sample import HeadArgmax
 from bubblefree.cuda_backend.runner import ModelRunner
 
 
@@ -44,11 +43,9 @@ class MoondreamRunner(ModelRunner):
         self.value_flag = torch.zeros(seqs + 1, dtype=torch.bool, device=self.device)  # [S+1]
         self.hidden = torch.zeros(rows, dim, dtype=dtype, device=self.device)  # [max_rows, D]
 
-    def decode_forward(self, b: int, p: int, argmax: HeadArgmax | None = None) -> torch.Tensor:
+    def decode_forward(self, b: int, p: int) -> torch.Tensor:
         """The decode step at bucket (b, p): logits ``[b, V]``; the rows'
-        hidden states land in ``hidden[:b]``. ``argmax`` as the base
-        class's."""
-        self.check_argmax(b, argmax)
+        hidden states land in ``hidden[:b]``."""
         if self.rope is not None:
             x, positions, ctx, rope = self.gathered_inputs(b, p, self.value_flag, self.value_emb)
         else:
@@ -59,7 +56,7 @@ class MoondreamRunner(ModelRunner):
                             self.decoder.embed(ids))  # [b, D]
             ctx = decode_context(self.cache, positions, page_table, self.kernels.dispatch)
             rope = None
-        h, logits = self.decoder.decode_step(x, positions, ctx, rope, argmax=argmax)
+        h, logits = self.decoder.decode_step(x, positions, ctx, rope)
         self.hidden[:b].copy_(h)
         return logits
 
