@@ -15,7 +15,7 @@ A variant is ``base`` (the defaults measured for the GPU and the shape:
 (``draw_kernel=0``: drawn steps' noise in torch, which only requests
 draw, ``bench.speed --variant``), counts of
 the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``,
-``whole_rows=1``, ``whole_keys=256``, ``whole_warps=4``) and ``K,N=TILE``
+``whole_rows=1``, ``whole_keys=256``) and ``K,N=TILE``
 entries that replace the dependent-launch step's tile for the GEMM of that
 weight shape (``KernelConfig.pdl_tiles``) in every bucket it runs; ``K,N:R=TILE``
 only in the buckets of more than R rows, the defaults' tiles kept up to R
@@ -51,8 +51,7 @@ ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_
 # KernelConfig's switches a variant may turn on or off (``draw_kernel=0``).
 SWITCHES = ("draw_kernel",)
 # The attention dispatch's counts a variant may set (``split_warps=1``).
-DISPATCH_FIELDS = ("max_splits", "split_block", "split_warps", "whole_rows", "whole_keys",
-                   "whole_warps")
+DISPATCH_FIELDS = ("max_splits", "split_block", "split_warps", "whole_rows", "whole_keys")
 
 
 def variant(default: KernelConfig, text: str) -> KernelConfig:

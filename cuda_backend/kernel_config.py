@@ -98,12 +98,7 @@ class Dispatch:
     every key read before the wait, and the program finishes its own
     attention, so no pass combines partial states and none goes through
     memory. 0: none. Where the output projection combines the states
-    (``KernelConfig.o_combines``) the split kernel runs as that asks.
-    ``whole_warps``: such a program's warps; 0 (the default): as many as
-    keep a thread's share of the keys to 64 values (as many of the
-    values), at least ``split_warps``, at most 8 (256 keys of 64 in 8).
-    Fewer warps pass fewer sums across warps after the wait, each thread
-    holding more of the keys."""
+    (``KernelConfig.o_combines``) the split kernel runs as that asks."""
     split_below: int = 512
     pipelined_below: int = 2048
     pipelined: Launch = Launch(stages=3)
@@ -114,19 +109,11 @@ class Dispatch:
     split_warps: int = attrs.field(default=2)
     whole_rows: int = attrs.field(default=0)
     whole_keys: int = attrs.field(default=256)
-    whole_warps: int = attrs.field(default=0)
 
     @whole_rows.validator
     def _rows(self, _, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"Dispatch.whole_rows is a row count (0: none), not {value!r}")
-
-    @whole_warps.validator
-    def _warps(self, _, value: int) -> None:
-        if (not isinstance(value, int) or isinstance(value, bool) or value < 0
-                or value & (value - 1) or value > 8):
-            raise ValueError("Dispatch.whole_warps is 0 (as the keys ask) or a power of two up "
-                             f"to 8, not {value!r}")
 
     @max_splits.validator
     def _positive(self, _, value: int) -> None:
@@ -164,13 +151,12 @@ class Dispatch:
         """The dispatch as the custom ops take it (``from_scalars``)."""
         return [self.split_below, self.pipelined_below, *attrs.astuple(self.pipelined),
                 *attrs.astuple(self.plain), int(self.prefetch), self.max_splits,
-                self.split_block, self.split_warps, self.whole_rows, self.whole_keys,
-                self.whole_warps]
+                self.split_block, self.split_warps, self.whole_rows, self.whole_keys]
 
     @classmethod
     def from_scalars(cls, values: list[int]) -> "Dispatch":
-        if len(values) != 17:
-            raise ValueError(f"a dispatch is 17 integers, not {len(values)}")
+        if len(values) != 16:
+            raise ValueError(f"a dispatch is 16 integers, not {len(values)}")
         return cls(values[0], values[1], Launch(*values[2:6]), Launch(*values[6:10]),
                    bool(values[10]), *values[11:])
 
@@ -193,8 +179,6 @@ class Dispatch:
         if self.whole_rows:
             rows = "one row" if self.whole_rows == 1 else f"{self.whole_rows} rows"
             early += f"; a (row, head) in one program up to {rows} and {self.whole_keys} keys"
-            if self.whole_warps:
-                early += f" in {self.whole_warps} warp{'s' if self.whole_warps > 1 else ''}"
         if self.pipelined == self.plain:
             return f"{split}one-pass {self.plain}{early}"
         return (f"{split}one-pass {self.pipelined} below {self.pipelined_below} "

@@ -215,18 +215,18 @@ def split_attention(q, keys, values, page_table, positions, page_size: int, scal
 def whole_attention(q, keys, values, page_table, positions, page_size: int, scale: float,
                     window: int, out: torch.Tensor, new: NewToken,
                     act: Activation | None = None, pdl: bool = False, prefetch: bool = False,
-                    warps: int = 2, whole_warps: int = 0) -> torch.Tensor:
+                    warps: int = 2) -> torch.Tensor:
     """The split kernel with one program per (row, head) over the whole
     bucket, in one block (``split_kernel``'s WHOLE;
     ``Dispatch.whole_rows``): with ``pdl`` and ``prefetch`` every key is
     read before the wait, and no pass combines. The block is held in
     registers: at least ``warps`` warps, and as many more as keep a
     thread's share of its keys to 64 values (as many of its values), at
-    most 8 (256 keys of 64 in 8); ``whole_warps`` warps where it is not 0.
-    ``new``, ``act`` as in ``split_attention``."""
+    most 8 (256 keys of 64 in 8). ``new``, ``act`` as in
+    ``split_attention``."""
     b, h, d = q.shape
     block = _next_power_of_2(page_table.shape[1] * page_size)
-    warps = whole_warps or min(8, max(warps, block * _next_power_of_2(d) // 2048))
+    warps = min(8, max(warps, block * _next_power_of_2(d) // 2048))
     kernels.split_kernel[(b, h, 1)](
         q, keys, values, page_table, positions, q, q, q,
         **_cache_args(q, keys, values), spt_b=page_table.stride(0), scale=scale, window=window,
@@ -305,8 +305,7 @@ def run(q, keys, values, page_table, positions, page_size: int, scale: float, wi
     launch = dispatch.choose(b, h, length)
     if launch is None and new is not None and dispatch.whole(b, length):
         whole_attention(q, keys, values, page_table, positions, page_size, scale, window, out,
-                        new, act, pdl, dispatch.prefetch, dispatch.split_warps,
-                        dispatch.whole_warps)
+                        new, act, pdl, dispatch.prefetch, dispatch.split_warps)
     elif launch is None:
         split_attention(q, keys, values, page_table, positions, page_size, scale, window, out,
                         new, act, pdl, dispatch.prefetch, counters, dispatch.max_splits,

@@ -91,9 +91,7 @@ def test_a_variant_sets_a_row_count_and_nothing_else():
 
 def test_a_variant_sets_the_split_kernels_launch_and_nothing_else():
     default = h200()
-    got = variant(default, "split_warps=1+split_block=64+max_splits=4+whole_rows=2+whole_keys=128"
-                           "+whole_warps=4")
-    assert got.dispatch.whole_warps == 4
+    got = variant(default, "split_warps=1+split_block=64+max_splits=4+whole_rows=2+whole_keys=128")
     assert (got.dispatch.split_warps, got.dispatch.split_block, got.dispatch.max_splits,
             got.dispatch.whole_rows, got.dispatch.whole_keys) == (1, 64, 4, 2, 128)
     assert attrs.evolve(got, dispatch=default.dispatch) == default

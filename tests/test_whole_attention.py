@@ -32,10 +32,6 @@ def test_the_setting_says_itself_only_where_it_is_on():
         "; a (row, head) in one program up to one row and 256 keys")
     assert str(Dispatch(whole_rows=4, whole_keys=128)).endswith(
         "; a (row, head) in one program up to 4 rows and 128 keys")
-    assert str(Dispatch(whole_rows=1, whole_warps=2)).endswith(
-        "; a (row, head) in one program up to one row and 256 keys in 2 warps")
-    assert str(Dispatch(whole_rows=1, whole_warps=1)).endswith("256 keys in 1 warp")
-    assert "warp" not in str(Dispatch(whole_warps=4))  # nothing runs whole
 
 
 @pytest.mark.parametrize("bad", [-1, 1.0, True, "1", None])
@@ -49,13 +45,6 @@ def test_whole_keys_is_a_power_of_two_in_its_range(bad):
     with pytest.raises(ValueError, match="Dispatch.whole_keys must be a power of two from 16 "
                                          "to 512"):
         Dispatch(whole_keys=bad)
-
-
-@pytest.mark.parametrize("bad", [-1, 3, 16, 2.0, True, "4", None])
-def test_whole_warps_is_zero_or_a_power_of_two_up_to_8(bad):
-    with pytest.raises(ValueError, match="Dispatch.whole_warps is 0 .as the keys ask. or a "
-                                         "power of two up to 8, not"):
-        Dispatch(whole_warps=bad)
 
 
 @CUDA
@@ -83,28 +72,6 @@ def test_one_program_a_head_matches_the_portable_op(kv_heads, window, dtype, pag
                        pd.NewToken(k, v, cos, sin, slot), pdl=launch, prefetch=launch)
     err = ((out.float() - want).norm() / want.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
-    torch.testing.assert_close(caches[0].data, caches[1].data)
-
-
-@CUDA
-@pytest.mark.parametrize("launch", [False, pytest.param(True, marks=PDL)])
-@pytest.mark.parametrize("warps", [1, 2, 4, 8])
-@pytest.mark.parametrize("pages", [2, 8, 16])
-def test_one_program_a_head_in_any_count_of_warps_gives_the_same_output(warps, pages, launch):
-    """``Dispatch.whole_warps``: the program in 1 to 8 warps, whatever the
-    keys (32 to 256), gives the output, and writes the cache, as the
-    warps the keys ask for do (sums in another order: float32's rounding)."""
-    from bubblefree.cuda_backend import paged_decode as pd
-    torch.manual_seed(warps * 31 + pages)
-    caches, table, positions, slot, q, k, v, cos, sin, win = rope_case(2, None, torch.float32,
-                                                                       pages, 64)
-    outs = []
-    for chosen in (0, warps):
-        kv = caches[len(outs)].layer_kv(0)
-        outs.append(pd.whole_attention(q, kv[0], kv[1], table, positions, 16, 0.125, win,
-                                       torch.empty_like(q), pd.NewToken(k, v, cos, sin, slot),
-                                       pdl=launch, prefetch=launch, whole_warps=chosen))
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[0].data, caches[1].data)
 
 
