@@ -29,13 +29,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import attrs
+import numpy as np
 import torch
 
 from bubblefree.bench.doc_block import write_block
 from bubblefree.cuda_backend import gumbel
 from bubblefree.cuda_backend.greedy_sample import make_sampler, torch_greedy
-from bubblefree.cuda_backend.sampling import (PARTS, Draw, Draws, gumbel_noise, sample_tokens,
-                                              vocab_hash)
+from bubblefree.core.values import SamplingParams, StepRow
+from bubblefree.cuda_backend.sampling import (PARTS, Draw, gumbel_noise, pack_sampling,
+                                              sample_tokens, unpack_sampling, vocab_hash)
 
 # (label, Draw, top_p, top_k, noise in Triton): the engine's cases;
 # temperature 0.7 in each drawn one.
@@ -62,18 +65,21 @@ def parse(argv=None):
 
 
 def engine_step(case: tuple, logits: torch.Tensor, device: torch.device) -> Callable[[], object]:
-    """One step's sampling as the backend's graph for ``case`` records it."""
+    """One step's sampling as the backend's graph for ``case`` records it,
+    from inputs ``pack_sampling`` lays out (row slots 0..b-1, no mask, seeds
+    0..b-1, position 40)."""
     _, draw, top_p, top_k, kernel = case
     b, v = logits.shape
+    sampling = SamplingParams(temperature=0.0 if draw is Draw.GREEDY else 0.7, top_p=top_p,
+                              top_k=top_k)
+    rows = tuple(StepRow(seq_id=i, row_slot=i, tokens=(), position=39, pages=(),
+                         sampling=attrs.evolve(sampling, seed=i)) for i in range(b))
+    packed = np.zeros(PARTS * b, dtype=np.int64)
+    if pack_sampling(packed, rows, (None,) * b, b, scratch_row=b) is not draw:
+        raise AssertionError(f"{case[0]}: the rows do not make a {draw} step")
+    inputs = torch.from_numpy(packed).to(device)
     table = torch.ones(1, v, dtype=torch.bool, device=device)
-    zeros = torch.zeros(b, dtype=torch.long, device=device)
     if draw is Draw.GREEDY or (draw is Draw.PLAIN and kernel):
-        # pack_sampling's layout: row slots 0..b-1, mask 0, seeds 0..b-1, position 40, 0.7
-        inputs = torch.zeros(PARTS * b, dtype=torch.long, device=device)
-        inputs[:b] = inputs[2 * b:3 * b] = torch.arange(b, device=device)
-        inputs[4 * b:5 * b] = 40
-        inputs[6 * b:7 * b] = torch.tensor(0.7, dtype=torch.float64).view(torch.long)
-        inputs[7 * b:8 * b] = torch.tensor(1.0, dtype=torch.float64).view(torch.long)
         sampled = torch.zeros(b, dtype=torch.long, device=device)
         last = torch.zeros(b, dtype=torch.long, device=device)
         if draw is Draw.PLAIN:
@@ -81,14 +87,10 @@ def engine_step(case: tuple, logits: torch.Tensor, device: torch.device) -> Call
             return lambda: drawn(logits, table, inputs, b, sampled, last, drawn=True)
         greedy = make_sampler(b, v, device) or torch_greedy
         return lambda: greedy(logits, table, inputs, b, sampled, last)
-
-    def full(x: float, dtype=torch.float32) -> torch.Tensor:
-        return torch.full((b,), x, dtype=dtype, device=device)
-    draws = Draws(full(0.7), full(top_p), full(top_k, torch.long), full(0.0), torch.arange(b, device=device),
-                  zeros, full(40, torch.long))
+    _, mask_ids, draws = unpack_sampling(inputs, b)
     salt = vocab_hash(v, device)
     noise = gumbel.noise if kernel else gumbel_noise
-    return lambda: sample_tokens(logits, table, zeros, draws, salt, draw, noise)
+    return lambda: sample_tokens(logits, table, mask_ids, draws, salt, draw, noise)
 
 
 def peer_step(logits: torch.Tensor) -> Callable[[], object]:

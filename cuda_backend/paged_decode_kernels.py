@@ -306,8 +306,9 @@ if triton is not None:
                 acc = tl.sum(p[:, None] * v0.to(tl.float32), 0)
             first = lo + BLOCK_N
         # WHOLE with PREFETCH read its one block before the wait: the loop
-        # runs no iteration there, and is not compiled (its reductions held
-        # registers: 179 a thread against 164 at 128 keys in 8 warps).
+        # runs no iteration there, and is not compiled (compiled, its
+        # reductions took registers: 179 a thread where 164 are left now, at
+        # 128 keys in 8 warps).
         stop = hi
         if WHOLE and PREFETCH:
             stop = first
