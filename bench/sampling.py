@@ -6,7 +6,8 @@ cut (Gumbel-max over the scaled logits), drawn with a cut (a sort of
 each row's vocabulary for top-k, top-p and min-p); where Triton runs, the
 drawn ones also with their noise in Triton (``KernelConfig.draw_kernel``:
 no cut, the greedy kernel drawing; a cut, one kernel's noise added to the
-sort). Timed here on random
+sort), and a cut in two kernels around the sort (``KernelConfig.cut_kernel``,
+``cut_sample``). Timed here on random
 logits of a vocabulary's width, at several row counts, each replayed
 from a CUDA graph as the backend replays it (eager on a CPU), beside
 transformers' own sampling of the same rows in the same run: its
@@ -35,17 +36,22 @@ import torch
 
 from bubblefree.bench.doc_block import write_block
 from bubblefree.cuda_backend import gumbel
+from bubblefree.cuda_backend.cut_sample import make_cut_sampler
 from bubblefree.cuda_backend.greedy_sample import make_sampler, torch_greedy
 from bubblefree.core.values import SamplingParams, StepRow
 from bubblefree.cuda_backend.sampling import (PARTS, Draw, gumbel_noise, pack_sampling,
                                               sample_tokens, unpack_sampling, vocab_hash)
 
-# (label, Draw, top_p, top_k, noise in Triton): the engine's cases;
-# temperature 0.7 in each drawn one.
-CASES = (("greedy", Draw.GREEDY, 1.0, 0, False), ("drawn, no cut", Draw.PLAIN, 1.0, 0, False),
-         ("top_p 0.9", Draw.CUT, 0.9, 0, False), ("top_k 50", Draw.CUT, 1.0, 50, False),
-         ("drawn, no cut, one kernel", Draw.PLAIN, 1.0, 0, True),
-         ("top_p 0.9, noise kernel", Draw.CUT, 0.9, 0, True))
+# (label, Draw, top_p, top_k, kernels): the engine's cases, temperature
+# 0.7 in each drawn one; kernels "" (torch's), "noise" (``draw_kernel``'s:
+# the one-kernel draw without a cut, the noise kernel with one) or "cut"
+# (``cut_kernel``'s two kernels around the sort).
+CASES = (("greedy", Draw.GREEDY, 1.0, 0, ""), ("drawn, no cut", Draw.PLAIN, 1.0, 0, ""),
+         ("top_p 0.9", Draw.CUT, 0.9, 0, ""), ("top_k 50", Draw.CUT, 1.0, 50, ""),
+         ("drawn, no cut, one kernel", Draw.PLAIN, 1.0, 0, "noise"),
+         ("top_p 0.9, noise kernel", Draw.CUT, 0.9, 0, "noise"),
+         ("top_p 0.9, cut kernels", Draw.CUT, 0.9, 0, "cut"),
+         ("top_k 50, cut kernels", Draw.CUT, 1.0, 50, "cut"))
 PEER = "transformers: temperature + top_p 0.9 warpers, multinomial"
 BEGIN, END = "<!-- sampling:begin -->", "<!-- sampling:end -->"
 
@@ -79,9 +85,12 @@ def engine_step(case: tuple, logits: torch.Tensor, device: torch.device) -> Call
         raise AssertionError(f"{case[0]}: the rows do not make a {draw} step")
     inputs = torch.from_numpy(packed).to(device)
     table = torch.ones(1, v, dtype=torch.bool, device=device)
-    if draw is Draw.GREEDY or (draw is Draw.PLAIN and kernel):
+    if draw is Draw.GREEDY or kernel == "cut" or (draw is Draw.PLAIN and kernel):
         sampled = torch.zeros(b, dtype=torch.long, device=device)
         last = torch.zeros(b, dtype=torch.long, device=device)
+        if kernel == "cut":
+            cut = make_cut_sampler(v, device)
+            return lambda: cut(logits, table, inputs, b, sampled, last)
         if draw is Draw.PLAIN:
             drawn = make_sampler(b, v, device)
             return lambda: drawn(logits, table, inputs, b, sampled, last, drawn=True)

@@ -13,7 +13,10 @@
 # bench.speed's --variant takes them). A third call, TESTS=0 SAMPLING=0
 # WORKLOADS=sampled VARIANT=draw_kernel=0, times the requests with the
 # drawn steps' noise in torch, as before KernelConfig.draw_kernel
-# (bench.sampling times both paths already).
+# (bench.sampling times both paths already). KernelConfig.cut_kernel (off
+# until measured): bench.sampling times its two kernels beside the rest,
+# and a call with TESTS=0 SAMPLING=0 WORKLOADS=sampled VARIANT=cut_kernel=1
+# times the requests with it, the run without it in the call before.
 set -u
 out="${OUT:-/tmp/bubblefree-sampling}"
 mkdir -p "$out"

@@ -12,7 +12,8 @@ A variant is ``base`` (the defaults measured for the GPU and the shape:
 (``o_combines=0``, ``last_combines=2``, ``pdl_rows=0``, ``early_norms=8``,
 ``norms_in=1``;
 ``sample_ahead=0``: the captured step without its tokens sampled ahead), switches
-(``draw_kernel=0``: drawn steps' noise in torch, which only requests
+(``draw_kernel=0``: drawn steps' noise in torch; ``cut_kernel=1``: drawn
+steps with a cut sampled around the sort in two kernels; only requests
 draw, ``bench.speed --variant``), counts of
 the attention's dispatch (``split_warps=1``, ``split_block=64``, ``max_splits=4``,
 ``whole_rows=1``, ``whole_keys=256``) and ``K,N=TILE``
@@ -49,7 +50,7 @@ from bubblefree.cuda_backend.kernel_config import KernelConfig, Tile, TileTable
 ROW_FIELDS = ("o_combines", "last_combines", "pdl_rows", "sample_ahead", "early_norms",
               "early_attention", "norms_in")
 # KernelConfig's switches a variant may turn on or off (``draw_kernel=0``).
-SWITCHES = ("draw_kernel",)
+SWITCHES = ("draw_kernel", "cut_kernel")
 # The attention dispatch's counts a variant may set (``split_warps=1``).
 DISPATCH_FIELDS = ("max_splits", "split_block", "split_warps", "whole_rows", "whole_keys")
 

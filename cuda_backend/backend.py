@@ -45,6 +45,7 @@ from bubblefree.core.protocol import Capacity, check_plan, check_sample, slot_in
 from bubblefree.core.values import SamplePlan, StepFailed, StepKind, StepOutput, StepPlan
 from bubblefree.cuda_backend import gumbel
 from bubblefree.cuda_backend.errors import PlanRejected
+from bubblefree.cuda_backend.cut_sample import make_cut_sampler
 from bubblefree.cuda_backend.greedy_sample import make_sampler, torch_ahead, torch_greedy
 from bubblefree.cuda_backend.graphs import GraphSet, batch_buckets, bucket, page_buckets
 from bubblefree.cuda_backend.kernel_config import KernelConfig
@@ -120,6 +121,10 @@ class CudaBackend:
         self._salt = vocab_hash(self._vocab, self.device)  # [V]
         self._greedy = make_sampler(max_rows, self._vocab, self.device) \
             if self.kernels.greedy_kernel else None
+        # Only beside the draw kernel's noise: a row draws with one noise whether its step cuts or not.
+        self._cut = make_cut_sampler(self._vocab, self.device) \
+            if self._greedy is not None and self.kernels.draw_kernel and self.kernels.cut_kernel \
+            else None
         # Both slots' sampled tokens, and what sampling ahead overwrote
         # (tokens, then flags): a forward's graph finds its slot's row by index.
         self._sampled = torch.zeros(2, max_rows, dtype=torch.long, device=self.device)
@@ -403,6 +408,9 @@ class CudaBackend:
         kernel_draws = self._greedy is not None and self.kernels.draw_kernel
         if draw is Draw.PLAIN and kernel_draws:  # the greedy kernel, each drawn row's noise added
             self._greedy(*args, drawn=True)
+            return s.sampled
+        if draw is Draw.CUT and self._cut is not None:  # two kernels around the sort
+            self._cut(*args)
             return s.sampled
         row_slots, tokens = sample_inputs(s.sample_inputs, s.logits, self._masks.table, self._salt,
                                           b, draw, gumbel.noise if kernel_draws else gumbel_noise)

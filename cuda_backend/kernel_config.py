@@ -404,6 +404,15 @@ class KernelConfig:
     noise (the before of a before/after; where Triton is absent it runs
     anyway).
 
+    ``cut_kernel``: a drawn step with a cut (top_k, top_p or min_p)
+    samples in two kernels around torch's sort (``cut_sample``): one
+    writes the rows' masked, scaled logits, one walks each sorted row
+    from its most likely token to where the cuts end, where torch's path
+    runs some twenty kernels over the whole vocabulary besides the sort.
+    Its nucleus rounds as the kernel adds it (``cut_sample``'s doc), in
+    every bucket. Needs ``draw_kernel`` (a row's noise must be the one
+    its step without a cut would add). Off until measured on a GPU.
+
     ``greedy_kernel``: a greedy step samples in one kernel
     (``greedy_sample``) instead of torch's seven; ``step_inputs``: a fused
     decode step gathers its rows' inputs, KV slots and rotary values in one
@@ -426,6 +435,13 @@ class KernelConfig:
     sample_ahead: int = attrs.field(default=SAMPLE_AHEAD)
     norms_in: int = attrs.field(default=0)
     draw_kernel: bool = True
+    cut_kernel: bool = attrs.field(default=False)
+
+    @cut_kernel.validator
+    def _cut_needs_draw(self, field, value: bool) -> None:
+        if value and not self.draw_kernel:
+            raise ValueError("KernelConfig.cut_kernel needs draw_kernel: a drawn row's noise "
+                             "must be the kernel's whether its step cuts or not")
 
     @norms_in.validator
     @last_combines.validator
@@ -498,6 +514,8 @@ class KernelConfig:
             where += "; greedy sampling in torch"
         if not self.draw_kernel:
             where += "; drawn steps' noise in torch"
+        if self.cut_kernel:
+            where += "; drawn steps with a cut sampled around the sort in two kernels"
         if not self.step_inputs:
             where += "; step inputs in torch"
         return f"attention: {self.dispatch}{where}; GEMM: {self.tiles}"

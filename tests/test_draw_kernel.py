@@ -40,12 +40,12 @@ def test_draw_kernel_is_on_by_default_and_says_when_it_is_off():
         variant(KernelConfig(), "draw_kernel=64")
 
 
-def _step(v: int, n: int, b: int, seed: int, cut: bool = False):
+def _step(v: int, n: int, b: int, seed: int, cuts: tuple[dict, ...] = ({},)):
     """Logits ``[b + 1, V]`` on the GPU (a best tied between two ids in row
     0, greedy), a mask table, and ``pack_sampling``'s inputs for ``n``
     rows in bucket ``b``: greedy and drawn rows, at low and high
-    temperatures, masked and not, 64-bit seeds; ``cut``: every drawn row
-    with a top_k of the whole vocabulary (a cut that drops nothing)."""
+    temperatures, masked and not, 64-bit seeds, ``cuts``' sampling
+    fields in turn (``tests/test_cut_sample.py`` takes it too)."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(b + 1, v, generator=g) * 3
     logits[0, v // 2] = logits[0, v - 1] = 50.0
@@ -53,8 +53,9 @@ def _step(v: int, n: int, b: int, seed: int, cut: bool = False):
     table[0] = True
     temps = [0.0, 0.7, 1.3, 1e-5, 30.0]
     rows = tuple(StepRow(seq_id=i, row_slot=i, tokens=(), position=31 * i + seed, pages=(),
-                         sampling=SamplingParams(temperature=temps[i % 5], top_k=v if cut else 0,
-                                                 seed=(2**63 + 7919 * i + seed) % 2**64))
+                         sampling=SamplingParams(temperature=temps[i % 5],
+                                                 seed=(2**63 + 7919 * i + seed) % 2**64,
+                                                 **cuts[i % len(cuts)]))
                  for i in range(n))
     a = np.zeros(PARTS * b, dtype=np.int64)
     kind = pack_sampling(a, rows, tuple([None, 1, 2][i % 3] for i in range(n)), b, scratch_row=n)
@@ -85,7 +86,7 @@ def test_one_kernel_draws_what_torch_draws_with_the_same_noise(v, n, b):
         last = torch.zeros(n + 1, dtype=torch.long, device="cuda")
         sampler(logits, table, inputs, b, sampled, last, None, drawn=True)
         _, plain = sample_inputs(inputs, logits, table, salt, b, Draw.PLAIN, gumbel.noise)
-        _, _, wide, cut_kind = _step(v, n, b, seed, cut=True)
+        _, _, wide, cut_kind = _step(v, n, b, seed, cuts=(dict(top_k=v),))  # a cut that drops nothing
         _, cut = sample_inputs(wide, logits, table, salt, b, Draw.CUT, gumbel.noise)
         assert kind is (Draw.PLAIN if n > 1 else Draw.GREEDY) and cut_kind is (
             Draw.CUT if n > 1 else Draw.GREEDY)
@@ -98,25 +99,29 @@ def test_one_kernel_draws_what_torch_draws_with_the_same_noise(v, n, b):
 
 
 @CUDA
-def test_a_backend_with_it_draws_reproducibly_within_masks_and_without_a_cut_as_with_one():
+@pytest.mark.parametrize("kernels", [dict(draw_kernel=False), dict(draw_kernel=True),
+                                     dict(draw_kernel=True, cut_kernel=True)])
+def test_a_backend_with_it_draws_reproducibly_within_masks_and_without_a_cut_as_with_one(kernels):
+    """Also with ``cut_kernel`` (``tests/test_cut_sample.py``): its steps
+    with a cut, the nucleus's moved to other row slots and pages too."""
     from bubblefree.cuda_backend.backend import CudaBackend
     from bubblefree.cuda_backend.drive import generate
     from bubblefree.cuda_backend.tiny import tiny_model
     model = tiny_model("llama", device="cuda", seed=4)
-    for on in (False, True):
-        be = CudaBackend(model, page_size=4, num_pages=64, max_rows=4, max_seqs=8,
-                         max_prefill_tokens=64, min_graph_context=8,
-                         kernels=attrs.evolve(KernelConfig.measured("cuda"), draw_kernel=on))
-        allowed = frozenset(range(40, 60))
-        mask = be.register_mask(allowed)
-        prompts = [[5, 6, 7], [8, 9], [10]]
-        plain = [SamplingParams(temperature=1.3, seed=s) for s in (4, 5, 6)]
-        wide = [attrs.evolve(p, top_k=be.vocab_size) for p in plain]
-        nucleus = [attrs.evolve(p, top_p=0.8) for p in plain]
-        got = [generate(be, prompts, 8, sampling=s, mask_ids=[None, mask, None])
-               for s in (plain, wide, nucleus)]
-        assert got[0] == got[1]  # the kernel's draw without a cut, the sort's with one
-        assert got[0] == generate(be, prompts, 8, sampling=plain, mask_ids=[None, mask, None],
-                                  page_seed=9, row_slots=[7, 5, 0])
-        assert all(t in allowed for t in got[0][1]) and all(t in allowed for t in got[2][1])
-        assert got[2] != got[0]  # the nucleus cut changed draws
+    be = CudaBackend(model, page_size=4, num_pages=64, max_rows=4, max_seqs=8,
+                     max_prefill_tokens=64, min_graph_context=8,
+                     kernels=attrs.evolve(KernelConfig.measured("cuda"), **kernels))
+    allowed = frozenset(range(40, 60))
+    mask = be.register_mask(allowed)
+    prompts = [[5, 6, 7], [8, 9], [10]]
+    plain = [SamplingParams(temperature=1.3, seed=s) for s in (4, 5, 6)]
+    wide = [attrs.evolve(p, top_k=be.vocab_size) for p in plain]
+    nucleus = [attrs.evolve(p, top_p=0.8) for p in plain]
+    got = [generate(be, prompts, 8, sampling=s, mask_ids=[None, mask, None])
+           for s in (plain, wide, nucleus)]
+    assert got[0] == got[1]  # the kernel's draw without a cut, the sort's with one
+    for i in (0, 2):
+        assert got[i] == generate(be, prompts, 8, sampling=(plain, wide, nucleus)[i],
+                                  mask_ids=[None, mask, None], page_seed=9, row_slots=[7, 5, 0])
+    assert all(t in allowed for t in got[0][1]) and all(t in allowed for t in got[2][1])
+    assert got[2] != got[0]  # the nucleus cut changed draws
