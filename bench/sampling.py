@@ -7,7 +7,7 @@ each row's vocabulary for top-k, top-p and min-p); where Triton runs, the
 drawn ones also with their noise in Triton (``KernelConfig.draw_kernel``:
 no cut, the greedy kernel drawing; a cut, one kernel's noise added to the
 sort), and a cut in two kernels around the sort (``KernelConfig.cut_kernel``,
-``cut_sample``). Timed here on random
+``cut_sample``); and the sort alone, and a top-k, to weigh the rest. Timed here on random
 logits of a vocabulary's width, at several row counts, each replayed
 from a CUDA graph as the backend replays it (eager on a CPU), beside
 transformers' own sampling of the same rows in the same run: its
@@ -53,6 +53,18 @@ CASES = (("greedy", Draw.GREEDY, 1.0, 0, ""), ("drawn, no cut", Draw.PLAIN, 1.0,
          ("top_p 0.9, cut kernels", Draw.CUT, 0.9, 0, "cut"),
          ("top_k 50, cut kernels", Draw.CUT, 1.0, 50, "cut"))
 PEER = "transformers: temperature + top_p 0.9 warpers, multinomial"
+TOPK = 1024  # ``pieces``' top-k: a candidate set a sort-free cut could start from
+
+
+def pieces(v: int) -> tuple[tuple[str, Callable[[torch.Tensor], object]], ...]:
+    """Parts of a cut step timed alone, to weigh what is left around them:
+    torch's stable sort of each row (every sorted path's), and a top-k of
+    at most ``TOPK`` (what a path that sorts only its candidates would run
+    instead)."""
+    k = min(TOPK, v)
+    return (("the sort alone (stable, descending)",
+             lambda x: torch.sort(x, dim=-1, descending=True, stable=True)),
+            (f"torch.topk {k:,} alone (sorted)", lambda x: torch.topk(x, k, dim=-1)))
 BEGIN, END = "<!-- sampling:begin -->", "<!-- sampling:end -->"
 
 
@@ -161,6 +173,10 @@ def measure(args) -> list[dict]:
             us, how = timed(engine_step(case, logits, device), device, args.repeats)
             rows.append(dict(rows=b, case=case[0], us=us, how=how))
             print(f"{b} rows, {case[0]}: {us:,.1f} µs ({how})", flush=True)
+        for label, piece in pieces(args.vocab):
+            us, how = timed(lambda piece=piece: piece(logits), device, args.repeats)
+            rows.append(dict(rows=b, case=label, us=us, how=how))
+            print(f"{b} rows, {label}: {us:,.1f} µs ({how})", flush=True)
         try:
             us, how = timed(peer_step(logits), device, args.repeats)
             rows.append(dict(rows=b, case=PEER, us=us, how=how))

@@ -138,7 +138,8 @@ def test_the_sampling_bench_times_each_kind_of_draw_beside_transformers_and_writ
     text = sampling.main(["--vocab", "256", "--rows", "1,3", "--repeats", "2", "--device", "cpu",
                           "--out", str(out)])
     for rows in (1, 3):
-        for label in [c[0] for c in sampling.CASES if not c[4]] + [sampling.PEER]:
+        for label in ([c[0] for c in sampling.CASES if not c[4]] + [sampling.PEER]
+                      + [label for label, _ in sampling.pieces(256)]):
             line = next(x for x in text.splitlines() if x.startswith(f"| {rows} | {label} |"))
             us = float(line.split("|")[3].replace(",", ""))
             assert us > 0 and line.endswith("| eager |"), line
