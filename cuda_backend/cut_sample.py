@@ -26,7 +26,7 @@ Here:
 
 The kept set is a prefix of the sorted row, as torch's is, with the same
 cuts; what differs is rounding. The softmax's denominator is the chunks'
-sums, each scaled to the row's best, added in chunk order (with a
+sums, each scaled to the row's best, added in one fixed reduction (with a
 ``top_k``: the kept ranks' exponentials, a block of ``BLOCK`` at a time);
 the mass before a rank is the walk's running sum; and the nucleus ends at
 the *first* rank whose mass before it reaches ``top_p`` (torch's path
