@@ -173,12 +173,6 @@ if triton is not None:
             tl.store(flag_ptr + slot, 0)
 
 
-def torch_order(scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sort between the two kernels: each row's scaled logits, most
-    likely first, ties in id order (stable), and their ids."""
-    return torch.sort(scaled, dim=-1, descending=True, stable=True)
-
-
 class CutSampler:
     """Sampling of a step with a cut (``sampling.Draw.CUT``) in two kernels
     around torch's sort, for rows of ``vocab_size`` logits: the greedy
@@ -209,7 +203,8 @@ class CutSampler:
         _scale_kernel[(b, self.chunks)](
             logits, table8, inputs, scaled, maxes, sums, v, logits.stride(0), table8.stride(0), b,
             BLOCK=SCALE_BLOCK, CHUNKS=self.width, num_warps=4)
-        ordered, order = torch_order(scaled)
+        # Most likely first, ties in id order: a greedy row's first is torch.argmax's.
+        ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
         _cut_kernel[(b,)](
             ordered, order, maxes, sums, inputs, sampled, last_token,
             flags.view(torch.uint8) if flags is not None else sampled, v, self.chunks, b,

@@ -9,6 +9,10 @@ bundled ptxas is absent (CPU-only builds of torch lack Triton)."""
 from __future__ import annotations
 
 import inspect
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +101,47 @@ def test_a_drawn_step_compiles_with_ieee_division_cudas_logf_and_an_unsigned_has
     assert "div.rn.f32" in drawn and "div.full" not in drawn and "div.approx" not in drawn
     for ptx in (drawn, noise):
         assert "lg2.approx" not in ptx and "shr.s32" not in ptx and "shr.u32" in ptx
+
+
+def _ptxas_says(ptx: str) -> str:
+    """What ptxas ``-v`` says of ``ptx`` built for sm_90a: its registers and spills."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        said = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", str(path), "-o",
+                               str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True)
+    assert said.returncode == 0, said.stderr
+    return said.stdout + said.stderr
+
+
+def test_the_cut_kernels_build_for_hopper_with_ieee_division_cudas_logf_and_no_spills():
+    """``cut_sample`` (``KernelConfig.cut_kernel``), for sm_90: the scaled
+    logit and each probability an IEEE division (``div.rn``, as torch's),
+    the noise's logarithms libdevice's (no ``lg2.approx``), the hash's
+    shifts logical, and nothing spilled (a walk's block in registers)."""
+    from bubblefree.cuda_backend import cut_sample as c
+    built = []
+    for fn, args, consts, warps in (
+            (c._scale_kernel, {"logits_ptr": "*fp32", "table_ptr": "*u8", "inputs_ptr": "*i64",
+                               "out_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+                               "V": "i32", "sl_m": "i32", "st_m": "i32", "bw": "i32"},
+             dict(BLOCK=c.SCALE_BLOCK, CHUNKS=64), 4),
+            (c._cut_kernel, {"ordered_ptr": "*fp32", "order_ptr": "*i64", "max_ptr": "*fp32",
+                             "sum_ptr": "*fp32", "inputs_ptr": "*i64", "out_ptr": "*i64",
+                             "last_ptr": "*i64", "flag_ptr": "*u8", "V": "i32", "chunks": "i32",
+                             "bw": "i32"},
+             dict(BLOCK=c.BLOCK, CHUNKS=64, NEGLIGIBLE=c.NEGLIGIBLE, NOISE_MAX=c.NOISE_MAX,
+                  NO_RANK=c.NO_RANK, FLAG=True), c.WARPS)):
+        source = _source(fn=fn, signature={**args, **dict.fromkeys(consts, "constexpr")},
+                         constexprs=consts)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=warps)).asm["ptx"]
+        built.append(ptx)
+        assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+        assert "lg2.approx" not in ptx and "shr.s32" not in ptx
+        said = _ptxas_says(ptx)
+        assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", said), said
+    assert "shr.u32" in built[1]
 
 
 @pytest.mark.parametrize("monotonic", [False, True])
